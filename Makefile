@@ -1,0 +1,47 @@
+# Each target sets itself up: a fresh clone needs only python3 (>= 3.11) and make.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-fast test-real test-deploy bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+## make demo: the simulator behind the sidecar, a scripted benchmark-like session, a report
+demo: $(STAMP)
+	$(PY) -m proxy demo
+
+## make test: everything CI runs — unit/integration suite, deployment checks, real engines
+test: $(STAMP)
+	bash scripts/install-deploy-tools.sh
+	bash scripts/setup-real-engines.sh
+	$(PY) -m pytest -q
+
+## make test-fast: the suite without the real engines and deployment checks
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not real" --ignore=tests/test_helm.py
+
+## make test-real: only the real llama-server / vLLM tests
+test-real: $(STAMP)
+	bash scripts/setup-real-engines.sh
+	$(PY) -m pytest -q tests/real
+
+test-deploy: $(STAMP)
+	bash scripts/install-deploy-tools.sh
+	bash scripts/check-deploy.sh
+	$(PY) -m pytest -q tests/test_helm.py
+
+## make bench: the side-by-side overhead table (direct, cachewitness, nginx)
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,185 @@
+{{/* Chart name, truncated to the 63 characters a DNS label allows. */}}
+{{- define "cachewitness.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name: release-chart unless the release name already has it. */}}
+{{- define "cachewitness.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "cachewitness.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Standard labels (helm.sh / app.kubernetes.io). */}}
+{{- define "cachewitness.labels" -}}
+helm.sh/chart: {{ include "cachewitness.chart" . }}
+{{ include "cachewitness.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: inference
+cachewitness.io/engine: {{ .Values.engine.preset }}
+{{- end }}
+
+{{- define "cachewitness.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cachewitness.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "cachewitness.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "cachewitness.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret that holds the admin token, and its key. */}}
+{{- define "cachewitness.adminSecretName" -}}
+{{- default (printf "%s-admin" (include "cachewitness.fullname" .)) .Values.adminToken.existingSecret }}
+{{- end }}
+
+{{- define "cachewitness.evidenceClaimName" -}}
+{{- default (printf "%s-evidence" (include "cachewitness.fullname" .)) .Values.evidence.persistence.existingClaim }}
+{{- end }}
+
+{{/* The preset's settings, merged over by engine.image when that is set. */}}
+{{- define "cachewitness.enginePreset" -}}
+{{- $preset := get .Values.engine.presets .Values.engine.preset }}
+{{- if not $preset }}
+{{- fail (printf "engine.preset %q has no entry under engine.presets (use vllm, sglang or llamacpp)" .Values.engine.preset) }}
+{{- end }}
+{{- toYaml $preset }}
+{{- end }}
+
+{{- define "cachewitness.engineImage" -}}
+{{- $preset := include "cachewitness.enginePreset" . | fromYaml }}
+{{- $repo := default $preset.image.repository .Values.engine.image.repository }}
+{{- $tag := default $preset.image.tag .Values.engine.image.tag }}
+{{- printf "%s:%s" $repo $tag }}
+{{- end }}
+
+{{- define "cachewitness.sidecarImage" -}}
+{{- printf "%s:%s" .Values.sidecar.image.repository (default .Chart.AppVersion .Values.sidecar.image.tag) }}
+{{- end }}
+
+{{/*
+The engine's command, as a YAML list. Each preset binds the engine to 127.0.0.1 on the
+pod-local port and turns on what the sidecar needs:
+- vllm: --enable-prefix-caching, and --enable-prompt-tokens-details so that
+  usage.prompt_tokens_details.cached_tokens is reported (plus VLLM_SERVER_DEV_MODE=1 in
+  the env, without which POST /reset_prefix_cache is 404).
+- sglang: --enable-cache-report (cached_tokens in usage) and --enable-metrics.
+- llamacpp: --slot-save-path (without it the slot erase answers 501), --cache-ram 0
+  (else the host-RAM prompt cache survives an erase and the next request still hits),
+  --metrics and --slots.
+*/}}
+{{- define "cachewitness.engineCommand" -}}
+{{- $port := toString .Values.engine.port }}
+{{- $model := .Values.engine.model }}
+{{- if eq .Values.engine.preset "vllm" }}
+- vllm
+- serve
+- {{ $model | quote }}
+- --host
+- 127.0.0.1
+- --port
+- {{ $port | quote }}
+- --enable-prefix-caching
+- --enable-prompt-tokens-details
+{{- else if eq .Values.engine.preset "sglang" }}
+- python3
+- -m
+- sglang.launch_server
+- --model-path
+- {{ $model | quote }}
+- --host
+- 127.0.0.1
+- --port
+- {{ $port | quote }}
+- --enable-cache-report
+- --enable-metrics
+{{- else if eq .Values.engine.preset "llamacpp" }}
+{{- $ll := .Values.engine.presets.llamacpp }}
+- /app/llama-server
+{{- if hasPrefix "/" $model }}
+- --model
+{{- else }}
+- --hf-repo
+{{- end }}
+- {{ $model | quote }}
+- --host
+- 127.0.0.1
+- --port
+- {{ $port | quote }}
+- --parallel
+- {{ $ll.slots | toString | quote }}
+- --ctx-size
+- {{ $ll.contextSize | toString | quote }}
+- --slot-save-path
+- /var/lib/llama/slots
+- --cache-ram
+- "0"
+- --metrics
+- --slots
+- --no-webui
+{{- else }}
+{{- fail (printf "engine.preset must be vllm, sglang or llamacpp, not %q" .Values.engine.preset) }}
+{{- end }}
+{{- range .Values.engine.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Probe command run inside the engine container: its /health on the pod-local port.
+vLLM's and SGLang's images have python3; llama.cpp's server images have curl.
+*/}}
+{{- define "cachewitness.engineProbeCommand" -}}
+{{- $url := printf "http://127.0.0.1:%v/health" .Values.engine.port }}
+{{- if eq .Values.engine.preset "llamacpp" }}
+- curl
+- --fail
+- --silent
+- --max-time
+- "2"
+- {{ $url | quote }}
+{{- else }}
+- python3
+- -c
+- {{ printf "import urllib.request; urllib.request.urlopen(%q, timeout=2)" $url | quote }}
+{{- end }}
+{{- end }}
+
+{{/*
+Worst case from SIGTERM to exit, in seconds (see termination.gracePeriodSeconds):
+the engine's preStop sleep, then a /cache/reset that has just started may hold requests
+for drain + retries + the last attempt, and the released requests then get the sidecar's
+grace period; plus slack for process exit and evidence flush.
+*/}}
+{{- define "cachewitness.requiredGraceSeconds" -}}
+{{- $s := .Values.sidecar }}
+{{- add .Values.engine.preStopSleepSeconds $s.drainTimeoutSeconds $s.retrySeconds $s.resetAttemptTimeoutSeconds $s.gracePeriodSeconds .Values.termination.slackSeconds }}
+{{- end }}
+
+{{- define "cachewitness.terminationGracePeriodSeconds" -}}
+{{- $need := include "cachewitness.requiredGraceSeconds" . | int }}
+{{- $set := .Values.termination.gracePeriodSeconds }}
+{{- if kindIs "invalid" $set }}
+{{- $need }}
+{{- else if lt (int $set) $need }}
+{{- fail (printf "termination.gracePeriodSeconds=%v is below the worst-case shutdown of %d s (engine.preStopSleepSeconds + sidecar drain + retry + attempt timeout + grace + slack): raise it or leave it null" $set $need) }}
+{{- else }}
+{{- int $set }}
+{{- end }}
+{{- end }}

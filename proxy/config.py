@@ -1,0 +1,284 @@
+"""Settings: loaded from flag > env `CACHEWITNESS_*` > TOML file > default, and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "ENGINE_KINDS", "Settings", "load_settings", "parse_listen", "OPTIONS"]
+
+ENGINE_KINDS = ("auto", "vllm", "sglang", "llamacpp", "mindnano", "generic", "none")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(Exception):
+    """A bad setting: the message names the key and says how to fix it."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything `cachewitness serve` is configured with."""
+
+    upstream: str = "http://127.0.0.1:8000"
+    listen: str = "0.0.0.0:9000"
+    engine: str = "auto"
+    evidence: str = "./evidence/cachewitness.jsonl"
+    evidence_stdout: bool = False
+    evidence_max_bytes: int = 64 * 1024 * 1024
+    evidence_keep: int = 5
+    admin_token: str | None = field(default=None, repr=False)
+    admin_token_file: str | None = None
+    admin_open: bool = False
+    max_body_bytes: int = 64 * 1024 * 1024
+    connect_timeout: float = 10.0
+    read_timeout: float = 600.0
+    upstream_connection_limit: int = 0
+    health_interval: float = 1.0
+    health_path: str | None = None
+    shutdown_delay: float = 0.0
+    grace_period: float = 30.0
+    drain: bool = True
+    drain_timeout: float = 30.0
+    retry_seconds: float = 10.0
+    reset_attempt_timeout: float = 30.0
+    inject_usage: bool = True
+    observe: bool = True
+    engine_api_key: str | None = field(default=None, repr=False)
+    reset_method: str = "POST"
+    reset_path: str | None = None
+    busy_statuses: tuple[int, ...] = (409, 429, 503)
+    success_field: str | None = None
+    metrics_models: tuple[str, ...] = ()
+    metrics_max_models: int = 20
+    upstream_metrics_timeout: float = 2.0
+    log_level: str = "info"
+
+    @property
+    def listen_host(self) -> str:
+        """Host part of `listen`."""
+        return parse_listen(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        """Port part of `listen`."""
+        return parse_listen(self.listen)[1]
+
+    @property
+    def upstream_base(self) -> str:
+        """The upstream URL without a trailing slash."""
+        return self.upstream.rstrip("/")
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one setting is parsed from text and checked."""
+
+    name: str
+    parse: Callable[[str], Any]
+    help: str
+    fix: str
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value != value or value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part.strip())
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _url(text: str) -> str:
+    from yarl import URL
+
+    url = URL(text)
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(text)
+    return text
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise ValueError(text)
+        return text
+
+    return parse
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """Split HOST:PORT (IPv6 as [::1]:PORT)."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ValueError(text)
+    port = int(port_text)
+    if not 0 <= port <= 65535:
+        raise ValueError(text)
+    return host.strip("[]"), port
+
+
+def _listen(text: str) -> str:
+    parse_listen(text)
+    return text
+
+
+def _path(text: str) -> str:
+    if not text:
+        raise ValueError(text)
+    return text
+
+
+def _method(text: str) -> str:
+    if text.upper() not in ("GET", "POST", "PUT", "DELETE"):
+        raise ValueError(text)
+    return text.upper()
+
+
+def _http_path(text: str) -> str:
+    if not text.startswith("/"):
+        raise ValueError(text)
+    return text
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("upstream", _url, "engine base URL", "an http(s) URL such as http://127.0.0.1:8000"),
+    Option("listen", _listen, "address to serve on", "HOST:PORT such as 0.0.0.0:9000"),
+    Option("engine", _choice(ENGINE_KINDS), "engine dialect", "one of " + "|".join(ENGINE_KINDS)),
+    Option("evidence", _path, "evidence JSONL path", "a file path such as ./evidence/cachewitness.jsonl"),
+    Option("evidence_stdout", _bool, "also copy evidence lines to stdout", "true or false"),
+    Option("evidence_max_bytes", _positive_int, "rotate the evidence file at this size", "a byte count"),
+    Option("evidence_keep", _positive_int, "rotated evidence files kept", "a whole number ≥ 0"),
+    Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
+    Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
+    Option("admin_open", _bool, "let any client call /cache/* without a token", "true or false"),
+    Option("max_body_bytes", _positive_int, "largest request body accepted", "a byte count"),
+    Option("connect_timeout", _positive_float, "seconds to connect to the upstream", "seconds ≥ 0"),
+    Option("read_timeout", _positive_float, "seconds of upstream silence before 504", "seconds ≥ 0"),
+    Option("upstream_connection_limit", _positive_int, "upstream connections (0 = no limit)", "a whole number ≥ 0"),
+    Option("health_interval", _positive_float, "seconds between upstream health probes", "seconds > 0"),
+    Option("health_path", _http_path, "upstream health path (default: the dialect's)", "a path such as /health"),
+    Option("shutdown_delay", _positive_float, "seconds to stay up not-ready after SIGTERM", "seconds ≥ 0"),
+    Option("grace_period", _positive_float, "seconds in-flight requests get at shutdown", "seconds ≥ 0"),
+    Option("drain", _bool, "drain in-flight requests before a reset by default", "true or false"),
+    Option("drain_timeout", _positive_float, "longest drain before a reset", "seconds ≥ 0"),
+    Option("retry_seconds", _positive_float, "default retry window for refused resets", "seconds 0..120"),
+    Option("reset_attempt_timeout", _positive_float, "timeout of one engine reset call", "seconds > 0"),
+    Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
+    Option("observe", _bool, "observe inference requests and write evidence", "true or false"),
+    Option("engine_api_key", str, "key sent to the engine's reset route", "a non-empty string"),
+    Option("reset_method", _method, "generic engine: reset HTTP method", "GET, POST, PUT or DELETE"),
+    Option("reset_path", _http_path, "generic engine: reset path", "a path such as /reset"),
+    Option("busy_statuses", _ints, "generic engine: statuses meaning refused", "comma-separated ints"),
+    Option("success_field", str, "generic engine: JSON field that must be true", "a field name"),
+    Option("metrics_models", _names, "model names allowed as metric labels", "comma-separated names"),
+    Option("metrics_max_models", _positive_int, "most model label values", "a whole number ≥ 0"),
+    Option("upstream_metrics_timeout", _positive_float, "seconds to fetch the engine's /metrics", "seconds > 0"),
+    Option("log_level", _choice(LOG_LEVELS), "log level", "one of " + "|".join(LOG_LEVELS)),
+)
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def _coerce(option: Option, raw: Any, origin: str) -> Any:
+    """Parse one raw value (text from flags/env, or a TOML value) or raise ConfigError."""
+    text = ",".join(str(item) for item in raw) if isinstance(raw, list) else raw
+    if isinstance(text, bool):
+        text = "true" if text else "false"
+    try:
+        return option.parse(str(text))
+    except ValueError:
+        raise ConfigError(
+            f"config: {option.name} = {raw!r} (from {origin}) is not valid: expected {option.fix}"
+        ) from None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: config file {path} is not valid TOML: {exc}") from None
+    table = data.get("cachewitness", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"config: [cachewitness] in {path} must be a table")
+    return {key.replace("-", "_"): value for key, value in table.items()}
+
+
+def load_settings(
+    flags: Mapping[str, Any], env: Mapping[str, str] | None = None, config_file: str | None = None
+) -> Settings:
+    """Merge flags (None = not given) over env over the TOML file over defaults."""
+    env = os.environ if env is None else env
+    config_file = config_file or env.get("CACHEWITNESS_CONFIG")
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if config_file:
+        file_values = _read_toml(config_file)
+        unknown = sorted(set(file_values) - set(_BY_NAME))
+        if unknown:
+            raise ConfigError(
+                f"config: unknown key {unknown[0]!r} in {config_file}; known keys: {', '.join(_BY_NAME)}"
+            )
+        layers.append((f"file {config_file}", file_values))
+    env_values = {
+        name: env[f"CACHEWITNESS_{name.upper()}"]
+        for name in _BY_NAME
+        if f"CACHEWITNESS_{name.upper()}" in env
+    }
+    layers.append(("environment CACHEWITNESS_*", env_values))
+    layers.append(("command line", {k: v for k, v in flags.items() if v is not None and k in _BY_NAME}))
+    values: dict[str, Any] = {}
+    for origin, layer in layers:
+        for name, raw in layer.items():
+            values[name] = _coerce(_BY_NAME[name], raw, origin)
+    settings = Settings(**values)
+    return _finish(settings)
+
+
+def _finish(settings: Settings) -> Settings:
+    """Cross-field checks, and the admin token read from its file."""
+    if settings.retry_seconds > 120:
+        raise ConfigError("config: retry_seconds must be between 0 and 120")
+    if settings.health_interval <= 0:
+        raise ConfigError("config: health_interval must be > 0 seconds")
+    if settings.reset_attempt_timeout <= 0:
+        raise ConfigError("config: reset_attempt_timeout must be > 0 seconds")
+    token = settings.admin_token
+    if settings.admin_token_file:
+        try:
+            token = Path(settings.admin_token_file).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"config: admin_token_file {settings.admin_token_file} cannot be read ({exc.strerror}); "
+                "point it at a file holding the token"
+            ) from None
+    if token is not None and not token:
+        raise ConfigError("config: the admin token is empty; put a non-empty token in admin_token_file")
+    return dataclasses.replace(settings, admin_token=token)

@@ -1,0 +1,27 @@
+"""OpenAI-style JSON errors produced by the sidecar itself."""
+
+from __future__ import annotations
+
+from aiohttp import web
+import orjson
+
+__all__ = ["error_response"]
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type_: str,
+    code: str | int | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> web.Response:
+    """`{"error": {"message", "type", "code", "param"}}` with the given status."""
+    body = {"error": {"message": message, "type": type_, "code": code, "param": param}}
+    return web.Response(
+        status=status,
+        body=orjson.dumps(body),
+        content_type="application/json",
+        headers=headers,
+    )

@@ -1,0 +1,98 @@
+"""Liveness, readiness, and the background watcher of the upstream's health."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from proxy.keys import HEALTH
+from proxy.logs import log_event
+
+__all__ = ["UpstreamHealth", "healthy", "ready"]
+
+log = logging.getLogger("cachewitness.health")
+
+# Ready means the upstream answered (< 500) within this many probe intervals.
+READY_INTERVALS = 3
+
+
+class UpstreamHealth:
+    """Probes the upstream's health path every interval and remembers the last good answer."""
+
+    def __init__(
+        self,
+        base_url: str,
+        interval_s: float,
+        path: Callable[[], str],
+        on_recovered: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._base = base_url
+        self._interval = interval_s
+        self._path = path
+        self._on_recovered = on_recovered
+        self._last_ok: float | None = None
+        self._was_up: bool | None = None
+        self.shutting_down = False
+
+    @property
+    def upstream_up(self) -> bool:
+        """The upstream answered its health probe within the last few intervals."""
+        return self._last_ok is not None and time.monotonic() - self._last_ok <= READY_INTERVALS * self._interval
+
+    @property
+    def ready(self) -> bool:
+        """Ready to take traffic: upstream up and not shutting down."""
+        return self.upstream_up and not self.shutting_down
+
+    async def probe(self, session: aiohttp.ClientSession) -> bool:
+        """One probe; True when the upstream answered below 500."""
+        timeout = aiohttp.ClientTimeout(total=max(self._interval, 0.5))
+        try:
+            async with session.get(self._base + self._path(), timeout=timeout,
+                                   allow_redirects=False) as response:
+                await response.read()
+                ok = response.status < 500
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            ok = False
+        if ok:
+            self._last_ok = time.monotonic()
+        await self._note_transition(ok)
+        return ok
+
+    async def _note_transition(self, ok: bool) -> None:
+        """Log up/down changes; on recovery let the engine be detected again."""
+        if ok == self._was_up:
+            return
+        recovered = ok and self._was_up is False
+        self._was_up = ok
+        log_event(log, logging.INFO if ok else logging.WARNING,
+                  "upstream up" if ok else "upstream down", upstream=self._path())
+        if recovered and self._on_recovered is not None:
+            await self._on_recovered()
+
+    async def watch(self, session: aiohttp.ClientSession) -> None:
+        """Probe forever (cancelled at shutdown)."""
+        while True:
+            started = time.monotonic()
+            await self.probe(session)
+            await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
+
+
+async def healthy(request: web.Request) -> web.Response:
+    """Liveness: the process serves."""
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 when the upstream answered recently and we are not shutting down."""
+    health = request.app[HEALTH]
+    if health.shutting_down:
+        return web.json_response({"status": "shutting_down"}, status=503)
+    if not health.upstream_up:
+        return web.json_response({"status": "upstream_down"}, status=503)
+    return web.json_response({"status": "ready"})

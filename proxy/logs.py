@@ -1,0 +1,54 @@
+"""Structured JSON log lines on stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Any
+
+import orjson
+
+__all__ = ["setup_logging", "log_event"]
+
+_RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and any `extra` fields."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """Render the record as a single JSON line."""
+        payload: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in record.__dict__.items():
+            if key not in _RESERVED and not key.startswith("_"):
+                payload[key] = value
+        if record.exc_info and record.levelno >= logging.ERROR:
+            payload["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(payload, default=str).decode()
+
+
+def setup_logging(level: str = "info") -> None:
+    """Send every `cachewitness.*` logger to stderr as JSON lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger("cachewitness")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+    # aiohttp's own error logs (e.g. a handler that raised) in the same format.
+    aio = logging.getLogger("aiohttp")
+    aio.handlers[:] = [handler]
+    aio.setLevel(logging.WARNING)
+    aio.propagate = False
+
+
+def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
+    """Log `msg` with structured fields (never pass prompts, keys or user values)."""
+    logger.log(level, msg, extra=fields)

@@ -1,0 +1,80 @@
+"""Runs the sidecar: event loop, signals, and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.config import Settings
+from proxy.keys import HEALTH
+from proxy.logs import log_event
+
+__all__ = ["run", "serve"]
+
+log = logging.getLogger("cachewitness.serve")
+
+
+def _install_uvloop() -> str:
+    """Use uvloop when it is installed; say which loop runs."""
+    try:
+        import uvloop
+    except ImportError:
+        return "asyncio"
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return "uvloop"
+
+
+async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
+
+    We own the signals rather than use `web.run_app`: it exits 1 on a second SIGTERM
+    and runs on_shutdown before in-flight handlers finish (SPEC §11).
+    """
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    app = build_app(settings)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client that leaves cancels its handler → upstream closed
+        access_log=None,
+        shutdown_timeout=settings.grace_period,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+    await site.start()
+    log_event(log, logging.INFO, "serving", listen=settings.listen, upstream=_safe(settings.upstream))
+    await stop.wait()
+    app[HEALTH].shutting_down = True
+    log_event(log, logging.INFO, "shutting down", shutdown_delay=settings.shutdown_delay,
+              grace_period=settings.grace_period)
+    if settings.shutdown_delay:
+        await asyncio.sleep(settings.shutdown_delay)
+    # Stops accepting, lets in-flight requests and streams finish up to grace_period, then
+    # runs cleanup_ctx (evidence flushed, client session closed).
+    await runner.cleanup()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.remove_signal_handler(signum)
+    log_event(log, logging.INFO, "stopped")
+
+
+def _safe(url: str) -> str:
+    from proxy.redact import redact_url
+
+    return redact_url(url)
+
+
+def run(settings: Settings) -> int:
+    """Blocking entry point of `cachewitness serve`; exit code 0 after a clean shutdown."""
+    loop_kind = _install_uvloop()
+    log_event(log, logging.INFO, "starting", event_loop=loop_kind)
+    asyncio.run(serve(settings))
+    return 0

@@ -1,0 +1,136 @@
+"""Block-hash prefix cache of the simulator, shaped like vLLM's and SGLang's."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["PrefixCache", "NamespacedPrefixCache", "cacheable_prefix_len"]
+
+
+def cacheable_prefix_len(n_tokens: int, block_size: int) -> int:
+    """The longest block-aligned prefix a lookup may hit for a prompt of n tokens.
+
+    Like vLLM (`KVCacheManager.get_computed_blocks`: `max_cache_hit_length =
+    request.num_tokens - 1`), the last prompt token is always recomputed so that the
+    engine has logits to sample from: a fully cached 32-token prompt with block 16
+    reports 16 cached tokens, a 33-token one reports 32.
+    """
+    if n_tokens <= 0:
+        return 0
+    return ((n_tokens - 1) // block_size) * block_size
+
+
+class PrefixCache:
+    """Full blocks of tokens keyed by chained hashes, evicted least-recently-used.
+
+    A block's hash covers its own tokens and its parent's hash, so equal hashes mean
+    equal whole prefixes (as vLLM's `hash_block_tokens`). Only full blocks are cached.
+    """
+
+    __slots__ = ("block_size", "capacity", "_blocks")
+
+    def __init__(self, block_size: int = 16, capacity_blocks: int = 4096) -> None:
+        """Make an empty cache of `capacity_blocks` blocks of `block_size` tokens."""
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if capacity_blocks < 0:
+            raise ValueError("capacity_blocks must be >= 0")
+        self.block_size = block_size
+        self.capacity = capacity_blocks
+        # hash -> None; the OrderedDict's order is the LRU order (oldest first).
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Number of cached blocks."""
+        return len(self._blocks)
+
+    def _block_hashes(self, tokens: Sequence[str], n_blocks: int) -> list[int]:
+        """Chained hashes of the first `n_blocks` full blocks of `tokens`."""
+        size = self.block_size
+        hashes: list[int] = []
+        parent = 0
+        for i in range(n_blocks):
+            parent = hash((parent, tuple(tokens[i * size : (i + 1) * size])))
+            hashes.append(parent)
+        return hashes
+
+    def lookup(self, tokens: Sequence[str]) -> int:
+        """Cached token count for a prompt: block-aligned, never the last token.
+
+        Refreshes the LRU position of the blocks that hit.
+        """
+        limit = cacheable_prefix_len(len(tokens), self.block_size) // self.block_size
+        size = self.block_size
+        blocks = self._blocks
+        parent = 0
+        hit = 0
+        # Hash lazily: a long prompt that misses early costs one block's hash.
+        while hit < limit:
+            parent = hash((parent, tuple(tokens[hit * size : (hit + 1) * size])))
+            if parent not in blocks:
+                break
+            blocks.move_to_end(parent)
+            hit += 1
+        return hit * size
+
+    def insert(self, tokens: Sequence[str]) -> int:
+        """Cache every full block of `tokens`; return how many blocks were new."""
+        if self.capacity == 0:
+            return 0
+        added = 0
+        for block_hash in self._block_hashes(tokens, len(tokens) // self.block_size):
+            if block_hash in self._blocks:
+                self._blocks.move_to_end(block_hash)
+                continue
+            self._blocks[block_hash] = None
+            added += 1
+            while len(self._blocks) > self.capacity:
+                self._blocks.popitem(last=False)
+        return added
+
+    def clear(self) -> int:
+        """Drop every block; return how many there were."""
+        n = len(self._blocks)
+        self._blocks.clear()
+        return n
+
+
+class NamespacedPrefixCache:
+    """One PrefixCache per namespace (mindnano isolates its cache per `user`).
+
+    Capacity is per namespace; the default namespace is "".
+    """
+
+    __slots__ = ("block_size", "capacity", "_caches")
+
+    def __init__(self, block_size: int = 16, capacity_blocks: int = 4096) -> None:
+        """Make an empty set of caches sharing a block size and per-namespace capacity."""
+        self.block_size = block_size
+        self.capacity = capacity_blocks
+        self._caches: dict[str, PrefixCache] = {}
+
+    def namespace(self, name: str = "") -> PrefixCache:
+        """The cache of one namespace, created on first use."""
+        cache = self._caches.get(name)
+        if cache is None:
+            cache = self._caches[name] = PrefixCache(self.block_size, self.capacity)
+        return cache
+
+    def lookup(self, tokens: Sequence[str], name: str = "") -> int:
+        """Cached token count of `tokens` in namespace `name`."""
+        return self.namespace(name).lookup(tokens)
+
+    def insert(self, tokens: Sequence[str], name: str = "") -> int:
+        """Cache the full blocks of `tokens` in namespace `name`."""
+        return self.namespace(name).insert(tokens)
+
+    def clear(self) -> int:
+        """Drop every block of every namespace; return how many there were."""
+        n = sum(c.clear() for c in self._caches.values())
+        self._caches.clear()
+        return n
+
+    def blocks(self) -> int:
+        """Cached blocks over all namespaces."""
+        return sum(len(c) for c in self._caches.values())

@@ -1,0 +1,130 @@
+"""SimConfig, the simulator's options, and its command-line arguments (SPEC §8)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+__all__ = ["DIALECTS", "SimConfig", "add_sim_arguments", "sim_config_from_args", "parse_listen"]
+
+DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "openai")
+
+# The version each dialect reports when --version is not given.
+DEFAULT_VERSIONS: dict[str, str] = {
+    "vllm": "0.32.0",
+    "sglang": "0.5.10",
+    "llamacpp": "b6000-sim",
+    "mindnano": "0.1.0-sim",
+    "openai": "sim",
+}
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Every option of the simulated engine."""
+
+    dialect: str = "vllm"
+    model: str = "sim-model"
+    version: str | None = None  # None: the dialect's default (DEFAULT_VERSIONS)
+    decode_rate: float = 50.0  # tokens/s per sequence; 0 = unthrottled
+    prefill_rate: float = 5000.0  # uncached prompt tokens/s; 0 = instant
+    block_size: int = 16
+    cache_blocks: int = 4096  # prefix-cache capacity in blocks (per namespace)
+    max_concurrency: int = 0  # running requests at once; 0 = unlimited; extra ones wait
+    default_max_tokens: int = 16
+    # vllm
+    legacy_empty_body: bool = False
+    dev_mode: bool = True
+    prompt_tokens_details: bool = True
+    omit_zero_cached: bool = False
+    # sglang
+    admin_api_key: str | None = None
+    # llamacpp
+    slots: int = 2
+    slot_save_path: str | None = None
+    ram_cache: bool = False
+
+    def __post_init__(self) -> None:
+        """Reject values no engine would start with."""
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {', '.join(DIALECTS)}, not {self.dialect!r}")
+        if self.decode_rate < 0 or self.prefill_rate < 0:
+            raise ValueError("decode_rate and prefill_rate must be >= 0 (0 = unthrottled)")
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.cache_blocks < 0:
+            raise ValueError("cache_blocks must be >= 0")
+        if self.max_concurrency < 0:
+            raise ValueError("max_concurrency must be >= 0 (0 = unlimited)")
+        if self.slots < 1:
+            raise ValueError("slots must be >= 1")
+        if self.default_max_tokens < 0:
+            raise ValueError("default_max_tokens must be >= 0")
+
+    @property
+    def engine_version(self) -> str:
+        """The version string the simulated engine reports."""
+        return self.version if self.version is not None else DEFAULT_VERSIONS[self.dialect]
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """Split `HOST:PORT` (IPv6 as `[::1]:8000`) into host and port."""
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"--listen wants HOST:PORT, e.g. 127.0.0.1:8000, not {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the simulator's options (SPEC §8 names) to an argparse parser."""
+    d = SimConfig()
+    parser.add_argument("--dialect", choices=DIALECTS, default=d.dialect, help="engine to speak like")
+    parser.add_argument("--listen", default="127.0.0.1:8000", type=parse_listen, metavar="HOST:PORT")
+    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument("--version", dest="engine_version", default=None, help="engine version to report")
+    parser.add_argument("--decode-rate", type=float, default=d.decode_rate, metavar="TOKENS_PER_S",
+                        help="decode speed per sequence; 0 = unthrottled")
+    parser.add_argument("--prefill-rate", type=float, default=d.prefill_rate, metavar="TOKENS_PER_S",
+                        help="prefill speed for uncached prompt tokens; 0 = instant")
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--cache-blocks", type=int, default=d.cache_blocks, help="prefix-cache capacity in blocks")
+    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
+                        help="running requests at once (0 = unlimited); extra ones wait")
+    vllm = parser.add_argument_group("vllm dialect")
+    vllm.add_argument("--legacy-empty-body", action="store_true",
+                      help="vLLM < 0.26: /reset_prefix_cache answers 200 with an empty body")
+    vllm.add_argument("--no-dev-mode", action="store_true",
+                      help="no VLLM_SERVER_DEV_MODE: /reset_prefix_cache is 404")
+    vllm.add_argument("--no-prompt-tokens-details", action="store_true",
+                      help="no --enable-prompt-tokens-details: usage has no cached-token field")
+    vllm.add_argument("--omit-zero-cached", action="store_true",
+                      help="vLLM <= 0.14: cached_tokens omitted when 0")
+    sglang = parser.add_argument_group("sglang dialect")
+    sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
+    llama = parser.add_argument_group("llamacpp dialect")
+    llama.add_argument("--slots", type=int, default=d.slots, help="number of slots (-np)")
+    llama.add_argument("--slot-save-path", default=None, metavar="DIR", help="enables POST /slots/{id}?action=")
+    llama.add_argument("--ram-cache", action="store_true",
+                       help="host-RAM prompt cache that survives slot erase (llama-server --cache-ram)")
+
+
+def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
+    """Build a SimConfig from the namespace that add_sim_arguments' parser produced."""
+    return SimConfig(
+        dialect=ns.dialect,
+        model=ns.model,
+        version=ns.engine_version,
+        decode_rate=ns.decode_rate,
+        prefill_rate=ns.prefill_rate,
+        block_size=ns.block_size,
+        cache_blocks=ns.cache_blocks,
+        max_concurrency=ns.max_concurrency,
+        legacy_empty_body=ns.legacy_empty_body,
+        dev_mode=not ns.no_dev_mode,
+        prompt_tokens_details=not ns.no_prompt_tokens_details,
+        omit_zero_cached=ns.omit_zero_cached,
+        admin_api_key=ns.admin_api_key,
+        slots=ns.slots,
+        slot_save_path=ns.slot_save_path,
+        ram_cache=ns.ram_cache,
+    )

@@ -1,0 +1,131 @@
+"""The base dialect: what every simulated engine shares, with hooks for each one's rules."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import Metric
+
+from proxy.sim.cache import NamespacedPrefixCache
+from proxy.sim.engine import Engine, Sequence
+from proxy.sim.wire import error_response
+
+__all__ = ["Dialect"]
+
+
+class Dialect:
+    """An OpenAI-compatible engine with a block prefix cache and no reset endpoint.
+
+    Subclasses override the hooks for their engine's rules; this base is the
+    plain `openai` dialect.
+    """
+
+    name = "openai"
+    # vLLM answers 400 to stream_options without stream; the others ignore it.
+    rejects_stream_options_without_stream = False
+    # llama.cpp puts /v1/completions usage on the finish chunk, not a usage-only chunk.
+    completions_usage_on_finish_chunk = False
+
+    def __init__(self, engine: Engine) -> None:
+        """Attach to the engine and build the prefix cache."""
+        self.engine = engine
+        self.config = engine.config
+        self.cache = NamespacedPrefixCache(self.config.block_size, self.config.cache_blocks)
+        self._slots: asyncio.Semaphore | None = (
+            asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
+        )
+        engine.dialect = self
+
+    # -- scheduling hooks ------------------------------------------------------------------
+    async def admit(self, seq: Sequence) -> None:
+        """Wait for a running slot under --max-concurrency (the wait counts as waiting)."""
+        if self._slots is None:
+            return
+        if not self._slots.locked():
+            await self._slots.acquire()
+            return
+        self.engine.waiting += 1
+        self.engine.state_changed()
+        try:
+            await self._slots.acquire()
+        finally:
+            self.engine.waiting -= 1
+
+    def release(self, seq: Sequence, completed: bool) -> None:
+        """Give back the running slot; the KV computed so far stays cached (as vLLM frees blocks to the cache)."""
+        if self._slots is not None:
+            self._slots.release()
+        if seq.cache_prompt:
+            self.cache.insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt, seq.namespace)
+
+    def lookup(self, seq: Sequence) -> int:
+        """Cached prompt tokens for a sequence about to prefill."""
+        if not seq.cache_prompt:
+            return 0
+        return self.cache.lookup(seq.prompt, seq.namespace)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """The prompt's KV exists now: its full blocks become hits for later requests."""
+        if seq.cache_prompt:
+            self.cache.insert(seq.kv_tokens(), seq.namespace)
+
+    def decoded(self, seq: Sequence, token: str) -> None:
+        """One token was generated (llama.cpp's slot grows)."""
+
+    def parse_options(self, body: dict[str, Any], seq: Sequence) -> web.Response | None:
+        """Read dialect-specific request fields into the sequence; an error answer if bad."""
+        return None
+
+    # -- response hooks --------------------------------------------------------------------
+    def usage(self, seq: Sequence) -> dict[str, Any]:
+        """The `usage` object, with this dialect's cached-token field."""
+        return {
+            "prompt_tokens": seq.prompt_tokens,
+            "total_tokens": seq.prompt_tokens + seq.completion_tokens,
+            "completion_tokens": seq.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": seq.cached},
+        }
+
+    def response_extras(self, seq: Sequence) -> dict[str, Any]:
+        """Top-level members added to a non-stream response."""
+        return {}
+
+    def usage_chunk_extras(self, seq: Sequence) -> dict[str, Any]:
+        """Top-level members added to the include_usage chunk."""
+        return {}
+
+    def finish_chunk_extras(self, seq: Sequence) -> dict[str, Any]:
+        """Top-level members added to the chunk that carries finish_reason."""
+        return {}
+
+    def cancelled_response(self, seq: Sequence) -> web.Response:
+        """Answer to a non-stream request cancelled inside the engine."""
+        return error_response(409, "request cancelled", "cancelled")
+
+    # -- routes and introspection ----------------------------------------------------------
+    def add_routes(self, app: web.Application) -> None:
+        """Register this dialect's own routes."""
+        app.router.add_get("/health", self.handle_health)
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """Health probe: 200 with an empty body, as vLLM's."""
+        return web.Response(status=200)
+
+    def model_card_extras(self) -> dict[str, Any]:
+        """Extra members of this dialect's `/v1/models` entries."""
+        return {}
+
+    def metric_families(self) -> list[Metric]:
+        """Prometheus families of this dialect's `/metrics`; empty = no route."""
+        return []
+
+    def stats(self) -> dict[str, object]:
+        """Dialect-specific members of `/sim/stats`."""
+        return {"cache_blocks": self.cache.blocks()}
+
+    def clear_cache(self) -> int:
+        """Drop the whole prefix cache and count a reset."""
+        self.engine.resets_total += 1
+        return self.cache.clear()

@@ -1,0 +1,208 @@
+"""The simulated engine core: sequences, admission, prefill/decode timing, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from proxy.sim.config import SimConfig
+from proxy.sim.text import output_tokens
+
+if TYPE_CHECKING:
+    from proxy.sim.dialect import Dialect
+
+__all__ = ["Engine", "Sequence", "SequenceCancelled"]
+
+_seq_ids = itertools.count(1)
+
+
+class SequenceCancelled(Exception):
+    """The engine was asked to cancel this sequence (mindnano `/v1/cancel`)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine: its prompt, its options and what it produced."""
+
+    prompt: list[str]
+    max_tokens: int
+    namespace: str = ""  # prefix-cache namespace (mindnano: the `user`)
+    cache_prompt: bool = True
+    reuse_generated_state: bool = True
+    id_slot: int = -1  # llama.cpp: pin to a slot; -1 = any free slot
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    cached: int = 0
+    output: list[str] = field(default_factory=list)  # token texts, each with its leading space
+    slot: int = -1  # llama.cpp: the slot it runs on
+    preempted: bool = False  # vLLM reset_running_requests: blocks freed, recompute needed
+    cancel_requested: bool = False
+    finished: bool = False  # decoding ran to max_tokens
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    _tokens: Iterator[str] | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt length in tokens."""
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output)
+
+    @property
+    def text(self) -> str:
+        """Generated text so far."""
+        return "".join(self.output)
+
+    def kv_tokens(self) -> list[str]:
+        """Prompt plus generated tokens, as a follow-up prompt would tokenize them."""
+        return self.prompt + [t.strip() for t in self.output]
+
+
+class Engine:
+    """Shared state of one simulated engine: running set, waiting count, counters."""
+
+    def __init__(self, config: SimConfig) -> None:
+        """Make an idle engine; the dialect attaches itself afterwards."""
+        self.config = config
+        self.dialect: Dialect | None = None
+        self.running: set[Sequence] = set()
+        self.waiting = 0
+        self.requests_total = 0
+        self.completed_total = 0
+        self.aborted_total = 0
+        self.resets_total = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.started_at = time.time()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- state ---------------------------------------------------------------------------
+    def is_idle(self) -> bool:
+        """No request running or waiting."""
+        return not self.running and self.waiting == 0
+
+    def state_changed(self) -> None:
+        """Recompute the idle event after running/waiting changed."""
+        if self.is_idle():
+            self._idle.set()
+        else:
+            self._idle.clear()
+
+    async def wait_idle(self) -> None:
+        """Return once no request runs or waits (callers bound it with a timeout)."""
+        while not self.is_idle():
+            await self._idle.wait()
+
+    def stats(self) -> dict[str, object]:
+        """Counters for `/sim/stats`."""
+        assert self.dialect is not None
+        return {
+            "dialect": self.config.dialect,
+            "running": len(self.running),
+            "waiting": self.waiting,
+            "requests_total": self.requests_total,
+            "completed_total": self.completed_total,
+            "aborted_total": self.aborted_total,
+            "resets_total": self.resets_total,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "cached_tokens_total": self.cached_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            **self.dialect.stats(),
+        }
+
+    # -- one request ---------------------------------------------------------------------
+    @asynccontextmanager
+    async def session(self, seq: Sequence) -> AsyncIterator[Sequence]:
+        """Admit a sequence (may wait or raise), count it running, account its end.
+
+        Anything but a generation that ran to its end counts aborted: a client
+        disconnect (CancelledError under handler_cancellation), a broken write, a cancel.
+        """
+        assert self.dialect is not None
+        self.requests_total += 1
+        await self.dialect.admit(seq)
+        self.running.add(seq)
+        self.state_changed()
+        completed = False
+        try:
+            yield seq
+            completed = seq.finished
+        finally:
+            self.running.discard(seq)
+            if completed:
+                self.completed_total += 1
+            else:
+                self.aborted_total += 1
+            self.dialect.release(seq, completed)
+            self.state_changed()
+
+    async def prefill(self, seq: Sequence) -> None:
+        """Look the prompt up in the cache and spend the prefill time of the rest."""
+        assert self.dialect is not None
+        seq.cached = self.dialect.lookup(seq)
+        self.prompt_tokens_total += seq.prompt_tokens
+        self.cached_tokens_total += seq.cached
+        started = time.perf_counter()
+        await self._compute(seq.prompt_tokens - seq.cached)
+        seq.prefill_s = time.perf_counter() - started
+        self.dialect.prefilled(seq)
+        seq._tokens = output_tokens(seq.prompt, seq.max_tokens)
+
+    async def _compute(self, n_tokens: int) -> None:
+        """Sleep for the prefill of n tokens, or just yield to the loop when instant."""
+        rate = self.config.prefill_rate
+        if rate > 0 and n_tokens > 0:
+            await asyncio.sleep(n_tokens / rate)
+        else:
+            await asyncio.sleep(0)
+
+    async def decode(self, seq: Sequence) -> AsyncIterator[str]:
+        """Yield the generated tokens at the configured decode rate.
+
+        Deadlines are absolute from the start of decoding, so timer slack does not
+        accumulate over a long generation.
+        """
+        assert seq._tokens is not None and self.dialect is not None
+        rate = self.config.decode_rate
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        perf_start = time.perf_counter()
+        try:
+            for i, token in enumerate(seq._tokens):
+                if seq.cancel_requested:
+                    raise SequenceCancelled()
+                if seq.preempted:
+                    # vLLM reset_running_requests preempts: the sequence recomputes its
+                    # whole KV (prompt + output so far) and then goes on decoding.
+                    seq.preempted = False
+                    await self._compute(len(seq.prompt) + len(seq.output))
+                    self.dialect.prefilled(seq)
+                    start = loop.time() - i / rate if rate > 0 else start
+                if rate > 0:
+                    delay = start + (i + 1) / rate - loop.time()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if seq.cancel_requested:
+                        raise SequenceCancelled()
+                seq.output.append(token)
+                self.generation_tokens_total += 1
+                self.dialect.decoded(seq, token)
+                yield token
+            seq.finished = True
+        finally:
+            seq.decode_s = time.perf_counter() - perf_start
+
+    async def generate(self, seq: Sequence) -> None:
+        """Run decode to the end without streaming (non-stream responses)."""
+        async for _ in self.decode(seq):
+            pass

@@ -1,0 +1,94 @@
+"""Deterministic tokenizer, ChatML chat template and output text of the simulator."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["tokenize", "chat_prompt_tokens", "completion_prompt_tokens", "output_tokens", "PromptError"]
+
+# Words and single punctuation marks: cheap (one C-level regex pass) and stable.
+_TOKEN_RE = re.compile(r"\w+|[^\w\s]")
+
+# Output vocabulary: printable ASCII words only.
+_WORDS: tuple[str, ...] = tuple(
+    (
+        "the of and to in is that it for on with as was at by an be this from or "
+        "have not are but had they which one you were all we can her has there been "
+        "if more when will would who so no cache block prefix token model engine reset "
+        "witness warm cold hit miss slot queue batch kernel layer sample decode prefill"
+    ).split()
+)
+
+
+class PromptError(ValueError):
+    """The request's prompt or messages are not in a shape the simulator accepts."""
+
+
+def tokenize(text: str) -> list[str]:
+    """Split text into word and punctuation tokens."""
+    return _TOKEN_RE.findall(text)
+
+
+def _content_text(content: Any) -> str:
+    """Text of a message content: a string or a list of OpenAI content parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if isinstance(part, dict) and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            elif isinstance(part, str):
+                parts.append(part)
+        return " ".join(parts)
+    raise PromptError("message content must be a string or a list of content parts")
+
+
+def chat_prompt_tokens(messages: Any) -> list[str]:
+    """Apply a ChatML-like template to OpenAI messages and tokenize the result."""
+    if not isinstance(messages, list) or not messages:
+        raise PromptError("'messages' must be a non-empty list")
+    tokens: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise PromptError("each message must be an object")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise PromptError("each message needs a string 'role'")
+        tokens.append("<|im_start|>")
+        tokens.append(role)
+        tokens.extend(tokenize(_content_text(message.get("content"))))
+        tokens.append("<|im_end|>")
+    tokens.append("<|im_start|>")
+    tokens.append("assistant")
+    return tokens
+
+
+def completion_prompt_tokens(prompt: Any) -> list[str]:
+    """Tokens of a completions prompt: a string, a list of token ids, or a one-item list."""
+    if isinstance(prompt, str):
+        return tokenize(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        # Token ids pass through as opaque tokens so equal id lists share a prefix.
+        return [f"<{t}>" for t in prompt]
+    if isinstance(prompt, list) and len(prompt) == 1:
+        return completion_prompt_tokens(prompt[0])
+    raise PromptError("'prompt' must be a string or a list of token ids (batches are not simulated)")
+
+
+def output_tokens(prompt: Sequence[str], count: int) -> Iterator[str]:
+    """Deterministic generated tokens (each with its leading space) for a prompt."""
+    digest = hashlib.blake2b("\x1f".join(prompt).encode(), digest_size=8).digest()
+    state = int.from_bytes(digest, "little") | 1
+    n_words = len(_WORDS)
+    for _ in range(count):
+        # xorshift64: fast, deterministic, good enough to vary the words.
+        state ^= (state << 13) & 0xFFFFFFFFFFFFFFFF
+        state ^= state >> 7
+        state ^= (state << 17) & 0xFFFFFFFFFFFFFFFF
+        yield " " + _WORDS[state % n_words]

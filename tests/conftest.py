@@ -1,0 +1,76 @@
+"""Shared fixtures: serve real aiohttp apps on loopback ports for each test."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.config import Settings
+
+
+@asynccontextmanager
+async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """Serve `app` on a free port of `host` (handler cancellation on, like production)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def make_settings(upstream: str, tmp_path: Path, **overrides: Any) -> Settings:
+    """Settings for a sidecar under test: loopback, evidence in tmp_path, fast health probes."""
+    base = Settings(
+        upstream=upstream,
+        listen="127.0.0.1:0",
+        evidence=str(tmp_path / "evidence" / "cachewitness.jsonl"),
+        health_interval=0.2,
+    )
+    return dataclasses.replace(base, **overrides)
+
+
+SidecarFactory = Callable[..., Awaitable[str]]
+
+
+@pytest.fixture
+async def sidecar(tmp_path: Path) -> AsyncIterator[SidecarFactory]:
+    """Start sidecars in front of a given upstream: `url = await sidecar(upstream, **settings)`."""
+    async with _Stack() as stack:
+
+        async def start(upstream: str, **overrides: Any) -> str:
+            app = build_app(make_settings(upstream, tmp_path, **overrides))
+            stack.apps.append(app)
+            return await stack.enter(serve_app(app))
+
+        yield start
+
+
+class _Stack:
+    """A tiny AsyncExitStack that also remembers the apps it started."""
+
+    def __init__(self) -> None:
+        from contextlib import AsyncExitStack
+
+        self._stack = AsyncExitStack()
+        self.apps: list[web.Application] = []
+
+    async def __aenter__(self) -> _Stack:
+        await self._stack.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.__aexit__(*exc)
+
+    async def enter(self, cm: Any) -> Any:
+        return await self._stack.enter_async_context(cm)

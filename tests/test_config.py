@@ -1,0 +1,87 @@
+"""Settings come from flag > env > TOML file > default; a bad value is one clear line, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, Settings, load_settings
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "cw.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_match_the_spec() -> None:
+    settings = load_settings({}, env={})
+    assert settings.upstream == "http://127.0.0.1:8000"
+    assert settings.listen == "0.0.0.0:9000"
+    assert settings.engine == "auto"
+    assert settings.max_body_bytes == 64 * 1024 * 1024
+    assert settings.grace_period == 30 and settings.shutdown_delay == 0
+
+
+def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, 'upstream = "http://file:1"\nlisten = "127.0.0.1:1"\nengine = "vllm"\n')
+    env = {"CACHEWITNESS_UPSTREAM": "http://env:2", "CACHEWITNESS_LISTEN": "127.0.0.1:2"}
+    settings = load_settings({"upstream": "http://flag:3"}, env=env, config_file=config)
+    assert settings.upstream == "http://flag:3"
+    assert settings.listen == "127.0.0.1:2"
+    assert settings.engine == "vllm"
+    assert settings.retry_seconds == Settings().retry_seconds
+
+
+def test_table_form_of_the_file_is_read(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, '[cachewitness]\ndrain = false\nbusy_statuses = [429]\n')
+    settings = load_settings({}, env={}, config_file=config)
+    assert settings.drain is False and settings.busy_statuses == (429,)
+
+
+def test_env_bool_and_number_parse() -> None:
+    settings = load_settings({}, env={"CACHEWITNESS_DRAIN": "off", "CACHEWITNESS_DRAIN_TIMEOUT": "2.5"})
+    assert settings.drain is False and settings.drain_timeout == 2.5
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "key"),
+    [
+        ({"drain_timeout": "abc"}, {}, "drain_timeout"),
+        ({}, {"CACHEWITNESS_ENGINE": "tgi"}, "engine"),
+        ({"listen": "nonsense"}, {}, "listen"),
+        ({"upstream": "ftp://x"}, {}, "upstream"),
+        ({"retry_seconds": "500"}, {}, "retry_seconds"),
+    ],
+)
+def test_bad_value_names_the_key(flags: dict, env: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_settings(flags, env=env)
+
+
+def test_unknown_file_key_is_rejected(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "upstreem = 'http://x:1'\n")
+    with pytest.raises(ConfigError, match="upstreem"):
+        load_settings({}, env={}, config_file=config)
+
+
+def test_token_is_read_from_its_file(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    settings = load_settings({"admin_token_file": str(token_file)}, env={})
+    assert settings.admin_token == "s3cret"
+    assert "s3cret" not in repr(settings)
+
+
+def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--drain-timeout", "soon"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "drain_timeout" in lines[0] and "Traceback" not in done.stderr

@@ -1,0 +1,175 @@
+"""Forwarding is transparent: headers, bodies, encodings, redirects, request ids, streams."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import os
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+from yarl import URL
+
+from tests.conftest import SidecarFactory, serve_app
+from tests.upstream import GZIPPED, STATE, build_upstream
+
+
+@pytest.fixture
+async def upstream_app() -> web.Application:
+    return build_upstream()
+
+
+@pytest.fixture
+async def upstream(upstream_app: web.Application) -> AsyncIterator[str]:
+    async with serve_app(upstream_app) as url:
+        yield url
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(auto_decompress=False) as session:
+        yield session
+
+
+def header_names(described: dict) -> list[str]:
+    return [name.lower() for name, _ in described["headers"]]
+
+
+async def test_query_string_reaches_upstream_byte_for_byte(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    raw = "/echo/a%2Fb?x=1&y=%2F%20&z&x=2&empty="
+    async with client.get(URL(proxy + raw, encoded=True)) as response:
+        described = await response.json()
+    assert described["raw_path"] == raw
+
+
+async def test_headers_pass_through_and_host_is_rewritten(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    headers = {"Authorization": "Bearer client-key", "X-Custom": "Value With Case", "User-Agent": "bench/1"}
+    async with client.get(proxy + "/echo", headers=headers) as response:
+        described = await response.json()
+        assert response.headers["X-Upstream"] == "yes"
+    seen = {name.lower(): value for name, value in described["headers"]}
+    assert seen["authorization"] == "Bearer client-key"
+    assert seen["x-custom"] == "Value With Case"
+    assert seen["user-agent"] == "bench/1"
+    assert seen["host"] == upstream.removeprefix("http://")
+
+
+async def test_hop_by_hop_request_headers_are_dropped(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    headers = {"Connection": "keep-alive, X-Hop", "X-Hop": "1", "Keep-Alive": "timeout=5",
+               "TE": "trailers", "Proxy-Authorization": "Basic abc", "X-End-To-End": "2"}
+    async with client.get(proxy + "/echo", headers=headers) as response:
+        names = header_names(await response.json())
+    for dropped in ("x-hop", "keep-alive", "te", "proxy-authorization"):
+        assert dropped not in names
+    assert "x-end-to-end" in names
+
+
+async def test_no_headers_are_added_that_the_client_did_not_send(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.post(proxy + "/echo", data=b"{}", headers={"Content-Type": "application/json"},
+                           skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding")) as response:
+        names = header_names(await response.json())
+    assert "user-agent" not in names and "accept-encoding" not in names and "accept" not in names
+    assert names.count("content-type") == 1
+
+
+async def test_hop_by_hop_response_headers_are_dropped(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.get(proxy + "/hop") as response:
+        assert await response.text() == "ok"
+        assert "X-Private" not in response.headers
+        assert "Keep-Alive" not in response.headers
+        assert response.headers["X-Kept"] == "1"
+        assert response.headers["Set-Cookie"] == "a=1"
+
+
+async def test_large_bodies_stream_both_ways_unchanged(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    payload = os.urandom(24 * 1024 * 1024)
+    async with client.post(proxy + "/mirror", data=io.BytesIO(payload)) as response:
+        echoed = await response.read()
+    assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
+
+
+async def test_chunked_request_body_is_streamed(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+
+    async def parts() -> AsyncIterator[bytes]:
+        for index in range(50):
+            yield bytes([index]) * 10_000
+
+    async with client.post(proxy + "/echo", data=parts()) as response:
+        described = await response.json()
+    assert described["body_len"] == 500_000
+
+
+async def test_large_response_body_passes_unchanged(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.get(proxy + "/big?bytes=33554432") as response:
+        body = await response.read()
+    assert body == bytes(range(256)) * (33554432 // 256)
+
+
+async def test_gzip_body_is_not_decompressed(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.get(proxy + "/gzip", headers={"Accept-Encoding": "gzip"}) as response:
+        assert response.headers["Content-Encoding"] == "gzip"
+        assert await response.read() == GZIPPED
+
+
+async def test_redirects_are_returned_not_followed(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.get(proxy + "/redirect", allow_redirects=False) as response:
+        assert response.status == 302
+        assert response.headers["Location"] == "/echo"
+
+
+async def test_request_id_is_generated_and_returned(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.get(proxy + "/echo") as response:
+        seen = {name.lower(): value for name, value in (await response.json())["headers"]}
+        assert response.headers["X-Request-Id"] == seen["x-request-id"]
+        assert len(response.headers["X-Request-Id"]) >= 16
+
+
+async def test_request_id_from_the_client_is_kept(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+    async with client.get(proxy + "/echo", headers={"X-Request-Id": "req-42"}) as response:
+        seen = {name.lower(): value for name, value in (await response.json())["headers"]}
+        assert response.headers["X-Request-Id"] == "req-42"
+        assert seen["x-request-id"] == "req-42"
+
+
+async def test_sse_events_reach_the_client_one_by_one(
+    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client
+) -> None:
+    proxy = await sidecar(upstream)
+    state = upstream_app[STATE]
+    async with client.get(proxy + "/sse/paced?n=5") as response:
+        assert response.headers["X-Accel-Buffering"] == "no"
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        for index in range(5):
+            state.gates[index].set()
+            line = await asyncio.wait_for(response.content.readuntil(b"\n\n"), timeout=5)
+            assert line == f'data: {{"i": {index}}}\n\n'.encode()
+            # The client holds event N while the engine has not been allowed to send N+1.
+            assert not state.gates[index + 1].is_set()
+        assert await response.content.read() == b"data: [DONE]\n\n"
+
+
+async def test_many_concurrent_streams_all_complete(sidecar: SidecarFactory, upstream: str, client) -> None:
+    proxy = await sidecar(upstream)
+
+    async def one() -> bytes:
+        async with client.get(proxy + "/sse/fast?n=200") as response:
+            return await response.read()
+
+    bodies = await asyncio.gather(*(one() for _ in range(150)))
+    expected = b"".join(f'data: {{"i": {i}}}\n\n'.encode() for i in range(200)) + b"data: [DONE]\n\n"
+    assert all(body == expected for body in bodies)

@@ -5,15 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
 from proxy.admission import Admission
+from proxy.auth import admin_middleware
+from proxy.cache_views import handle_evidence, handle_state
 from proxy.config import Settings
+from proxy.engine_state import EngineState
+from proxy.evidence import EvidenceWriter
 from proxy.forward import forward
 from proxy.health import UpstreamHealth, healthy, ready
-from proxy.keys import ADMISSION, CLIENT, HEALTH, SETTINGS
+from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, HEALTH, SETTINGS, WITNESS
+from proxy.metrics import setup_metrics
+from proxy.reset import handle_reset, setup_reset
+from proxy.witness import Witness
 
 __all__ = ["build_app", "make_client_session"]
 
@@ -53,6 +61,7 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     """
     session = make_client_session(app[SETTINGS])
     app[CLIENT] = session
+    await app[ENGINE].detect(session)
     watcher = asyncio.create_task(app[HEALTH].watch(session))
     yield
     watcher.cancel()
@@ -61,22 +70,54 @@ async def _upstream_pool(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
+async def _evidence_log(app: web.Application) -> AsyncIterator[None]:
+    """Own the evidence writer: started first, closed (flushed, fsync'd) after the last stream."""
+    writer = app[EVIDENCE]
+    await writer.start()
+    yield
+    await writer.close()
+
+
 def build_app(settings: Settings) -> web.Application:
     """The sidecar application for `settings`.
 
     TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
     (`aiohttp/base_protocol.py`).
     """
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[])
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[admin_middleware(settings)])
     app[SETTINGS] = settings
     app[ADMISSION] = Admission()
+    engine = EngineState(settings)
+    app[ENGINE] = engine
+
+    async def redetect(recovered: bool) -> None:
+        # Back after being down: it may be another engine now. First contact: detect if
+        # start-up detection could not reach it.
+        if recovered:
+            await engine.upstream_came_back(app[CLIENT])
+        else:
+            await engine.ensure_detected(app[CLIENT])
+
     app[HEALTH] = UpstreamHealth(
-        settings.upstream_base,
-        settings.health_interval,
-        path=lambda: settings.health_path or "/health",
+        settings.upstream_base, settings.health_interval, path=lambda: engine.health_path, on_up=redetect
     )
+    app[WITNESS] = Witness()
+    app[EVIDENCE] = EvidenceWriter(
+        Path(settings.evidence),
+        max_bytes=settings.evidence_max_bytes,
+        keep=settings.evidence_keep,
+        stdout=settings.evidence_stdout,
+    )
+    setup_reset(app)
+    setup_metrics(app)
+    # Order matters: the evidence writer outlives the upstream pool, so records of the
+    # last streams finishing at shutdown still get written.
+    app.cleanup_ctx.append(_evidence_log)
     app.cleanup_ctx.append(_upstream_pool)
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
+    app.router.add_post("/cache/reset", handle_reset)
+    app.router.add_get("/cache/state", handle_state)
+    app.router.add_get("/cache/evidence", handle_evidence)
     app.router.add_route("*", "/{tail:.*}", forward)
     return app

@@ -15,8 +15,10 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.errors import error_response
-from proxy.keys import ADMISSION, CLIENT, SETTINGS
+from proxy.keys import ADMISSION, CLIENT, ENGINE, SETTINGS
 from proxy.logs import log_event
+from proxy.observe import Observation, StreamScanner, is_observed, prepare_request, usage_from_json
+from proxy.recorder import Forwarded, begin_observation, record_forwarded, record_observation
 
 __all__ = ["forward", "HOP_BY_HOP", "Exchange"]
 
@@ -57,7 +59,64 @@ class Exchange:
     status: int | None = None
     first_byte_ns: int | None = None
     outcome: str = "ok"
-    upstream_ms: float = 0.0
+    upstream_sent_ns: int | None = None
+    upstream_head_ns: int | None = None
+    observed: bool = False
+    stream: bool = False
+    model: str | None = None
+    usage_injected: bool = False
+    reset_id: str | None = None
+    ordinal: int | None = None
+    scanner: StreamScanner | None = None
+    json_parts: list[bytes] | None = None
+    json_bytes: int = 0
+
+    def forwarded(self, request: web.Request) -> Forwarded:
+        """The transport facts of this exchange, once it is over."""
+        sent, head, first = self.upstream_sent_ns, self.upstream_head_ns, self.first_byte_ns
+        return Forwarded(
+            method=request.method,
+            path=request.path,
+            status=self.status,
+            outcome=self.outcome,
+            started_ns=self.started_ns,
+            first_byte_ns=first,
+            finished_ns=time.time_ns(),
+            before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
+            after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
+        )
+
+    def observation(self, request: web.Request) -> Observation:
+        """The frozen record of this exchange, once it is over."""
+        usage = self.scanner.usage if self.scanner is not None else usage_from_json(
+            b"".join(self.json_parts) if self.json_parts is not None else b""
+        )
+        return Observation(
+            request_id=self.request_id,
+            session_id=_tag(request.headers.get("X-Session-Id")),
+            case_id=_tag(request.headers.get("X-Case-Id")),
+            method=request.method,
+            path=request.path,
+            status=self.status,
+            stream=self.stream,
+            model=self.model,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            cached_tokens_source=usage.cached_tokens_source,
+            reset_id=self.reset_id,
+            ordinal_since_reset=self.ordinal,
+            started_ns=self.started_ns,
+            first_byte_ns=self.first_byte_ns,
+            finished_ns=time.time_ns(),
+            outcome=self.outcome,
+            usage_injected=self.usage_injected,
+        )
+
+
+def _tag(value: str | None) -> str | None:
+    """A session/case id from a header, bounded so a client cannot bloat the evidence."""
+    return value[:128] if value else None
 
 
 def _request_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
@@ -141,16 +200,42 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     return error_response(status, f"{what} ({type(exc).__name__})", type_="upstream_error", code=code)
 
 
+async def _read_bounded(request: web.Request, limit: int) -> bytes:
+    """The whole request body (an inference request must be read to be observed), or BodyTooLarge."""
+    parts: list[bytes] = []
+    async for chunk in _limited_body(request, limit):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
 async def forward(request: web.Request) -> web.StreamResponse:
     """Proxy one request to the upstream and stream the answer back."""
     app = request.app
     settings = app[SETTINGS]
-    admission = app[ADMISSION]
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     exchange = Exchange(request_id=request_id, started_ns=time.time_ns())
     limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         return _too_large(limit)
+    body: bytes | None = None
+    if settings.observe and is_observed(request.method, request.path):
+        try:
+            body = await _read_bounded(request, limit)
+        except BodyTooLarge:
+            return _too_large(limit)
+        except ClientGone:
+            raise asyncio.CancelledError from None
+        engine = app.get(ENGINE)
+        # llama.cpp puts `timings` (with cache_n) on the last event: without injection that is
+        # the finish chunk, so nothing needs injecting and the client's bytes stay exactly its own.
+        inject = settings.inject_usage and (engine is None or engine.info.kind != "llamacpp")
+        prepared = prepare_request(body, inject_usage=inject, path=request.path)
+        body = prepared.body
+        exchange.observed = True
+        exchange.stream = prepared.stream
+        exchange.model = prepared.model
+        exchange.usage_injected = prepared.usage_injected
+    admission = app[ADMISSION]
     max_wait = settings.drain_timeout + settings.retry_seconds + settings.reset_attempt_timeout
     if not await admission.admit(max_wait):
         return error_response(
@@ -160,19 +245,32 @@ async def forward(request: web.Request) -> web.StreamResponse:
             code="draining",
         )
     try:
-        return await _exchange(request, exchange, settings.upstream_base, limit)
+        if exchange.observed:
+            # Assigned after admission: a request held during a drain belongs to the new reset.
+            exchange.reset_id, exchange.ordinal = begin_observation(app)
+        return await _exchange(request, exchange, body, settings.upstream_base, limit)
     finally:
         admission.leave()
+        record_forwarded(app, exchange.forwarded(request))
+        if exchange.observed:
+            record_observation(app, exchange.observation(request))
 
 
 async def _exchange(
-    request: web.Request, exchange: Exchange, base: str, limit: int
+    request: web.Request, exchange: Exchange, body: bytes | None, base: str, limit: int
 ) -> web.StreamResponse:
     """Send the request upstream and relay the answer; the admission slot is held throughout."""
     client = request.app[CLIENT]
     url = URL(base + request.raw_path, encoded=True)
     headers = _request_headers(request, exchange.request_id)
-    data = _limited_body(request, limit) if request.body_exists else None
+    data: bytes | AsyncIterator[bytes] | None
+    if body is not None:
+        data = body
+        # The body may have been rewritten (include_usage injected): its length is ours to say.
+        headers["Content-Length"] = str(len(body))
+    else:
+        data = _limited_body(request, limit) if request.body_exists else None
+    exchange.upstream_sent_ns = time.time_ns()
     try:
         upstream = await client.request(
             request.method, url, headers=headers, data=data, allow_redirects=False
@@ -182,31 +280,56 @@ async def _exchange(
     except ClientGone:
         exchange.outcome = "client_disconnected"
         raise asyncio.CancelledError from None
+    except asyncio.CancelledError:
+        exchange.outcome = "client_disconnected"
+        raise
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, (BodyTooLarge, ClientGone)) else None
         if isinstance(cause, BodyTooLarge):
             return _too_large(limit)
         return _upstream_failure(exc, exchange)
+    exchange.upstream_head_ns = time.time_ns()
     try:
-        return await _relay(request, upstream, exchange)
+        return await _relay(request, upstream, exchange, limit)
     finally:
         # close(), not release(): the connection must not go back to the pool half-read, and
         # closing it is what tells the engine to abort the sequence (production-stack #634).
         upstream.close()
 
 
+def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange) -> None:
+    """Pick how the answer is read for usage: SSE scanner, or a bounded copy of the JSON."""
+    if not exchange.observed:
+        return
+    if upstream.content_type == "text/event-stream":
+        exchange.scanner = StreamScanner(strip_injected=exchange.usage_injected)
+    else:
+        exchange.json_parts = []
+
+
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, exchange: Exchange
+    request: web.Request, upstream: aiohttp.ClientResponse, exchange: Exchange, limit: int
 ) -> web.StreamResponse:
     """Stream the upstream's answer to the client chunk by chunk."""
     exchange.status = upstream.status
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     response.headers.extend(_response_headers(upstream, exchange.request_id))
+    _start_observing(upstream, exchange)
+    scanner, parts = exchange.scanner, exchange.json_parts
     try:
         await response.prepare(request)
         exchange.first_byte_ns = time.time_ns()
         async for chunk in upstream.content.iter_any():
+            if scanner is not None:
+                chunk = scanner.feed(chunk)
+                if not chunk:
+                    continue
+            elif parts is not None and exchange.json_bytes <= limit:
+                parts.append(chunk)
+                exchange.json_bytes += len(chunk)
             await response.write(chunk)
+        if scanner is not None and (tail := scanner.finish()):
+            await response.write(tail)
         await response.write_eof()
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client left; closing upstream aborts the engine.
@@ -222,4 +345,6 @@ async def _relay(
     except asyncio.CancelledError:
         exchange.outcome = "client_disconnected"
         raise
+    if parts is not None and exchange.json_bytes > limit:
+        exchange.json_parts = None  # too big to be a usage answer worth parsing
     return response

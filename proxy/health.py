@@ -29,12 +29,12 @@ class UpstreamHealth:
         base_url: str,
         interval_s: float,
         path: Callable[[], str],
-        on_recovered: Callable[[], Awaitable[None]] | None = None,
+        on_up: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._base = base_url
         self._interval = interval_s
         self._path = path
-        self._on_recovered = on_recovered
+        self._on_up = on_up
         self._last_ok: float | None = None
         self._was_up: bool | None = None
         self.shutting_down = False
@@ -59,21 +59,22 @@ class UpstreamHealth:
                 ok = response.status < 500
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             ok = False
+        # Transition first: readiness waits until the engine behind the upstream is known.
+        await self._note_transition(ok)
         if ok:
             self._last_ok = time.monotonic()
-        await self._note_transition(ok)
         return ok
 
     async def _note_transition(self, ok: bool) -> None:
-        """Log up/down changes; on recovery let the engine be detected again."""
+        """Log up/down changes; when the upstream comes (back) up, let the engine be detected."""
         if ok == self._was_up:
             return
         recovered = ok and self._was_up is False
         self._was_up = ok
         log_event(log, logging.INFO if ok else logging.WARNING,
-                  "upstream up" if ok else "upstream down", upstream=self._path())
-        if recovered and self._on_recovered is not None:
-            await self._on_recovered()
+                  "upstream up" if ok else "upstream down", health_path=self._path())
+        if ok and self._on_up is not None:
+            await self._on_up(recovered)
 
     async def watch(self, session: aiohttp.ClientSession) -> None:
         """Probe forever (cancelled at shutdown)."""

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from proxy.engine_state import EngineState
     from proxy.evidence import EvidenceWriter
     from proxy.health import UpstreamHealth
+    from proxy.metrics import Metrics
     from proxy.witness import Witness
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ENGINE",
     "EVIDENCE",
     "HEALTH",
+    "METRICS",
     "SETTINGS",
     "WITNESS",
 ]
@@ -34,3 +36,4 @@ HEALTH: web.AppKey[UpstreamHealth] = web.AppKey("health")
 ENGINE: web.AppKey[EngineState] = web.AppKey("engine")
 WITNESS: web.AppKey[Witness] = web.AppKey("witness")
 EVIDENCE: web.AppKey[EvidenceWriter] = web.AppKey("evidence")
+METRICS: web.AppKey[Metrics] = web.AppKey("metrics")

@@ -10,7 +10,7 @@ from prometheus_client.core import Metric
 
 from proxy.sim.cache import NamespacedPrefixCache
 from proxy.sim.engine import Engine, Sequence
-from proxy.sim.wire import error_response
+from proxy.sim.wire import error_response, json_body
 
 __all__ = ["Dialect"]
 
@@ -112,6 +112,10 @@ class Dialect:
     async def handle_health(self, request: web.Request) -> web.Response:
         """Health probe: 200 with an empty body, as vLLM's."""
         return web.Response(status=200)
+
+    def not_found(self) -> web.Response:
+        """The 404 of an unknown route (FastAPI's body: vLLM, SGLang and most OpenAI servers)."""
+        return json_body({"detail": "Not Found"}, 404)
 
     def model_card_extras(self) -> dict[str, Any]:
         """Extra members of this dialect's `/v1/models` entries."""

@@ -10,15 +10,26 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from aiohttp import web
+
 from proxy.sim.config import SimConfig
 from proxy.sim.text import output_tokens
 
 if TYPE_CHECKING:
     from proxy.sim.dialect import Dialect
 
-__all__ = ["Engine", "Sequence", "SequenceCancelled"]
+__all__ = ["AdmissionRefused", "Engine", "Sequence", "SequenceCancelled"]
 
 _seq_ids = itertools.count(1)
+
+
+class AdmissionRefused(Exception):
+    """The engine will not take the request now (mindnano's 429); carries the answer to send."""
+
+    def __init__(self, response: web.Response) -> None:
+        """Keep the answer."""
+        super().__init__(response.status)
+        self.response = response
 
 
 class SequenceCancelled(Exception):

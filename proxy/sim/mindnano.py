@@ -7,18 +7,15 @@ from typing import Any
 from aiohttp import web
 
 from proxy.sim.dialect import Dialect
-from proxy.sim.engine import Sequence
+from proxy.sim.engine import AdmissionRefused, Sequence
 from proxy.sim.wire import error_response, json_body
 
 __all__ = ["MindnanoDialect"]
 
 
-def _busy() -> web.HTTPTooManyRequests:
+def _busy() -> web.Response:
     """The 429 mindnano answers while a request is active."""
-    return web.HTTPTooManyRequests(
-        body=b'{"error":{"message":"engine busy: one request at a time","type":"busy","param":null,"code":429}}',
-        content_type="application/json",
-    )
+    return error_response(429, "engine busy: one request at a time", "busy")
 
 
 class MindnanoDialect(Dialect):
@@ -34,7 +31,7 @@ class MindnanoDialect(Dialect):
     async def admit(self, seq: Sequence) -> None:
         """One at a time: a second request while one is active is refused with 429, never queued."""
         if self.active is not None:
-            raise _busy()
+            raise AdmissionRefused(_busy())
         self.active = seq
 
     def release(self, seq: Sequence, completed: bool) -> None:
@@ -92,7 +89,7 @@ class MindnanoDialect(Dialect):
     async def handle_clear(self, request: web.Request) -> web.Response:
         """POST /v1/cache/clear: 429 while a request is active, else clears every user's cache."""
         if self.active is not None:
-            raise _busy()
+            return _busy()
         self.clear_cache()
         return json_body({"cleared": True})
 

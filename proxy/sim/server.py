@@ -13,8 +13,13 @@ from prometheus_client.registry import Collector
 
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import Dialect
-from proxy.sim.engine import Engine, Sequence, SequenceCancelled
+from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
+from proxy.sim.llamacpp import LlamacppDialect
+from proxy.sim.mindnano import MindnanoDialect
+from proxy.sim.openai import OpenaiDialect
+from proxy.sim.sglang import SglangDialect
 from proxy.sim.text import PromptError, chat_prompt_tokens, completion_prompt_tokens
+from proxy.sim.vllm import VllmDialect
 from proxy.sim.wire import DONE, error_response, json_body, read_json, send_event, sse_response
 
 __all__ = ["build_sim_app", "SIM_ENGINE"]
@@ -22,28 +27,13 @@ __all__ = ["build_sim_app", "SIM_ENGINE"]
 SIM_ENGINE = web.AppKey("sim_engine", Engine)
 
 
-def _dialect_for(engine: Engine) -> Dialect:
-    """Instantiate the dialect named in the engine's config."""
-    name = engine.config.dialect
-    if name == "vllm":
-        from proxy.sim.vllm import VllmDialect
-
-        return VllmDialect(engine)
-    if name == "sglang":
-        from proxy.sim.sglang import SglangDialect
-
-        return SglangDialect(engine)
-    if name == "llamacpp":
-        from proxy.sim.llamacpp import LlamacppDialect
-
-        return LlamacppDialect(engine)
-    if name == "mindnano":
-        from proxy.sim.mindnano import MindnanoDialect
-
-        return MindnanoDialect(engine)
-    from proxy.sim.openai import OpenaiDialect
-
-    return OpenaiDialect(engine)
+_DIALECTS: dict[str, type[Dialect]] = {
+    "vllm": VllmDialect,
+    "sglang": SglangDialect,
+    "llamacpp": LlamacppDialect,
+    "mindnano": MindnanoDialect,
+    "openai": OpenaiDialect,
+}
 
 
 def _max_tokens(body: dict[str, Any], default: int, *names: str) -> int | web.Response:
@@ -210,11 +200,27 @@ class _DialectCollector(Collector):
         yield from self.dialect.metric_families()
 
 
+def _answers_middleware(dialect: Dialect) -> Any:
+    """Answer unknown routes with the dialect's own 404 body (FastAPI's `{"detail":"Not Found"}` for vLLM)."""
+
+    @web.middleware
+    async def not_found(request: web.Request, handler: Any) -> web.StreamResponse:
+        """Replace aiohttp's text 404; send the answer of a refused admission."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return dialect.not_found()
+        except AdmissionRefused as refused:
+            return refused.response
+
+    return not_found
+
+
 def build_sim_app(config: SimConfig) -> web.Application:
     """Build the simulator app for one dialect (serve it with handler_cancellation=True)."""
-    app = web.Application()
     engine = Engine(config)
-    dialect = _dialect_for(engine)
+    dialect = _DIALECTS[config.dialect](engine)
+    app = web.Application(middlewares=[_answers_middleware(dialect)])
     app[SIM_ENGINE] = engine
     routes = OpenAIRoutes(engine, dialect)
     app.router.add_post("/v1/chat/completions", routes.chat)

@@ -44,6 +44,9 @@ async def sse_response(request: web.Request) -> web.StreamResponse:
 
 
 async def send_event(resp: web.StreamResponse, data: dict[str, Any]) -> None:
-    """Write one SSE event `data: {json}\\n\\n` and drain it to the socket."""
+    """Write one SSE event `data: {json}` + blank line as its own chunk.
+
+    aiohttp's `write` hands the bytes to the transport at once (TCP_NODELAY is on) and
+    waits for the socket to drain when its buffer fills, so each token leaves now.
+    """
     await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
-    await resp.drain()

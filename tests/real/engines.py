@@ -154,7 +154,7 @@ def stop(proc: ManagedProcess) -> None:
 
 
 def start_llama_server(model: Path, *, slot_save_path: Path | None, cache_ram_mib: int | None,
-                       slots: int = 2, ctx: int = 16384) -> ManagedProcess:
+                       kv_unified: bool = False, slots: int = 2, ctx: int = 16384) -> ManagedProcess:
     """Start llama-server on `model` (CPU only) and wait for /health."""
     port = free_port()
     argv = [str(llama_server_bin()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
@@ -164,6 +164,10 @@ def start_llama_server(model: Path, *, slot_save_path: Path | None, cache_ram_mi
         argv += ["--slot-save-path", str(slot_save_path)]
     if cache_ram_mib is not None:
         argv += ["--cache-ram", str(cache_ram_mib)]
+    if kv_unified:
+        # The host-RAM prompt cache only keeps idle slots' prompts with a unified
+        # KV buffer (`--cache-idle-slots` needs it), which an explicit -np turns off.
+        argv += ["--kv-unified"]
     proc = launch("llama-server", argv, port)
     wait_until_ok(proc, ["/health"], LLAMA_START_TIMEOUT_S)
     return proc

@@ -1,0 +1,78 @@
+"""The admin read views: `GET /cache/state` and `GET /cache/evidence`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from aiohttp import web
+
+from proxy.errors import error_response
+from proxy.evidence import read_evidence
+from proxy.keys import ADMISSION, ENGINE, EVIDENCE, HEALTH, SETTINGS, WITNESS
+
+__all__ = ["handle_state", "handle_evidence"]
+
+_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
+_FILTERS = ("session_id", "case_id", "event_type", "since_ns")
+
+
+async def handle_state(request: web.Request) -> web.Response:
+    """The last reset, its verdict, counters since it, and the engine behind us."""
+    app = request.app
+    state = app[WITNESS].state()
+    state["engine"] = app[ENGINE].info.to_json()
+    admission = app[ADMISSION]
+    evidence = app[EVIDENCE]
+    state["sidecar"] = {
+        "inflight_requests": admission.inflight,
+        "held_requests": admission.held,
+        "draining": admission.draining,
+        "upstream_up": app[HEALTH].upstream_up,
+        "evidence_path": app[SETTINGS].evidence,
+        "evidence_write_errors_total": evidence.write_errors_total,
+        "evidence_dropped_total": evidence.dropped_total,
+    }
+    return web.json_response(state)
+
+
+def _bad_filter(param: str, message: str) -> web.Response:
+    return error_response(400, message, type_="invalid_request_error", code="invalid_filter", param=param)
+
+
+async def handle_evidence(request: web.Request) -> web.StreamResponse:
+    """Stream the evidence lines that match the query's filters, as JSON lines."""
+    query = request.query
+    unknown = sorted(set(query) - set(_FILTERS))
+    if unknown:
+        return _bad_filter(unknown[0], f"unknown filter {unknown[0]!r}; filters are {', '.join(_FILTERS)}")
+    for name in ("session_id", "case_id"):
+        if name in query and not _ID.match(query[name]):
+            return _bad_filter(name, f"{name} must be 1-128 characters of [A-Za-z0-9._:-]")
+    event_type = query.get("event_type")
+    if event_type is not None and event_type not in _EVENT_TYPES:
+        return _bad_filter("event_type", f"event_type must be one of {', '.join(sorted(_EVENT_TYPES))}")
+    since_ns: int | None = None
+    if "since_ns" in query:
+        try:
+            since_ns = int(query["since_ns"])
+        except ValueError:
+            return _bad_filter("since_ns", "since_ns must be an integer (nanoseconds since the epoch)")
+    app = request.app
+    evidence = app[EVIDENCE]
+    # Records of requests that just finished may still sit in the batch: write them first.
+    await evidence.flush()
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    async for line in read_evidence(
+        Path(app[SETTINGS].evidence),
+        keep=app[SETTINGS].evidence_keep,
+        session_id=query.get("session_id"),
+        case_id=query.get("case_id"),
+        event_type=event_type,
+        since_ns=since_ns,
+    ):
+        await response.write(line)
+    await response.write_eof()
+    return response

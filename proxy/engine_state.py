@@ -1,0 +1,101 @@
+"""Which engine the sidecar fronts now, and the dialect that resets it (re-detected when the upstream returns)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from proxy.config import Settings
+from proxy.engines.base import Dialect, EngineInfo
+from proxy.engines.detect import UNKNOWN, UndetectedDialect, detect_engine, probe_version
+from proxy.engines.generic import GenericDialect
+from proxy.engines.llamacpp import LlamacppDialect
+from proxy.engines.mindnano import MindnanoDialect
+from proxy.engines.none import NoResetDialect
+from proxy.engines.sglang import SglangDialect
+from proxy.engines.vllm import VllmDialect
+from proxy.logs import log_event
+from proxy.redact import redact_url
+
+__all__ = ["EngineState", "make_dialect"]
+
+log = logging.getLogger("cachewitness.engine")
+
+def make_dialect(kind: str, settings: Settings) -> Dialect:
+    """The dialect for an engine kind, configured from settings (unknown kinds get the generic one)."""
+    if kind == "vllm":
+        return VllmDialect()
+    if kind == "sglang":
+        return SglangDialect(api_key=settings.engine_api_key)
+    if kind == "llamacpp":
+        return LlamacppDialect()
+    if kind == "mindnano":
+        return MindnanoDialect()
+    if kind == UNKNOWN:
+        return UndetectedDialect()
+    if kind == "none":
+        return NoResetDialect(health_path=settings.health_path or "/health")
+    return GenericDialect(
+        reset_method=settings.reset_method,
+        reset_path=settings.reset_path,
+        busy_statuses=settings.busy_statuses,
+        success_field=settings.success_field,
+        health_path=settings.health_path or "/health",
+    )
+
+
+class EngineState:
+    """The engine's kind and version, and its dialect; `--engine auto` detects at start and on return."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._auto = settings.engine == "auto"
+        kind = UNKNOWN if self._auto else settings.engine
+        self.info = EngineInfo(kind)
+        self.dialect: Dialect = make_dialect(kind, settings)
+        self._lock = asyncio.Lock()
+
+    @property
+    def health_path(self) -> str:
+        """The upstream health path: configured, else the dialect's."""
+        return self._settings.health_path or self.dialect.health_path
+
+    @property
+    def detected(self) -> bool:
+        """False while `--engine auto` has not yet reached the upstream."""
+        return self.info.kind != UNKNOWN
+
+    async def detect(self, session: aiohttp.ClientSession) -> EngineInfo:
+        """Detect (auto) or probe the configured kind's version (best effort); log what was found. Never raises."""
+        settings = self._settings
+        timeout_s = settings.connect_timeout or 5.0
+        async with self._lock:
+            if self._auto:
+                info = await detect_engine(session, settings.upstream_base, timeout_s, api_key=settings.engine_api_key)
+            else:
+                version = await probe_version(
+                    session, settings.upstream_base, settings.engine, timeout_s, api_key=settings.engine_api_key
+                )
+                info = EngineInfo(settings.engine, version)
+            self.info = info
+            self.dialect = make_dialect(info.kind, settings)
+        level = logging.WARNING if info.kind == UNKNOWN else logging.INFO
+        message = "engine not reached; kind pending re-detection" if info.kind == UNKNOWN else "engine detected"
+        log_event(log, level, message, event="engine_detected", kind=info.kind, version=info.version,
+                  configured=settings.engine, upstream=redact_url(settings.upstream_base))
+        return info
+
+    async def ensure_detected(self, session: aiohttp.ClientSession) -> EngineInfo:
+        """Detect again if start-up detection could not reach the upstream."""
+        if self._auto and not self.detected:
+            return await self.detect(session)
+        return self.info
+
+    async def upstream_came_back(self, session: aiohttp.ClientSession) -> None:
+        """The upstream answers again after being down: it may be another engine now, so re-detect (auto)."""
+        if self._auto:
+            await self.detect(session)
+        elif self.info.version is None:
+            await self.detect(session)

@@ -1,0 +1,136 @@
+"""`--engine auto`: which engine answers at the upstream, probed in SPEC §6 order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from proxy.engines.base import UNREACHABLE, Attempt, Dialect, EngineInfo, engine_call
+
+__all__ = ["UNKNOWN", "UndetectedDialect", "detect_engine", "probe_version"]
+
+# The upstream did not answer: the kind is pending re-detection.
+UNKNOWN = "unknown"
+
+
+class _Unreachable(Exception):
+    """A probe got no HTTP answer: stop probing, the upstream is down or hanging."""
+
+
+class _Prober:
+    """GETs JSON from the upstream, each probe bounded by the timeout."""
+
+    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, api_key: str | None) -> None:
+        self._session = session
+        self._base_url = base_url.rstrip("/")
+        self._timeout_s = timeout_s
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+    async def json(self, path: str) -> Any:
+        """The JSON body of a 200 answer to GET `path`; None for any other answer."""
+        reply = await engine_call(
+            self._session, "GET", f"{self._base_url}{path}", timeout_s=self._timeout_s, headers=self._headers
+        )
+        if reply.status is None:
+            # A timeout counts too: probing on would multiply a hanging engine's wait.
+            raise _Unreachable(reply.call.error)
+        return reply.json() if reply.status == 200 else None
+
+
+def _text(value: Any) -> str | None:
+    """A version value as text (engines report strings; a number is tolerated)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    return str(value) if isinstance(value, (str, int, float)) else None
+
+
+async def _llamacpp(probe: _Prober) -> EngineInfo | None:
+    """llama-server: `/props` has `build_info` or `total_slots`."""
+    props = await probe.json("/props")
+    if isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
+        return EngineInfo("llamacpp", _text(props.get("build_info")))
+    return None
+
+
+async def _sglang(probe: _Prober) -> EngineInfo | None:
+    """SGLang: `/server_info` (0.5.10+) or `/get_server_info` (0.4+) has `version`."""
+    for path in ("/server_info", "/get_server_info"):
+        info = await probe.json(path)
+        if isinstance(info, dict) and "version" in info:
+            return EngineInfo("sglang", _text(info["version"]))
+    return None
+
+
+async def _vllm(probe: _Prober) -> EngineInfo | None:
+    """vLLM: `/version`, and `/v1/models` owned by vllm (TensorRT-LLM's `/version` looks the same)."""
+    version = await probe.json("/version")
+    if not isinstance(version, dict) or "version" not in version:
+        return None
+    models = await probe.json("/v1/models")
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data):
+        return EngineInfo("vllm", _text(version["version"]))
+    return None
+
+
+async def _mindnano(probe: _Prober) -> EngineInfo | None:
+    """mindnano: `/health` has `active`."""
+    health = await probe.json("/health")
+    if isinstance(health, dict) and "active" in health:
+        return EngineInfo("mindnano", _text(health.get("version")))
+    return None
+
+
+_PROBES = {"llamacpp": _llamacpp, "sglang": _sglang, "vllm": _vllm, "mindnano": _mindnano}
+
+
+async def detect_engine(
+    session: aiohttp.ClientSession, base_url: str, timeout_s: float, *, api_key: str | None = None
+) -> EngineInfo:
+    """The engine at `base_url`: llama.cpp, SGLang, vLLM, mindnano, else generic; `unknown` if unreachable. Never raises."""
+    probe = _Prober(session, base_url, timeout_s, api_key)
+    try:
+        for check in _PROBES.values():
+            info = await check(probe)
+            if info is not None:
+                return info
+    except _Unreachable:
+        return EngineInfo(UNKNOWN)
+    return EngineInfo("generic")
+
+
+async def probe_version(
+    session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, *, api_key: str | None = None
+) -> str | None:
+    """Best effort: the version an engine of `kind` reports, None when it does not say. Never raises."""
+    check = _PROBES.get(kind)
+    if check is None:
+        return None
+    try:
+        info = await check(_Prober(session, base_url, timeout_s, api_key))
+    except _Unreachable:
+        return None
+    return info.version if info is not None else None
+
+
+UNDETECTED_HINT = "the upstream did not answer engine detection; check --upstream, or name the engine with --engine"
+
+
+class UndetectedDialect(Dialect):
+    """The engine was never reached: no reset can be sent until detection succeeds."""
+
+    kind = UNKNOWN
+
+    async def reset_once(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        *,
+        force: bool,
+        retry_seconds: float,
+        timeout_s: float,
+    ) -> Attempt:
+        """No call: the engine's kind, and so its reset route, is not known."""
+        return Attempt(UNREACHABLE, error="the upstream did not answer engine detection", url=base_url,
+                       hint=UNDETECTED_HINT)

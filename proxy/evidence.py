@@ -1,0 +1,355 @@
+"""The evidence writer (async, batched JSONL with size rotation) and its reader."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import logging
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+__all__ = ["MAX_LINE_BYTES", "EvidenceWriter", "read_evidence"]
+
+MAX_LINE_BYTES = 64 * 1024
+# A string longer than this is cut when a record would not fit in one line.
+_TRUNCATED_STRING_CHARS = 1024
+_READ_CHUNK_BYTES = 256 * 1024
+
+log = logging.getLogger("cachewitness.evidence")
+
+
+def _log(event: str, **fields: Any) -> None:
+    """One structured (JSON) log line."""
+    log.warning(orjson.dumps({"event": event, **fields}).decode())
+
+
+def _truncate_strings(value: Any) -> Any:
+    """A copy of value with every long string cut (bounded excerpts such as `calls[].body`)."""
+    if isinstance(value, str) and len(value) > _TRUNCATED_STRING_CHARS:
+        return value[:_TRUNCATED_STRING_CHARS] + "…[truncated]"
+    if isinstance(value, dict):
+        return {k: _truncate_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_truncate_strings(v) for v in value]
+    return value
+
+
+def encode_record(record: dict[str, Any]) -> bytes | None:
+    """One JSONL line (ending "\\n") of at most MAX_LINE_BYTES, or None if it cannot fit.
+
+    A record over the limit keeps its shape with long strings cut and gets
+    `"truncated": true`; one still too big after that is refused.
+    """
+    line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    if len(line) <= MAX_LINE_BYTES:
+        return line
+    shrunk = _truncate_strings(record)
+    shrunk["truncated"] = True
+    line = orjson.dumps(shrunk, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    return line if len(line) <= MAX_LINE_BYTES else None
+
+
+class EvidenceWriter:
+    """Append-only JSONL evidence: `write()` enqueues, a task flushes batches in a thread.
+
+    Nothing here blocks the event loop or raises into the proxy: a full queue
+    drops (counted), a disk error is counted and logged once per kind and the
+    batch is retried with the next flush. Lines are never split: a write that
+    failed part-way resumes at the first unwritten byte.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int = 64 * 1024 * 1024,
+        keep: int = 5,
+        stdout: bool = False,
+        flush_interval_s: float = 0.2,
+        max_queue: int = 100_000,
+    ) -> None:
+        """Configure; nothing is opened until the first batch."""
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.stdout = stdout
+        self.flush_interval_s = flush_interval_s
+        self.max_queue = max_queue
+        self.records_total: dict[str, int] = {}
+        self.write_errors_total = 0
+        self.dropped_total = 0
+        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._unwritten: list[tuple[str, bytes]] = []  # a failed batch, retried first
+        self._flush_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._periodic_flushes = 0
+        self._flushed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._fd: int | None = None
+        self._size = 0
+        self._logged_errors: set[str] = set()  # touched by the worker thread only
+        self._logged_drops: set[str] = set()  # touched by the event loop only
+
+    async def start(self) -> None:
+        """Start the periodic flush task."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="evidence-writer")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Enqueue one record; never blocks, never raises."""
+        try:
+            event_type = str(record.get("event_type", "unknown"))
+            if self._closed:
+                self._drop("writer_closed", event_type)
+                return
+            if len(self._queue) + len(self._unwritten) >= self.max_queue:
+                self._drop("queue_full", event_type)
+                return
+            line = encode_record(record)
+            if line is None:
+                self._drop("record_too_large", event_type)
+                return
+            self._queue.append((event_type, line))
+            if len(self._queue) >= 1024:
+                self._wake.set()  # a burst: write now rather than at the next tick
+        except Exception as exc:  # noqa: BLE001 - an unserialisable record must not reach the proxy
+            self._drop(f"unencodable:{type(exc).__name__}", "unknown")
+
+    async def flush(self) -> None:
+        """Write every record queued so far (and any earlier failed batch) to the file."""
+        async with self._flush_lock:
+            batch = self._unwritten + list(self._queue)
+            self._queue.clear()
+            self._unwritten = []
+            if not batch:
+                return
+            self._unwritten = await asyncio.to_thread(self._write_batch, batch)
+
+    async def close(self) -> None:
+        """Flush everything, fsync, and stop; later writes are dropped and counted."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            # Let the task finish its batch rather than cancel it mid-write.
+            self._wake.set()
+            await self._task
+            self._task = None
+        await self.flush()
+        await asyncio.to_thread(self._close_file)
+        for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
+            self._drop("unwritable_at_close", event_type)
+        self._unwritten = []
+
+    async def _run(self) -> None:
+        """Flush every flush_interval_s (sooner on a burst)."""
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.flush()
+            except Exception as exc:  # noqa: BLE001 - the writer outlives any one bad batch
+                self.write_errors_total += 1
+                _log("evidence_flush_failed", error=type(exc).__name__, path=str(self.path))
+            async with self._flushed:
+                self._periodic_flushes += 1
+                self._flushed.notify_all()
+
+    async def wait_flushed(self) -> None:
+        """Return after the flush task's next flush has finished (for tests and shutdown checks)."""
+        async with self._flushed:
+            target = self._periodic_flushes + 1
+            await self._flushed.wait_for(lambda: self._periodic_flushes >= target or self._task is None)
+
+    def _drop(self, kind: str, event_type: str) -> None:
+        """Count a record that will never be written, and log the kind once."""
+        self.dropped_total += 1
+        if kind not in self._logged_drops:
+            self._logged_drops.add(kind)
+            _log("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
+
+    # --- worker thread ------------------------------------------------------------
+
+    def _write_batch(self, batch: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Append a batch, rotating by size; return what could not be written."""
+        written = 0
+        try:
+            for index, (event_type, line) in enumerate(batch):
+                fd = self._open()
+                if self._size > 0 and self._size + len(line) > self.max_bytes:
+                    self._rotate()
+                    fd = self._open()
+                self._write_all(fd, line)
+                self._size += len(line)
+                self.records_total[event_type] = self.records_total.get(event_type, 0) + 1
+                written = index + 1
+        except OSError as exc:
+            self.write_errors_total += 1
+            kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            if kind not in self._logged_errors:
+                self._logged_errors.add(kind)
+                _log("evidence_write_failed", error=kind, detail=str(exc), path=str(self.path))
+            self._close_file(sync=False)  # reopen next time: the path may have been fixed
+        else:
+            if self._logged_errors:
+                _log("evidence_write_recovered", path=str(self.path))
+                self._logged_errors.clear()
+        finally:
+            self._copy_to_stdout(batch[:written] if written < len(batch) else batch)
+        return batch[written:]
+
+    def _write_all(self, fd: int, line: bytes) -> None:
+        """os.write until the whole line is down; a failure leaves no partial line behind."""
+        view = memoryview(line)
+        start_size = self._size
+        try:
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        except OSError:
+            # Cut a partial line off so that the retry does not leave a broken record.
+            try:
+                os.ftruncate(fd, start_size)
+            except OSError:
+                pass
+            raise
+
+    def _open(self) -> int:
+        """The current file's descriptor, opening (and creating its directory) when needed."""
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._size = os.fstat(fd).st_size
+            self._fd = fd
+        return self._fd
+
+    def _rotate(self) -> None:
+        """fsync and close the current file, shift `.1`…`.N`, drop what falls off."""
+        self._close_file()
+        if self.keep <= 0:
+            self.path.unlink(missing_ok=True)
+            return
+        oldest = _rotated(self.path, self.keep)
+        oldest.unlink(missing_ok=True)
+        for index in range(self.keep - 1, 0, -1):
+            source = _rotated(self.path, index)
+            if source.exists():
+                source.replace(_rotated(self.path, index + 1))
+        self.path.replace(_rotated(self.path, 1))
+
+    def _close_file(self, sync: bool = True) -> None:
+        """fsync (when asked) and close the current file, if open."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if sync:
+                os.fsync(fd)
+        except OSError as exc:
+            self.write_errors_total += 1
+            _log("evidence_fsync_failed", error=errno.errorcode.get(exc.errno or 0, "OSError"), path=str(self.path))
+        finally:
+            os.close(fd)
+
+    def _copy_to_stdout(self, batch: list[tuple[str, bytes]]) -> None:
+        """Copy lines to stdout for log shippers, when configured."""
+        if not self.stdout or not batch:
+            return
+        data = b"".join(line for _, line in batch)
+        try:
+            buffer = getattr(sys.stdout, "buffer", None)
+            if buffer is not None:
+                buffer.write(data)
+            else:
+                sys.stdout.write(data.decode())
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass  # stdout gone (closed pipe): the file is the evidence of record
+
+
+def _rotated(path: Path, index: int) -> Path:
+    """`cachewitness.jsonl.<index>`."""
+    return path.with_name(f"{path.name}.{index}")
+
+
+def evidence_files(path: Path, keep: int) -> list[Path]:
+    """The evidence files that exist, oldest first: `.keep` … `.1`, then the current one."""
+    files = [_rotated(path, index) for index in range(keep, 0, -1)] + [path]
+    return [f for f in files if f.exists()]
+
+
+def _matches(
+    line: bytes,
+    session_id: str | None,
+    case_id: str | None,
+    event_type: str | None,
+    since_ns: int | None,
+) -> bool:
+    """Whether one evidence line passes the filters (unparseable lines never do)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(record, dict):
+        return False
+    if session_id is not None and record.get("session_id") != session_id:
+        return False
+    if case_id is not None and record.get("case_id") != case_id:
+        return False
+    if event_type is not None and record.get("event_type") != event_type:
+        return False
+    if since_ns is not None:
+        at_ns = record.get("at_ns")
+        if not isinstance(at_ns, int) or at_ns < since_ns:
+            return False
+    return True
+
+
+async def read_evidence(
+    path: Path,
+    *,
+    keep: int,
+    session_id: str | None = None,
+    case_id: str | None = None,
+    event_type: str | None = None,
+    since_ns: int | None = None,
+) -> AsyncIterator[bytes]:
+    """Yield matching evidence lines (each ending "\\n"), oldest file first.
+
+    Reads in bounded chunks in a thread, so a big file streams. A last line
+    without its newline is a write in progress and is not yielded.
+    """
+    filtered = any(v is not None for v in (session_id, case_id, event_type, since_ns))
+    for file in evidence_files(Path(path), keep):
+        try:
+            handle = await asyncio.to_thread(open, file, "rb")
+        except OSError:
+            continue  # rotated away between listing and opening
+        try:
+            carry = b""
+            while True:
+                chunk = await asyncio.to_thread(handle.read, _READ_CHUNK_BYTES)
+                if not chunk:
+                    break
+                data = carry + chunk
+                start = 0
+                newline = data.find(b"\n")
+                while newline != -1:
+                    line = data[start : newline + 1]
+                    if not filtered or _matches(line, session_id, case_id, event_type, since_ns):
+                        yield line
+                    start = newline + 1
+                    newline = data.find(b"\n", start)
+                carry = data[start:]
+        finally:
+            await asyncio.to_thread(handle.close)

@@ -1,0 +1,455 @@
+"""`POST /cache/reset` (SPEC §4): validate, drain, reset with retries, coalesce concurrent calls, answer and record."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.engines.base import (
+    ACCEPTED_UNVERIFIED,
+    ACKNOWLEDGED,
+    COLD,
+    ERROR,
+    REFUSED,
+    UNSPECIFIED,
+    Attempt,
+    CacheReset,
+    Dialect,
+    EngineCall,
+    EngineInfo,
+    cache_state_record,
+)
+from proxy.errors import error_response
+from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, SETTINGS, WITNESS
+from proxy.logs import log_event
+
+__all__ = [
+    "BadInput",
+    "RESETS",
+    "RESET_RETRY_INTERVAL_SECONDS",
+    "ResetParams",
+    "ResetService",
+    "handle_reset",
+    "parse_params",
+    "retry_reset",
+    "setup_reset",
+]
+
+log = logging.getLogger("cachewitness.reset")
+
+# vLLM refuses while blocks are held and says callers may retry: every half second, as the reference client.
+RESET_RETRY_INTERVAL_SECONDS = 0.5
+MAX_RETRY_SECONDS = 120.0
+_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_FIELDS = ("session_id", "case_id", "requested", "warmup_requests", "drain", "retry_seconds", "force")
+_BODY_LIMIT = 64 * 1024
+# An answer lists every engine call, but a long retry window against llama.cpp makes hundreds:
+# keep the first and the last ones and say how many were left out.
+_CALLS_HEAD = 16
+_CALLS_TAIL = 48
+
+
+class BadInput(Exception):
+    """A `/cache/reset` input the sidecar will not take; `param` names the field."""
+
+    def __init__(self, param: str | None, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ResetParams:
+    """One caller's validated reset request."""
+
+    session_id: str | None = None
+    case_id: str | None = None
+    requested: str = COLD
+    warmup_requests: int = 0
+    drain: bool = True
+    retry_seconds: float = 10.0
+    force: bool = False
+
+
+def _text_bool(name: str, text: str) -> bool:
+    """A query parameter's boolean."""
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise BadInput(name, f"{name} must be true or false, not {text[:40]!r}")
+
+
+def _parse_field(name: str, value: Any, from_query: bool) -> Any:
+    """One field's value, checked; query values arrive as text, JSON values must have their JSON type."""
+    if name in ("session_id", "case_id"):
+        if not isinstance(value, str) or not _ID.fullmatch(value):
+            raise BadInput(name, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+        return value
+    if name == "requested":
+        if value not in (COLD, UNSPECIFIED):
+            raise BadInput(name, "requested must be \"cold\" or \"unspecified\"")
+        return value
+    if name in ("drain", "force"):
+        if from_query and isinstance(value, str):
+            return _text_bool(name, value)
+        if not isinstance(value, bool):
+            raise BadInput(name, f"{name} must be a JSON boolean")
+        return value
+    if name == "warmup_requests":
+        if from_query and isinstance(value, str):
+            try:
+                value = int(value.strip())
+            except ValueError:
+                raise BadInput(name, "warmup_requests must be a whole number >= 0") from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise BadInput(name, "warmup_requests must be a whole number >= 0")
+        return value
+    # retry_seconds
+    if from_query and isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise BadInput(name, "retry_seconds must be a number of seconds from 0 to 120") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= MAX_RETRY_SECONDS:
+        raise BadInput(name, "retry_seconds must be a number of seconds from 0 to 120")
+    return float(value)
+
+
+def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Settings) -> ResetParams:
+    """Validated parameters from query text and a JSON object (the body wins); raises BadInput."""
+    values: dict[str, Any] = {"drain": settings.drain, "retry_seconds": float(settings.retry_seconds)}
+    for source, from_query in ((query, True), (body, False)):
+        for name, value in source.items():
+            if name not in _FIELDS:
+                raise BadInput(name, f"unknown field {name!r}; known fields: {', '.join(_FIELDS)}", "unknown_field")
+            if value is None and not from_query:
+                continue  # JSON null: as if not given
+            values[name] = _parse_field(name, value, from_query)
+    return ResetParams(**values)
+
+
+async def _read_bounded(request: web.Request) -> bytes:
+    """The body, at most `_BODY_LIMIT` bytes; raises BadInput past that."""
+    chunks: list[bytes] = []
+    total = 0
+    while True:  # bounded: every turn reads at least one byte or ends
+        chunk = await request.content.read(_BODY_LIMIT + 1 - total)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > _BODY_LIMIT:
+            raise BadInput(None, f"the request body is over {_BODY_LIMIT} bytes", "body_too_large")
+
+
+async def read_params(request: web.Request, settings: Settings) -> ResetParams:
+    """The request's parameters from its query string and optional JSON body; raises BadInput."""
+    query: dict[str, str] = {}
+    for name, value in request.query.items():
+        if name in query:
+            raise BadInput(name, f"{name} is given twice in the query string", "duplicate_field")
+        query[name] = value
+    if request.content_length is not None and request.content_length > _BODY_LIMIT:
+        raise BadInput(None, f"the request body is over {_BODY_LIMIT} bytes", "body_too_large")
+    raw = await _read_bounded(request) if request.body_exists else b""
+    body: Any = {}
+    if raw.strip():
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadInput(None, "the body is not valid JSON; send a JSON object or no body", "invalid_json") from None
+        if not isinstance(body, dict):
+            raise BadInput(None, "the body must be a JSON object", "invalid_json")
+    return parse_params(query, body, settings)
+
+
+async def _attempt(dialect: Dialect, session: aiohttp.ClientSession, base_url: str, *, force: bool,
+                   retry_seconds: float, timeout_s: float) -> Attempt:
+    """One attempt; a dialect that raises (a bug) becomes an `error` outcome instead of a crash."""
+    try:
+        return await dialect.reset_once(session, base_url, force=force, retry_seconds=retry_seconds,
+                                        timeout_s=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the sidecar answers, whatever a dialect did
+        log.exception("reset dialect failed", extra={"event": "reset_dialect_failed", "kind": dialect.kind})
+        return Attempt(ERROR, error=f"internal error in the {dialect.kind} dialect: {type(exc).__name__}",
+                       url=base_url)
+
+
+async def retry_reset(dialect: Dialect, session: aiohttp.ClientSession, base_url: str, *, force: bool,
+                      retry_seconds: float, timeout_s: float) -> CacheReset:
+    """Reset, retrying a refusal every 0.5 s while the window allows; no attempt starts after it (the reference's loop)."""
+    at_ns = time.time_ns()
+    deadline = time.monotonic() + retry_seconds
+    attempts = 1
+    attempt = await _attempt(dialect, session, base_url, force=force, retry_seconds=retry_seconds,
+                             timeout_s=timeout_s)
+    calls: list[EngineCall] = list(attempt.calls)
+    while attempt.outcome == REFUSED and deadline - time.monotonic() >= RESET_RETRY_INTERVAL_SECONDS:
+        await asyncio.sleep(RESET_RETRY_INTERVAL_SECONDS)
+        attempts += 1
+        attempt = await _attempt(dialect, session, base_url, force=force,
+                                 retry_seconds=max(0.0, deadline - time.monotonic()), timeout_s=timeout_s)
+        calls.extend(attempt.calls)
+    return CacheReset.from_attempts(attempt, at_ns=at_ns, attempts=attempts, calls=tuple(calls),
+                                    answered_at_ns=time.time_ns())
+
+
+def _calls_json(calls: tuple[EngineCall, ...]) -> tuple[list[dict[str, Any]], int]:
+    """The answer's calls list, bounded, and how many calls it leaves out."""
+    if len(calls) <= _CALLS_HEAD + _CALLS_TAIL:
+        return [call.to_json() for call in calls], 0
+    kept = calls[:_CALLS_HEAD] + calls[-_CALLS_TAIL:]
+    return [call.to_json() for call in kept], len(calls) - len(kept)
+
+
+@dataclass
+class _Caller:
+    """One `/cache/reset` call waiting for its answer."""
+
+    params: ResetParams
+    answer: asyncio.Future[tuple[int, dict[str, Any]]]
+
+
+@dataclass
+class _Round:
+    """One engine reset and the callers who share it; it runs with the first caller's parameters."""
+
+    callers: list[_Caller]
+    reset_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def params(self) -> ResetParams:
+        """The parameters the engine reset runs with."""
+        return self.callers[0].params
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """What a round found: the reset, the engine, and the drain."""
+
+    reset: CacheReset
+    engine: EngineInfo
+    drain: dict[str, Any]
+
+
+class ResetService:
+    """Runs one engine reset at a time; callers arriving during one share the next."""
+
+    def __init__(self, app: web.Application) -> None:
+        self._app = app
+        self._running: _Round | None = None
+        self._next: _Round | None = None
+        self._driver: asyncio.Task[None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """True while an engine reset runs."""
+        return self._running is not None
+
+    async def reset(self, params: ResetParams) -> tuple[int, dict[str, Any]]:
+        """This caller's answer (status, body), from the reset it shares."""
+        caller = _Caller(params, asyncio.get_running_loop().create_future())
+        if self._running is None:
+            self._running = _Round([caller])
+            self._driver = asyncio.create_task(self._drive(), name="cachewitness-reset")
+        elif self._next is None:
+            self._next = _Round([caller])
+        else:
+            self._next.callers.append(caller)
+        # Shielded: a caller who hangs up must not cancel the reset others share.
+        return await asyncio.shield(caller.answer)
+
+    async def close(self) -> None:
+        """Stop at shutdown: cancel the reset in progress (its drain gate is released)."""
+        if self._driver is not None and not self._driver.done():
+            self._driver.cancel()
+            try:
+                await self._driver
+            except asyncio.CancelledError:
+                pass
+
+    async def _drive(self) -> None:
+        """Run rounds until no caller waits."""
+        try:
+            while self._running is not None:
+                current = self._running
+                try:
+                    await self._run_round(current)
+                except Exception:  # noqa: BLE001 - every caller still gets an answer
+                    log.exception("cache reset failed", extra={"event": "cache_reset_failed",
+                                                               "reset_id": current.reset_id})
+                    _answer_all(current, 500, {"error": {"message": "the sidecar failed while resetting; see its log",
+                                                         "type": "server_error", "code": "reset_failed",
+                                                         "param": None}})
+                self._running, self._next = self._next, None
+        finally:
+            for pending in (self._running, self._next):
+                if pending is not None:
+                    for caller in pending.callers:
+                        caller.answer.cancel()
+            self._running = self._next = None
+
+    async def _run_round(self, current: _Round) -> None:
+        """Drain, reset with retries, release, then answer and record for every caller."""
+        app = self._app
+        settings = app[SETTINGS]
+        admission = app[ADMISSION]
+        engine = app[ENGINE]
+        session = app[CLIENT]
+        witness = app.get(WITNESS)
+        params = current.params
+        # Detection first: traffic is not held while an unreachable upstream is probed.
+        await engine.ensure_detected(session)
+        info, dialect = engine.info, engine.dialect
+        if params.drain:
+            admission.hold()
+        try:
+            if params.drain:
+                drained = await admission.wait_idle(settings.drain_timeout)
+                drain = {**drained.to_json(), "enabled": True, "inflight_at_end": drained.inflight_at_end}
+            else:
+                drain = {"waited_s": 0.0, "inflight_at_start": admission.inflight, "held": 0, "enabled": False}
+            reset = await retry_reset(dialect, session, settings.upstream_base, force=params.force,
+                                      retry_seconds=params.retry_seconds, timeout_s=settings.reset_attempt_timeout)
+            if reset.succeeded and witness is not None:
+                # Before the gate opens: requests held by the drain belong to this reset.
+                witness.reset_accepted(reset_id=current.reset_id, session_id=params.session_id,
+                                       case_id=params.case_id, at_ns=reset.answered_at_ns)
+        finally:
+            if params.drain:
+                admission.release()
+        self._finish(current, _Outcome(reset, info, drain))
+
+    def _finish(self, current: _Round, outcome: _Outcome) -> None:
+        """Write each caller's record, tell the witness, log, and hand out the answers."""
+        evidence = self._app.get(EVIDENCE)
+        witness = self._app.get(WITNESS)
+        answers = [_answer(caller.params, current, outcome, index) for index, caller in enumerate(current.callers)]
+        if evidence is not None:
+            for _status, body in answers:
+                evidence.write(body["cache_state"])
+        reset = outcome.reset
+        summary = _summary(current, outcome, answers[0][1]["cache_state"])
+        if witness is not None:
+            witness.reset_answered(summary)
+        log_event(log, logging.INFO if reset.succeeded else logging.WARNING, f"cache reset {reset.outcome}",
+                  event="cache_reset", reset_id=current.reset_id, answer=reset.outcome,
+                  engine_kind=outcome.engine.kind, engine_version=outcome.engine.version, attempts=reset.attempts,
+                  status=reset.status, url=reset.url, error=reset.error, duration_s=summary["duration_s"],
+                  callers=len(current.callers), drain_waited_s=outcome.drain["waited_s"])
+        for caller, answer in zip(current.callers, answers):
+            if not caller.answer.done():
+                caller.answer.set_result(answer)
+
+
+def _answer(params: ResetParams, current: _Round, outcome: _Outcome, index: int) -> tuple[int, dict[str, Any]]:
+    """One caller's answer (SPEC §4) with its own `infer.cache_state` record."""
+    reset = outcome.reset
+    record = cache_state_record(session_id=params.session_id, case_id=params.case_id, requested=params.requested,
+                                reset=reset, warmup_requests=params.warmup_requests, reset_id=current.reset_id,
+                                engine=outcome.engine)
+    body: dict[str, Any] = {}
+    if reset.outcome != ACCEPTED_UNVERIFIED:
+        # Absent, not null, when unconfirmed: a client reading `success` must see no field.
+        body["success"] = reset.outcome == ACKNOWLEDGED
+    calls, omitted = _calls_json(reset.calls)
+    body.update({
+        "answer": reset.outcome,
+        "reset_id": current.reset_id,
+        "engine": outcome.engine.to_json(),
+        "attempts": reset.attempts,
+        "at_ns": reset.at_ns,
+        "answered_at_ns": reset.answered_at_ns,
+        "status": reset.status,
+        "url": reset.url,
+        "drain": outcome.drain,
+        "calls": calls,
+        "session_id": params.session_id,
+        "case_id": params.case_id,
+        "coalesced": index > 0,
+        "cache_state": record,
+    })
+    if omitted:
+        body["calls_omitted"] = omitted
+    if reset.error:
+        body["detail"] = reset.error
+    if reset.hint:
+        body["hint"] = reset.hint
+    if reset.warning:
+        body["warning"] = reset.warning
+    return reset.http_status, body
+
+
+def _summary(current: _Round, outcome: _Outcome, first_record: dict[str, Any]) -> dict[str, Any]:
+    """What the witness is told once per engine reset."""
+    reset = outcome.reset
+    answered = reset.answered_at_ns or reset.at_ns
+    return {
+        "reset_id": current.reset_id,
+        "answer": reset.outcome,
+        "reference_answer": reset.answer,
+        "succeeded": reset.succeeded,
+        "acknowledged": reset.acknowledged,
+        "engine": outcome.engine.to_json(),
+        "attempts": reset.attempts,
+        "status": reset.status,
+        "url": reset.url,
+        "error": reset.error,
+        "hint": reset.hint,
+        "warning": reset.warning,
+        "at_ns": reset.at_ns,
+        "answered_at_ns": reset.answered_at_ns,
+        "duration_s": max(0, answered - reset.at_ns) / 1e9,
+        "drain": outcome.drain,
+        "session_id": current.params.session_id,
+        "case_id": current.params.case_id,
+        "callers": [{"session_id": c.params.session_id, "case_id": c.params.case_id} for c in current.callers],
+        "cache_state": first_record,
+    }
+
+
+def _answer_all(current: _Round, status: int, body: dict[str, Any]) -> None:
+    """Give every caller of a round the same answer."""
+    for caller in current.callers:
+        if not caller.answer.done():
+            caller.answer.set_result((status, body))
+
+
+RESETS = web.AppKey("resets", ResetService)
+
+
+def setup_reset(app: web.Application) -> None:
+    """Put the reset service on the app and stop it at cleanup."""
+    service = ResetService(app)
+    app[RESETS] = service
+
+    async def _close(_app: web.Application) -> None:
+        await service.close()
+
+    app.on_cleanup.append(_close)
+
+
+async def handle_reset(request: web.Request) -> web.Response:
+    """`POST /cache/reset`: a 400 naming the field for bad input, else the answer of SPEC §4."""
+    try:
+        params = await read_params(request, request.app[SETTINGS])
+    except BadInput as bad:
+        return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
+    status, body = await request.app[RESETS].reset(params)
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

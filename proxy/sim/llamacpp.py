@@ -1,0 +1,405 @@
+"""llama.cpp `llama-server` dialect: slots with their own KV, erase that waits, RAM prompt cache."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Sequence as Tokens
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from proxy.sim.dialect import Dialect
+from proxy.sim.engine import Sequence
+from proxy.sim.text import PromptError, completion_prompt_tokens
+from proxy.sim.wire import error_response, json_body, read_json, send_event, sse_response
+
+__all__ = ["LlamacppDialect"]
+
+N_CTX = 4096
+RAM_CACHE_ENTRIES = 64
+NOT_SUPPORTED = {
+    "error": {
+        "code": 501,
+        "message": "This server does not support slots action. Start it with `--slot-save-path`",
+        "type": "not_supported_error",
+    }
+}
+
+
+def _llama_error(status: int, message: str, err_type: str = "invalid_request_error") -> web.Response:
+    """llama-server's error shape."""
+    return json_body({"error": {"code": status, "message": message, "type": err_type}}, status)
+
+
+def common_prefix(a: Tokens[str], b: Tokens[str]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+@dataclass(eq=False)
+class Slot:
+    """One llama.cpp slot: its KV tokens and who holds it."""
+
+    id: int
+    tokens: list[str] = field(default_factory=list)
+    n_prompt_tokens: int = 0
+    last_used: int = 0
+    processing: bool = False
+    claims: int = 0  # holders plus waiters (requests and erases)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class LlamacppDialect(Dialect):
+    """llama-server with `-np N --metrics --slots`, optionally `--slot-save-path` and RAM cache."""
+
+    name = "llamacpp"
+    completions_usage_on_finish_chunk = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Make the slots and the RAM prompt cache."""
+        super().__init__(*args, **kwargs)
+        self.slots = [Slot(i) for i in range(self.config.slots)]
+        self.ram: OrderedDict[tuple[str, ...], None] = OrderedDict()
+        self._clock = itertools.count(1)
+        self._freed = asyncio.Event()
+
+    # -- slots -----------------------------------------------------------------------------
+    async def _take(self, slot: Slot) -> None:
+        """Hold a slot, waiting (deferred) while someone else does."""
+        slot.claims += 1
+        deferred = slot.lock.locked()
+        if deferred:
+            self.engine.waiting += 1
+            self.engine.state_changed()
+        try:
+            await slot.lock.acquire()
+        except BaseException:
+            slot.claims -= 1
+            raise
+        finally:
+            if deferred:
+                self.engine.waiting -= 1
+
+    def _give(self, slot: Slot) -> None:
+        """Let go of a slot and wake requests waiting for any free slot."""
+        slot.claims -= 1
+        slot.lock.release()
+        freed, self._freed = self._freed, asyncio.Event()
+        freed.set()
+
+    def _pick_free(self, seq: Sequence) -> Slot | None:
+        """A free slot: the one sharing the longest prefix with the prompt, else the least recently used."""
+        free = [s for s in self.slots if s.claims == 0]
+        if not free:
+            return None
+        best = max(free, key=lambda s: common_prefix(s.tokens, seq.prompt))
+        if common_prefix(best.tokens, seq.prompt) > 0:
+            return best
+        return min(free, key=lambda s: s.last_used)
+
+    async def admit(self, seq: Sequence) -> None:
+        """Take the pinned slot (`id_slot`) or any free one; defer while none is free."""
+        if seq.id_slot >= 0:
+            slot = self.slots[seq.id_slot]
+        else:
+            while (slot := self._pick_free(seq)) is None:
+                freed = self._freed
+                self.engine.waiting += 1
+                self.engine.state_changed()
+                try:
+                    await freed.wait()
+                finally:
+                    self.engine.waiting -= 1
+        await self._take(slot)
+        slot.processing = True
+        seq.slot = slot.id
+
+    def release(self, seq: Sequence, completed: bool) -> None:
+        """Free the slot; it keeps prompt + generation, and the RAM cache gets a copy."""
+        slot = self.slots[seq.slot]
+        slot.processing = False
+        slot.last_used = next(self._clock)
+        if self.config.ram_cache and slot.tokens:
+            self._ram_save(slot.tokens)
+        self._give(slot)
+
+    def _ram_save(self, tokens: list[str]) -> None:
+        """Keep a prompt in the host-RAM cache (LRU by entries)."""
+        key = tuple(tokens)
+        self.ram[key] = None
+        self.ram.move_to_end(key)
+        while len(self.ram) > RAM_CACHE_ENTRIES:
+            self.ram.popitem(last=False)
+
+    def parse_options(self, body: dict[str, Any], seq: Sequence) -> web.Response | None:
+        """`id_slot` (pin; -1 any) and `cache_prompt`."""
+        id_slot = body.get("id_slot", -1)
+        if isinstance(id_slot, bool) or not isinstance(id_slot, int) or id_slot >= len(self.slots):
+            return _llama_error(400, f"id_slot must be an integer below {len(self.slots)}, or -1")
+        seq.id_slot = id_slot
+        cache_prompt = body.get("cache_prompt", True)
+        if not isinstance(cache_prompt, bool):
+            return _llama_error(400, "cache_prompt must be a boolean")
+        seq.cache_prompt = cache_prompt
+        return None
+
+    def lookup(self, seq: Sequence) -> int:
+        """Reuse the slot's common prefix (or a better RAM entry); the last prompt token is always recomputed."""
+        slot = self.slots[seq.slot]
+        if not seq.cache_prompt:
+            slot.tokens = []
+            return 0
+        reuse = common_prefix(slot.tokens, seq.prompt)
+        if self.config.ram_cache:
+            # --cache-ram: the server loads the best-matching cached prompt into the slot.
+            for entry in self.ram:
+                n = common_prefix(entry, seq.prompt)
+                if n > reuse:
+                    reuse = n
+                    slot.tokens = list(entry)
+        return max(0, min(reuse, seq.prompt_tokens - 1))
+
+    def prefilled(self, seq: Sequence) -> None:
+        """The slot's KV now is the prompt."""
+        slot = self.slots[seq.slot]
+        slot.tokens = seq.kv_tokens()
+        slot.n_prompt_tokens = seq.prompt_tokens
+
+    def decoded(self, seq: Sequence, token: str) -> None:
+        """The slot's KV grows by each generated token."""
+        self.slots[seq.slot].tokens.append(token.strip())
+
+    def clear_cache(self) -> int:
+        """Erase every slot (the RAM cache stays: no endpoint clears it)."""
+        self.engine.resets_total += 1
+        n = sum(len(s.tokens) for s in self.slots)
+        for slot in self.slots:
+            slot.tokens = []
+        return n
+
+    # -- responses -------------------------------------------------------------------------
+    def timings(self, seq: Sequence) -> dict[str, Any]:
+        """llama-server's `timings` object."""
+        prompt_n = seq.prompt_tokens - seq.cached
+        prompt_ms = seq.prefill_s * 1000.0
+        predicted_n = seq.completion_tokens
+        predicted_ms = seq.decode_s * 1000.0
+        return {
+            "cache_n": seq.cached,
+            "prompt_n": prompt_n,
+            "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n / seq.prefill_s if seq.prefill_s > 0 else 0.0,
+            "predicted_n": predicted_n,
+            "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+            "predicted_per_second": predicted_n / seq.decode_s if seq.decode_s > 0 else 0.0,
+        }
+
+    def response_extras(self, seq: Sequence) -> dict[str, Any]:
+        """Non-stream responses carry `timings`."""
+        return {"timings": self.timings(seq)}
+
+    def usage_chunk_extras(self, seq: Sequence) -> dict[str, Any]:
+        """The include_usage chunk carries `timings` too."""
+        return {"timings": self.timings(seq)}
+
+    def not_found(self) -> web.Response:
+        """llama-server's 404."""
+        return _llama_error(404, "File Not Found", "not_found_error")
+
+    def model_card_extras(self) -> dict[str, Any]:
+        """llama-server's model card `meta`."""
+        return {"meta": {"n_ctx_train": N_CTX, "vocab_type": 2}}
+
+    def stats(self) -> dict[str, object]:
+        """Slot lengths and RAM-cache entries for `/sim/stats`."""
+        return {"slot_tokens": [len(s.tokens) for s in self.slots], "ram_cache_entries": len(self.ram)}
+
+    # -- routes ----------------------------------------------------------------------------
+    def add_routes(self, app: web.Application) -> None:
+        """/health, /props, /slots, /slots/{id}?action=, native /completion."""
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/props", self.handle_props)
+        app.router.add_get("/slots", self.handle_slots)
+        app.router.add_post("/slots/{id_slot}", self.handle_slot_action)
+        app.router.add_post("/completion", self.handle_completion)
+        app.router.add_post("/completions", self.handle_completion)
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        """GET /health."""
+        return json_body({"status": "ok"})
+
+    async def handle_props(self, request: web.Request) -> web.Response:
+        """GET /props: detection reads `build_info` and `total_slots`."""
+        return json_body(
+            {
+                "default_generation_settings": {"n_ctx": N_CTX, "params": {"n_predict": -1, "cache_prompt": True}},
+                "total_slots": len(self.slots),
+                "model_path": self.config.model,
+                "chat_template": "chatml",
+                "build_info": self.config.engine_version,
+                "endpoint_slots": True,
+                "endpoint_props": False,
+                "endpoint_metrics": True,
+            }
+        )
+
+    async def handle_slots(self, request: web.Request) -> web.Response:
+        """GET /slots."""
+        return json_body(
+            [
+                {
+                    "id": s.id,
+                    "id_task": -1,
+                    "n_ctx": N_CTX,
+                    "speculative": False,
+                    "is_processing": s.processing,
+                    "n_prompt_tokens": s.n_prompt_tokens,
+                    "n_tokens": len(s.tokens),
+                }
+                for s in self.slots
+            ]
+        )
+
+    async def handle_slot_action(self, request: web.Request) -> web.Response:
+        """POST /slots/{id}?action=erase|save|restore (needs --slot-save-path, else 501)."""
+        if self.config.slot_save_path is None:
+            return json_body(NOT_SUPPORTED, 501)
+        try:
+            id_slot = int(request.match_info["id_slot"])
+        except ValueError:
+            return _llama_error(400, "Invalid slot id")
+        action = request.query.get("action", "")
+        if action not in ("erase", "save", "restore"):
+            return _llama_error(400, "Invalid action")
+        if id_slot == -1:
+            return json_body({"id_slot": -1, "n_erased": 0})
+        # Ids wrap modulo the slot count, as llama-server's task routing does.
+        slot = self.slots[id_slot % len(self.slots)]
+        filename = ""
+        if action != "erase":
+            body = await read_json(request)
+            if isinstance(body, web.Response):
+                return body
+            filename = body.get("filename", "")
+            if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename or filename.startswith("."):
+                return _llama_error(400, "Invalid filename")
+        # A busy slot's action is deferred until its generation ends: the call blocks.
+        await self._take(slot)
+        try:
+            started = time.perf_counter()
+            if action == "erase":
+                n_erased = len(slot.tokens)
+                slot.tokens = []
+                slot.n_prompt_tokens = 0
+                self.engine.resets_total += 1
+                return json_body({"id_slot": slot.id, "n_erased": n_erased})
+            path = os.path.join(self.config.slot_save_path, filename)
+            if action == "save":
+                data = json.dumps(slot.tokens).encode()
+                await asyncio.to_thread(_write_file, path, data)
+                ms = (time.perf_counter() - started) * 1000.0
+                return json_body({"id_slot": slot.id, "filename": filename, "n_saved": len(slot.tokens),
+                                  "n_written": len(data), "timings": {"save_ms": ms}})
+            try:
+                data = await asyncio.to_thread(_read_file, path)
+                tokens = json.loads(data)
+            except (OSError, ValueError):
+                return _llama_error(400, "Unable to restore slot, no available space in KV cache or invalid slot save file")
+            slot.tokens = [str(t) for t in tokens]
+            ms = (time.perf_counter() - started) * 1000.0
+            return json_body({"id_slot": slot.id, "filename": filename, "n_restored": len(slot.tokens),
+                              "n_read": len(data), "timings": {"restore_ms": ms}})
+        finally:
+            self._give(slot)
+
+    async def handle_completion(self, request: web.Request) -> web.StreamResponse:
+        """POST /completion: native route; `tokens_cached` is the slot's length, not a hit count."""
+        body = await read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            prompt = completion_prompt_tokens(body.get("prompt"))
+        except PromptError as exc:
+            return _llama_error(400, str(exc))
+        n_predict = body.get("n_predict", body.get("max_tokens", -1))
+        if isinstance(n_predict, bool) or not isinstance(n_predict, int):
+            return _llama_error(400, "n_predict must be an integer")
+        # -1 is "until EOS or context end" upstream; the sim has no EOS, so use the default.
+        seq = Sequence(prompt=prompt, max_tokens=self.config.default_max_tokens if n_predict < 0 else n_predict)
+        bad = self.parse_options(body, seq)
+        if bad is not None:
+            return bad
+
+        def final() -> dict[str, Any]:
+            """The last (or only) native answer object."""
+            return {
+                "index": 0,
+                "content": "" if body.get("stream") is True else seq.text,
+                "tokens": [],
+                "id_slot": seq.slot,
+                "stop": True,
+                "model": self.config.model,
+                "tokens_predicted": seq.completion_tokens,
+                "tokens_evaluated": seq.prompt_tokens,
+                "stop_type": "limit",
+                "stopping_word": "",
+                "tokens_cached": len(self.slots[seq.slot].tokens),
+                "timings": self.timings(seq),
+            }
+
+        async with self.engine.session(seq):
+            await self.engine.prefill(seq)
+            if body.get("stream") is not True:
+                await self.engine.generate(seq)
+                return json_body(final())
+            resp = await sse_response(request)
+            async with aclosing(self.engine.decode(seq)) as tokens:
+                async for token in tokens:
+                    await send_event(resp, {"index": 0, "content": token, "tokens": [], "stop": False,
+                                            "id_slot": seq.slot, "tokens_predicted": seq.completion_tokens,
+                                            "tokens_evaluated": seq.prompt_tokens})
+            # The native stream ends with the stop event; no `[DONE]` (that is the OAI routes').
+            await send_event(resp, final())
+            await resp.write_eof()
+            return resp
+
+    def metric_families(self) -> list[Metric]:
+        """llamacpp: families of `--metrics`."""
+        engine = self.engine
+        prompt = CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.")
+        prompt.add_metric([], engine.prompt_tokens_total)
+        cached = CounterMetricFamily("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from cache.")
+        cached.add_metric([], engine.cached_tokens_total)
+        predicted = CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.")
+        predicted.add_metric([], engine.generation_tokens_total)
+        processing = GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.")
+        processing.add_metric([], len(engine.running))
+        deferred = GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.")
+        deferred.add_metric([], engine.waiting)
+        return [prompt, cached, predicted, processing, deferred]
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write a slot save file."""
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _read_file(path: str) -> bytes:
+    """Read a slot save file."""
+    with open(path, "rb") as f:
+        return f.read()

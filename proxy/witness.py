@@ -1,0 +1,195 @@
+"""Reset sequences, request ordinals, verdicts (SPEC §5.3) and the counters behind /cache/state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.observe import Observation
+
+__all__ = ["UNVERIFIED", "Witness"]
+
+UNVERIFIED = "unverified"
+CONSISTENT = "consistent"
+CONTRADICTED = "contradicted"
+UNOBSERVABLE = "unobservable"
+
+
+@dataclass(frozen=True)
+class _Sequence:
+    """The accepted reset that numbers the requests after it."""
+
+    reset_id: str
+    session_id: str | None
+    case_id: str | None
+    at_ns: int
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A finished request that could decide the verdict once nothing lower is in flight."""
+
+    ordinal: int
+    verdict: str
+    request_id: str
+    cached_tokens: int | None
+
+
+def _decides(obs: Observation) -> bool:
+    """A request decides only when the exchange completed with a 2xx answer."""
+    return obs.outcome == "ok" and obs.status is not None and 200 <= obs.status < 300
+
+
+class Witness:
+    """Numbers inference requests after each accepted reset and settles its verdict.
+
+    Memory is bounded: the ordinals still in flight (at most the concurrency)
+    and the lowest finished candidate — never the observations themselves.
+    Every `begin_request()` must end in `observe()` or `abandon()`, or the
+    verdict waits for it.
+    """
+
+    def __init__(self) -> None:
+        """No reset seen yet: requests are unnumbered, counters run from start."""
+        self._sequence: _Sequence | None = None
+        self._next_ordinal = 1
+        self._in_flight: set[int] = set()
+        self._best: _Candidate | None = None
+        self._verdict = UNVERIFIED
+        self._decided: _Candidate | None = None
+        self._last_reset: dict[str, Any] | None = None
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
+        """Zero the counters since the reset."""
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.cached_tokens_unknown = 0
+        self._ratio_prompt = 0
+        self._ratio_cached = 0
+
+    def begin_request(self) -> tuple[str | None, int | None]:
+        """(reset_id, ordinal_since_reset) for a request being admitted; (None, None) before any reset."""
+        if self._sequence is None:
+            return None, None
+        ordinal = self._next_ordinal
+        self._next_ordinal += 1
+        if self._verdict == UNVERIFIED:
+            self._in_flight.add(ordinal)
+        return self._sequence.reset_id, ordinal
+
+    def reset_accepted(self, *, reset_id: str, session_id: str | None, case_id: str | None, at_ns: int) -> None:
+        """Start a new sequence (acknowledged or accepted_unverified resets only).
+
+        Coalesced callers share one reset_id: a repeat of the current one keeps
+        the sequence (and the first caller's session and case).
+        """
+        if self._sequence is not None and self._sequence.reset_id == reset_id:
+            return
+        self._sequence = _Sequence(reset_id, session_id, case_id, at_ns)
+        self._next_ordinal = 1
+        self._in_flight = set()
+        self._best = None
+        self._verdict = UNVERIFIED
+        self._decided = None
+        self._reset_counters()
+
+    def reset_answered(self, reset_summary: dict[str, Any]) -> None:
+        """Remember any reset's answer as the last reset shown by /cache/state."""
+        self._last_reset = dict(reset_summary)
+
+    def abandon(self, reset_id: str | None, ordinal: int | None) -> None:
+        """A begun request that will never be observed: stop waiting for it."""
+        if self._current(reset_id) and ordinal is not None:
+            self._in_flight.discard(ordinal)
+            self._settle()
+
+    def observe(self, obs: Observation) -> dict[str, Any] | None:
+        """Count one finished request; return the verification record if it settles the verdict."""
+        if not self._current(obs.reset_id):
+            return None  # a late request of an earlier sequence decides nothing now
+        self._count(obs)
+        if self._verdict != UNVERIFIED or obs.ordinal_since_reset is None:
+            return None
+        self._in_flight.discard(obs.ordinal_since_reset)
+        if _decides(obs) and (self._best is None or obs.ordinal_since_reset < self._best.ordinal):
+            if obs.cached_tokens is None:
+                verdict = UNOBSERVABLE
+            else:
+                verdict = CONSISTENT if obs.cached_tokens == 0 else CONTRADICTED
+            self._best = _Candidate(obs.ordinal_since_reset, verdict, obs.request_id, obs.cached_tokens)
+        return self._settle()
+
+    def _current(self, reset_id: str | None) -> bool:
+        """Whether an observation belongs to the current sequence (or both are before any reset)."""
+        current = self._sequence.reset_id if self._sequence is not None else None
+        return reset_id == current
+
+    def _count(self, obs: Observation) -> None:
+        """Add one observation to the counters since the reset."""
+        self.requests += 1
+        if obs.prompt_tokens is not None:
+            self.prompt_tokens += obs.prompt_tokens
+        if obs.cached_tokens is not None:
+            self.cached_tokens += obs.cached_tokens
+        elif _decides(obs):
+            self.cached_tokens_unknown += 1
+        if obs.prompt_tokens is not None and obs.cached_tokens is not None:
+            self._ratio_prompt += obs.prompt_tokens
+            self._ratio_cached += obs.cached_tokens
+
+    def _settle(self) -> dict[str, Any] | None:
+        """Decide when the lowest candidate has no lower ordinal still in flight."""
+        best = self._best
+        if best is None or self._sequence is None:
+            return None
+        if any(ordinal < best.ordinal for ordinal in self._in_flight):
+            return None
+        self._verdict = best.verdict
+        self._decided = best
+        self._best = None
+        self._in_flight = set()
+        return {
+            "schema_version": 1,
+            "event_type": "infer.cache_verification",
+            "at_ns": time.time_ns(),
+            "reset_id": self._sequence.reset_id,
+            "session_id": self._sequence.session_id,
+            "case_id": self._sequence.case_id,
+            "verdict": best.verdict,
+            "request_id": best.request_id,
+            "cached_tokens": best.cached_tokens,
+        }
+
+    @property
+    def verdict(self) -> str:
+        """The current sequence's verdict (`unverified` until known, and before any reset)."""
+        return self._verdict
+
+    def state(self) -> dict[str, Any]:
+        """The body of GET /cache/state; the caller fills `engine`."""
+        sequence = self._sequence
+        decided = self._decided
+        return {
+            "last_reset": self._last_reset,
+            # The verdict belongs to the last ACCEPTED reset, which a later refused
+            # reset does not replace: `reset_id` says which one it is.
+            "reset_id": sequence.reset_id if sequence else None,
+            "session_id": sequence.session_id if sequence else None,
+            "case_id": sequence.case_id if sequence else None,
+            "reset_at_ns": sequence.at_ns if sequence else None,
+            "verdict": self._verdict,
+            "verdict_request_id": decided.request_id if decided else None,
+            "verdict_cached_tokens": decided.cached_tokens if decided else None,
+            "since_reset": {
+                "requests": self.requests,
+                "prompt_tokens": self.prompt_tokens,
+                "cached_tokens": self.cached_tokens,
+                "cached_tokens_unknown": self.cached_tokens_unknown,
+                # Over the requests that reported both numbers.
+                "hit_ratio": (self._ratio_cached / self._ratio_prompt) if self._ratio_prompt else None,
+            },
+            "engine": None,
+        }

@@ -1,0 +1,184 @@
+"""The sidecar in front of a real llama.cpp llama-server (tiny GGUF, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from tests.real.conftest import Pair
+from tests.real.sidecar_client import (
+    cache_state, cache_state_record, chunk_shapes, complete, engine_info_labels, eventually,
+    find_key, long_prompt, new_case, observations, reset, stream, tags, verification,
+)
+
+MODEL = "tiny"
+# More tokens than the slot can decode in the wait below (measured ~250 tok/s
+# late in an 8k context): a stream that ends early was cut, not finished.
+LONG_GENERATION = 7000
+
+
+async def _props(s: aiohttp.ClientSession, pair: Pair) -> dict:
+    """The engine's own GET /props."""
+    async with s.get(f"{pair.engine_url}/props") as resp:
+        return await resp.json()
+
+
+async def _slots(s: aiohttp.ClientSession, pair: Pair) -> list[dict]:
+    """The engine's own GET /slots."""
+    async with s.get(f"{pair.engine_url}/slots") as resp:
+        return await resp.json()
+
+
+async def test_auto_detects_llamacpp_and_its_build(llama: Pair) -> None:
+    """`--engine auto` finds llama.cpp and reports the build from /props."""
+    async with aiohttp.ClientSession() as s:
+        build_info = (await _props(s, llama))["build_info"]
+        infos = await engine_info_labels(s, llama.url)
+    assert [i["kind"] for i in infos] == ["llamacpp"], infos
+    version = infos[0]["version"]
+    assert version and (version in build_info or build_info in version), (version, build_info)
+
+
+async def test_reset_erases_every_slot_and_is_acknowledged(llama: Pair) -> None:
+    """A reset calls erase on each of the engine's slots and answers acknowledged."""
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        total_slots = (await _props(s, llama))["total_slots"]
+        status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
+    assert status == 200, answer
+    assert answer["answer"] == "acknowledged" and answer["success"] is True, answer
+    assert answer["engine"]["kind"] == "llamacpp"
+    erases = [c for c in answer["calls"] if "action=erase" in str(c)]
+    assert len(erases) == total_slots, answer["calls"]
+    assert all(200 in find_key(c, "status") for c in erases), erases
+    assert answer["cache_state"]["session_id"] == session_id
+
+
+async def test_repeated_prompt_is_cold_after_reset_then_cached(llama: Pair) -> None:
+    """After a reset the first request shows 0 cached tokens and the same prompt again shows > 0."""
+    session_id, case_id = new_case()
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
+        assert status == 200, answer
+        first = await complete(s, llama.url, body, tags(session_id, case_id))
+        second = await complete(s, llama.url, body, tags(session_id, case_id))
+        records = await observations(s, llama.url, case_id, 2)
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert [r["cached_tokens"] for r in records] == [0, second["usage"]["prompt_tokens_details"]["cached_tokens"]]
+    assert [r["ordinal_since_reset"] for r in records] == [1, 2]
+    assert {r["reset_id"] for r in records} == {answer["reset_id"]}
+    assert all(r["session_id"] == session_id and r["stream"] is False for r in records)
+
+
+async def test_streamed_repeat_is_cold_then_cached_without_the_usage_chunk(llama: Pair) -> None:
+    """Streams are observed (0 then > 0 cached) while the client never sees the injected usage chunk."""
+    session_id, case_id = new_case()
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
+        assert status == 200, answer
+        direct = await stream(s, llama.engine_url, {**body, "prompt": long_prompt()})
+        first = await stream(s, llama.url, body, tags(session_id, case_id))
+        second = await stream(s, llama.url, body, tags(session_id, case_id))
+        records = await observations(s, llama.url, case_id, 2)
+    for seen in (first, second):
+        assert seen.done
+        assert all(e.get("choices") for e in seen.events), "the usage-only chunk reached the client"
+        assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
+    assert [r["stream"] for r in records] == [True, True]
+    assert all(r["usage_injected"] is True for r in records), records
+    assert records[0]["cached_tokens"] == 0
+    assert records[1]["cached_tokens"] > 0
+
+
+async def test_erase_with_cache_ram_off_is_verified_consistent(llama: Pair) -> None:
+    """With `--cache-ram 0` an erase leaves a cold cache: the verdict is consistent."""
+    session_id, case_id = new_case()
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        await complete(s, llama.url, body)        # warm the cache with this prompt
+        status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
+        assert status == 200 and answer["answer"] == "acknowledged", answer
+        await complete(s, llama.url, body, tags(session_id, case_id))
+        record = await verification(s, llama.url, answer["reset_id"])
+        state = await cache_state(s, llama.url)
+    assert record["verdict"] == "consistent", record
+    assert record["cached_tokens"] == 0 and record["case_id"] == case_id
+    assert "consistent" in find_key(state, "verdict"), state
+
+
+async def test_erase_with_default_ram_cache_is_contradicted(llama_ram_cache: Pair) -> None:
+    """llama.cpp's host-RAM prompt cache survives erase: acknowledged, yet the verdict is contradicted."""
+    pair = llama_ram_cache
+    session_id, case_id = new_case()
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        await complete(s, pair.url, body)         # the prompt now lives in a slot...
+        # ...and a different prompt on the same slot moves it into the RAM cache.
+        await complete(s, pair.url, {**body, "prompt": long_prompt()})
+        status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
+        assert status == 200 and answer["answer"] == "acknowledged", answer
+        await complete(s, pair.url, body, tags(session_id, case_id))
+        record = await verification(s, pair.url, answer["reset_id"])
+        state = await cache_state(s, pair.url)
+    assert record["verdict"] == "contradicted", record
+    assert record["cached_tokens"] > 0
+    assert "contradicted" in find_key(state, "verdict"), state
+
+
+async def test_reset_without_slot_save_path_is_unsupported_with_hint(llama_without_slot_save: Pair) -> None:
+    """Without `--slot-save-path` llama.cpp has no erase: 501 unsupported, and the hint names the flag."""
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        status, answer = await reset(s, llama_without_slot_save.url, session_id=session_id, case_id=case_id)
+    assert status == 501, answer
+    assert answer["answer"] == "unsupported" and answer["success"] is False
+    assert "--slot-save-path" in answer["hint"]
+
+
+async def test_client_disconnect_mid_stream_frees_the_slot(llama: Pair) -> None:
+    """A client that drops a stream makes the sidecar abort it: the slot goes idle, cut short."""
+    body = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": LONG_GENERATION,
+            "temperature": 0, "stream": True, "id_slot": 0}
+    async with aiohttp.ClientSession() as s:
+        async with aiohttp.ClientSession() as client:
+            resp = await client.post(f"{llama.url}/v1/completions", json=body)
+            assert resp.status == 200
+            for _ in range(5):                      # a few chunks: the slot is decoding
+                assert await resp.content.readline()
+            busy = await _slots(s, llama)
+            assert busy[0]["is_processing"] is True
+            resp.close()                            # drop the connection mid-stream
+
+        async def slot_idle() -> dict | None:
+            """Slot 0 once it stopped processing."""
+            slot = (await _slots(s, llama))[0]
+            return None if slot["is_processing"] else slot
+
+        slot = await eventually(slot_idle, 15.0, "slot 0 idle after the client left")
+    # The slot holds prompt + decoded tokens: fewer than asked means the generation was cut.
+    assert slot["n_prompt_tokens"] < LONG_GENERATION, slot
+
+
+async def test_busy_slot_erase_still_acknowledged_after_drain(llama: Pair) -> None:
+    """A reset during a generation drains it first, then every erase succeeds."""
+    session_id, case_id = new_case()
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 1500, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        generation = asyncio.create_task(complete(s, llama.url, body))
+
+        async def processing() -> bool | None:
+            """True once a slot is busy."""
+            return True if any(x["is_processing"] for x in await _slots(s, llama)) else None
+
+        await eventually(processing, 15.0, "a slot busy with the generation")
+        status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
+        done = await generation
+        record = await cache_state_record(s, llama.url, case_id)
+    assert status == 200 and answer["answer"] == "acknowledged", answer
+    assert done["usage"]["completion_tokens"] == 1500     # the drain let it finish
+    assert answer["drain"]["inflight_at_start"] >= 1
+    assert record["reset"]["answer"] == "acknowledged"

@@ -1,0 +1,281 @@
+"""Each engine dialect's reset rules (SPEC §6), one attempt at a time, against the simulator."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from proxy.engines.base import (
+    ACCEPTED_UNVERIFIED,
+    ACKNOWLEDGED,
+    ERROR,
+    REFUSED,
+    UNREACHABLE,
+    UNSUPPORTED,
+    Attempt,
+    Dialect,
+)
+from proxy.engines.generic import GenericDialect
+from proxy.engines.llamacpp import LlamacppDialect
+from proxy.engines.mindnano import MindnanoDialect
+from proxy.engines.none import NoResetDialect
+from proxy.engines.sglang import SglangDialect
+from proxy.engines.vllm import VllmDialect
+from tests.sim_helpers import Sim, chat, fast, sim, slow, words
+
+TIMEOUT_S = 10.0
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def reset(dialect: Dialect, http: aiohttp.ClientSession, url: str, *, force: bool = False,
+                retry_seconds: float = 0.0, timeout_s: float = TIMEOUT_S) -> Attempt:
+    return await dialect.reset_once(http, url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s)
+
+
+@asynccontextmanager
+async def running_request(engine: Sim, path: str = "/v1/chat/completions", **body: object) -> AsyncIterator[None]:
+    """A long generation in flight on the simulator for the duration of the block (cancelled at exit)."""
+    task = asyncio.create_task(engine.post_json(path, body or chat(words(8), max_tokens=2000)))
+    try:
+        await engine.wait_stats(lambda s: s["running"] >= 1)
+        yield
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+@asynccontextmanager
+async def serve_app(app: web.Application) -> AsyncIterator[str]:
+    """A tiny stand-in engine on a free loopback port."""
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+# -- vLLM ----------------------------------------------------------------------------------
+
+async def test_vllm_idle_reset_is_acknowledged(http) -> None:
+    async with sim(fast("vllm")) as engine:
+        attempt = await reset(VllmDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status, attempt.success) == (ACKNOWLEDGED, 200, True)
+        assert attempt.url.endswith("/reset_prefix_cache?reset_external=true")
+        assert (await engine.stats())["resets_total"] == 1
+
+
+async def test_vllm_success_false_while_a_request_runs_is_refused(http) -> None:
+    async with sim(slow("vllm")) as engine, running_request(engine):
+        attempt = await reset(VllmDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status, attempt.success) == (REFUSED, 200, False)
+        assert '"success":false' in attempt.calls[0].body_excerpt.replace(" ", "")
+
+
+async def test_vllm_force_sends_reset_running_requests(http) -> None:
+    async with sim(slow("vllm")) as engine, running_request(engine):
+        attempt = await reset(VllmDialect(), http, engine.url, force=True)
+        assert attempt.outcome == ACKNOWLEDGED
+        assert "reset_running_requests=true" in attempt.url and "reset_external=true" in attempt.url
+
+
+async def test_vllm_legacy_empty_body_is_accepted_unverified(http) -> None:
+    async with sim(fast("vllm", legacy_empty_body=True)) as engine:
+        attempt = await reset(VllmDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status, attempt.success) == (ACCEPTED_UNVERIFIED, 200, None)
+        assert attempt.warning and "0.26" in attempt.warning
+
+
+async def test_vllm_without_dev_mode_is_unsupported_with_hint(http) -> None:
+    async with sim(fast("vllm", dev_mode=False)) as engine:
+        attempt = await reset(VllmDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status) == (UNSUPPORTED, 404)
+        assert attempt.hint and "VLLM_SERVER_DEV_MODE=1" in attempt.hint
+
+
+# -- SGLang --------------------------------------------------------------------------------
+
+async def test_sglang_idle_flush_is_acknowledged_with_timeout_param(http) -> None:
+    async with sim(fast("sglang")) as engine:
+        attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=7)
+        assert (attempt.outcome, attempt.status) == (ACKNOWLEDGED, 200)
+        assert attempt.url.endswith("/flush_cache?timeout=7")
+
+
+async def test_sglang_400_while_busy_is_refused_and_its_body_kept(http) -> None:
+    async with sim(slow("sglang")) as engine, running_request(engine):
+        attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=0)
+        assert (attempt.outcome, attempt.status) == (REFUSED, 400)
+        assert "Flush cache failed" in attempt.calls[0].body_excerpt
+
+
+async def test_sglang_timeout_waits_for_the_running_request_to_end(http) -> None:
+    async with sim(slow("sglang")) as engine:
+        request = asyncio.create_task(engine.post_json("/v1/chat/completions", chat(words(8), max_tokens=20)))
+        await engine.wait_stats(lambda s: s["running"] == 1)
+        attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=30)
+        status, _ = await request
+        assert status == 200
+        assert attempt.outcome == ACKNOWLEDGED
+
+
+async def test_sglang_admin_key_is_sent_as_bearer(http) -> None:
+    async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
+        attempt = await reset(SglangDialect(api_key="s3cret"), http, engine.url)
+        assert attempt.outcome == ACKNOWLEDGED
+
+
+async def test_sglang_missing_admin_key_is_an_error_with_hint(http) -> None:
+    async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
+        attempt = await reset(SglangDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status) == (ERROR, 401)
+        assert attempt.hint and "engine_api_key" in attempt.hint
+
+
+# -- llama.cpp -----------------------------------------------------------------------------
+
+async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
+    async with sim(fast("llamacpp", slots=3, slot_save_path=str(tmp_path))) as engine:
+        for slot in range(3):
+            await engine.post_json("/completion", {"prompt": words(20, f"s{slot}"), "n_predict": 2, "id_slot": slot})
+        assert all((await engine.stats())["slot_tokens"])
+        attempt = await reset(LlamacppDialect(), http, engine.url)
+        assert attempt.outcome == ACKNOWLEDGED
+        assert [call.url.rsplit("/", 1)[1] for call in attempt.calls] == [
+            "props", "0?action=erase", "1?action=erase", "2?action=erase"]
+        assert attempt.url.endswith("/slots/2?action=erase")
+        assert (await engine.stats())["slot_tokens"] == [0, 0, 0]
+
+
+async def test_llamacpp_answer_always_warns_about_cache_ram(http, tmp_path) -> None:
+    async with sim(fast("llamacpp", slot_save_path=str(tmp_path))) as engine:
+        attempt = await reset(LlamacppDialect(), http, engine.url)
+        assert attempt.outcome == ACKNOWLEDGED
+        assert attempt.warning and "--cache-ram 0" in attempt.warning
+
+
+async def test_llamacpp_erase_still_waiting_on_a_busy_slot_is_refused(http, tmp_path) -> None:
+    async with sim(slow("llamacpp", slot_save_path=str(tmp_path))) as engine, \
+            running_request(engine, "/completion", prompt=words(8), n_predict=2000, id_slot=0):
+        attempt = await reset(LlamacppDialect(), http, engine.url, timeout_s=0.3)
+        assert attempt.outcome == REFUSED
+        assert attempt.error and "busy slot" in attempt.error
+
+
+async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) -> None:
+    async with sim(fast("llamacpp")) as engine:
+        attempt = await reset(LlamacppDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status) == (UNSUPPORTED, 501)
+        assert attempt.hint and "--slot-save-path" in attempt.hint
+        assert attempt.warning and "--cache-ram 0" in attempt.warning
+
+
+# -- mindnano ------------------------------------------------------------------------------
+
+async def test_mindnano_idle_clear_is_acknowledged(http) -> None:
+    async with sim(fast("mindnano")) as engine:
+        attempt = await reset(MindnanoDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status) == (ACKNOWLEDGED, 200)
+        assert (await engine.stats())["resets_total"] == 1
+
+
+async def test_mindnano_429_while_busy_is_refused(http) -> None:
+    async with sim(slow("mindnano")) as engine, running_request(engine):
+        attempt = await reset(MindnanoDialect(), http, engine.url)
+        assert (attempt.outcome, attempt.status) == (REFUSED, 429)
+
+
+# -- generic and none ----------------------------------------------------------------------
+
+async def test_generic_without_reset_path_is_unsupported_with_hint(http) -> None:
+    async with sim(fast("openai")) as engine:
+        attempt = await reset(GenericDialect(), http, engine.url)
+        assert attempt.outcome == UNSUPPORTED
+        assert attempt.hint and "reset_path" in attempt.hint
+        assert attempt.calls == ()
+
+
+async def test_generic_configured_route_reads_the_success_field(http) -> None:
+    async with sim(fast("vllm")) as engine:
+        dialect = GenericDialect(reset_path="/reset_prefix_cache", success_field="success")
+        attempt = await reset(dialect, http, engine.url)
+        assert (attempt.outcome, attempt.success) == (ACKNOWLEDGED, True)
+
+
+async def test_generic_busy_status_is_refused(http) -> None:
+    async with sim(slow("mindnano")) as engine, running_request(engine):
+        dialect = GenericDialect(reset_path="/v1/cache/clear", busy_statuses=(429,))
+        attempt = await reset(dialect, http, engine.url)
+        assert (attempt.outcome, attempt.status) == (REFUSED, 429)
+
+
+async def test_generic_2xx_without_success_field_is_accepted_unverified(http) -> None:
+    async with sim(fast("mindnano")) as engine:
+        attempt = await reset(GenericDialect(reset_path="/v1/cache/clear"), http, engine.url)
+        assert (attempt.outcome, attempt.status) == (ACCEPTED_UNVERIFIED, 200)
+
+
+async def test_none_dialect_is_unsupported_without_calling(http) -> None:
+    attempt = await reset(NoResetDialect(), http, closed_port_url())
+    assert attempt.outcome == UNSUPPORTED and attempt.calls == ()
+    assert attempt.hint and "--engine" in attempt.hint
+
+
+# -- transport -----------------------------------------------------------------------------
+
+async def test_no_connection_is_unreachable(http) -> None:
+    attempt = await reset(VllmDialect(), http, closed_port_url())
+    assert attempt.outcome == UNREACHABLE and attempt.status is None
+    assert attempt.calls[0].error
+
+
+async def test_5xx_is_an_error(http) -> None:
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    app = web.Application()
+    app.router.add_post("/v1/cache/clear", broken)
+    async with serve_app(app) as url:
+        attempt = await reset(MindnanoDialect(), http, url)
+    assert (attempt.outcome, attempt.status) == (ERROR, 500)
+    assert attempt.calls[0].body_excerpt == "boom"
+
+
+async def test_other_4xx_is_an_error_that_names_the_status(http) -> None:
+    async def teapot(request: web.Request) -> web.Response:
+        return web.Response(status=418)
+
+    app = web.Application()
+    app.router.add_post("/reset_prefix_cache", teapot)
+    async with serve_app(app) as url:
+        attempt = await reset(VllmDialect(), http, url)
+    assert attempt.outcome == ERROR and attempt.error and "418" in attempt.error
+
+
+async def test_engine_call_urls_are_redacted(http) -> None:
+    async with sim(fast("vllm")) as engine:
+        with_credentials = engine.url.replace("http://", "http://user:pw@")
+        attempt = await reset(VllmDialect(), http, with_credentials)
+    assert "pw" not in attempt.url and "***@" in attempt.url
+    assert all("pw" not in call.url for call in attempt.calls)

@@ -1,0 +1,174 @@
+"""The evidence writer and reader against real files (proxy/evidence.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import orjson
+import pytest
+
+from proxy.evidence import MAX_LINE_BYTES, EvidenceWriter, read_evidence
+
+
+def record(n: int, **extra: object) -> dict[str, object]:
+    """A small observation-like record."""
+    return {"schema_version": 1, "event_type": "infer.cache_observation", "at_ns": n, "request_id": f"r{n}", **extra}
+
+
+def lines(path: Path) -> list[dict[str, object]]:
+    """Every record in one file."""
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+async def collect(path: Path, keep: int, **filters: object) -> list[bytes]:
+    """Everything read_evidence yields."""
+    return [line async for line in read_evidence(path, keep=keep, **filters)]  # type: ignore[arg-type]
+
+
+async def test_flush_writes_queued_records_as_jsonl(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "ev" / "cachewitness.jsonl")
+    writer.write(record(1))
+    writer.write(record(2, note="é"))
+    await writer.flush()
+    assert lines(writer.path) == [record(1), record(2, note="é")]
+    assert writer.records_total == {"infer.cache_observation": 2}
+    await writer.close()
+
+
+async def test_flush_task_writes_without_being_asked(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", flush_interval_s=0.05)
+    await writer.start()
+    writer.write(record(1))
+    await asyncio.wait_for(writer.wait_flushed(), timeout=5)
+    assert lines(writer.path) == [record(1)]
+    await writer.close()
+
+
+async def test_rotation_keeps_n_files_each_under_the_limit(tmp_path: Path) -> None:
+    path = tmp_path / "cachewitness.jsonl"
+    writer = EvidenceWriter(path, max_bytes=1000, keep=2)
+    for n in range(100):
+        writer.write(record(n))
+    await writer.flush()
+    await writer.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["cachewitness.jsonl", "cachewitness.jsonl.1", "cachewitness.jsonl.2"]
+    assert all(p.stat().st_size <= 1000 for p in tmp_path.iterdir())
+    kept = [orjson.loads(line)["at_ns"] for line in await collect(path, keep=2)]
+    assert kept == list(range(100 - len(kept), 100)) and len(kept) > 10
+
+
+async def test_close_loses_nothing(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    await writer.start()
+    for n in range(10_000):
+        writer.write(record(n))
+    await writer.close()
+    assert [r["at_ns"] for r in lines(writer.path)] == list(range(10_000))
+    assert writer.records_total == {"infer.cache_observation": 10_000} and writer.dropped_total == 0
+
+
+async def test_write_after_close_is_dropped_and_counted(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    await writer.close()
+    writer.write(record(1))
+    assert writer.dropped_total == 1
+
+
+async def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", max_queue=3)
+    for n in range(5):
+        writer.write(record(n))
+    await writer.flush()
+    assert writer.dropped_total == 2 and len(lines(writer.path)) == 3
+
+
+async def test_unwritable_path_is_counted_then_retried_when_fixed(tmp_path: Path) -> None:
+    # A parent that is a regular file stops writes even for root (ENOTDIR/EEXIST).
+    blocker = tmp_path / "evidence"
+    blocker.write_bytes(b"not a directory")
+    writer = EvidenceWriter(blocker / "cachewitness.jsonl")
+    writer.write(record(1))
+    await writer.flush()
+    assert writer.write_errors_total == 1 and not writer.records_total
+    blocker.unlink()
+    writer.write(record(2))
+    await writer.flush()
+    assert lines(writer.path) == [record(1), record(2)]
+    await writer.close()
+
+
+async def test_disk_full_is_counted_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    writer = EvidenceWriter(Path("/dev/full"))
+    with caplog.at_level(logging.WARNING, logger="cachewitness.evidence"):
+        for n in range(3):
+            writer.write(record(n))
+            await writer.flush()
+        await writer.close()
+    failures = [r for r in caplog.records if "evidence_write_failed" in r.getMessage()]
+    # Three flushes and the final one at close each failed; the records are lost and counted.
+    assert writer.write_errors_total == 4 and len(failures) == 1 and writer.dropped_total == 3
+    assert orjson.loads(failures[0].getMessage())["error"] == "ENOSPC"
+
+
+async def test_oversize_record_is_truncated_to_fit(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    writer.write(record(1, calls=[{"url": "http://e/x", "body": "x" * 200_000}]))
+    await writer.flush()
+    (written,) = lines(writer.path)
+    assert written["truncated"] is True and len(written["calls"][0]["body"]) < 2000
+    assert writer.path.stat().st_size <= MAX_LINE_BYTES
+
+
+async def test_record_that_cannot_fit_is_dropped_and_counted(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    writer.write(record(1, many=list(range(20_000))))
+    await writer.flush()
+    assert writer.dropped_total == 1 and not writer.path.exists()
+
+
+async def test_unencodable_record_never_raises(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    writer.write(record(1, bad=object()))
+    assert writer.dropped_total == 1
+
+
+async def test_stdout_copy_gets_each_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", stdout=True)
+    writer.write(record(7))
+    await writer.close()
+    assert capsys.readouterr().out == writer.path.read_text()
+
+
+async def test_reader_filters_by_session_case_type_and_time(tmp_path: Path) -> None:
+    path = tmp_path / "cachewitness.jsonl"
+    writer = EvidenceWriter(path)
+    writer.write(record(1, session_id="a", case_id="1"))
+    writer.write(record(2, session_id="b", case_id="1"))
+    writer.write({"schema_version": 1, "event_type": "infer.cache_state", "at_ns": 3, "session_id": "a"})
+    await writer.close()
+    assert len(await collect(path, keep=5, session_id="a")) == 2
+    assert len(await collect(path, keep=5, case_id="1")) == 2
+    assert len(await collect(path, keep=5, event_type="infer.cache_state")) == 1
+    assert [orjson.loads(x)["at_ns"] for x in await collect(path, keep=5, since_ns=2)] == [2, 3]
+
+
+async def test_reader_skips_an_unfinished_last_line(tmp_path: Path) -> None:
+    path = tmp_path / "cachewitness.jsonl"
+    path.write_bytes(b'{"at_ns":1}\n{"at_ns":2')
+    assert await collect(path, keep=5) == [b'{"at_ns":1}\n']
+
+
+async def test_reader_streams_a_file_larger_than_its_read_chunk(tmp_path: Path) -> None:
+    path = tmp_path / "cachewitness.jsonl"
+    writer = EvidenceWriter(path)
+    for n in range(20_000):
+        writer.write(record(n, session_id="s" if n % 2 else "t"))
+    await writer.close()
+    assert path.stat().st_size > 1_000_000
+    got = await collect(path, keep=5, session_id="s")
+    assert [orjson.loads(x)["at_ns"] for x in got] == list(range(1, 20_000, 2))

@@ -1,0 +1,81 @@
+"""SIGTERM: not ready at once, in-flight streams finish, new connections stop, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from tests.conftest import serve_app
+from tests.test_health import free_port, wait_status
+from tests.upstream import STATE, build_upstream
+
+
+async def start_sidecar(upstream: str, tmp_path: Path, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m proxy serve` on a free loopback port, waited on until ready (bounded)."""
+    port = free_port()
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--upstream", upstream,
+        "--listen", f"127.0.0.1:{port}", "--evidence", str(tmp_path / "ev.jsonl"),
+        "--health-interval", "0.2", *extra,
+        stderr=open(tmp_path / "sidecar.log", "wb"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as session:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while True:
+            try:
+                await wait_status(session, url + "/-/ready", 200, bound_s=30)
+                break
+            except aiohttp.ClientConnectionError:
+                assert loop.time() < deadline, (tmp_path / "sidecar.log").read_text()
+                await asyncio.sleep(0.1)
+    return process, url
+
+
+async def refused_within(url: str, bound_s: float) -> bool:
+    """Poll `url` until a connection is refused (True) or the bound passes (False)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            try:
+                async with session.get(url) as response:
+                    await response.read()
+            except aiohttp.ClientConnectionError:
+                return True
+            await asyncio.sleep(0.05)
+    return False
+
+
+async def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path) -> None:
+    upstream_app = build_upstream()
+    state = upstream_app[STATE]
+    async with serve_app(upstream_app) as upstream, aiohttp.ClientSession() as session:
+        process, proxy = await start_sidecar(upstream, tmp_path, "--shutdown-delay", "0.5", "--grace-period", "20")
+        stream = await session.get(proxy + "/sse/paced?n=3")
+        state.gates[0].set()
+        assert await stream.content.readuntil(b"\n\n") == b'data: {"i": 0}\n\n'
+        process.send_signal(signal.SIGTERM)
+        # During shutdown_delay the sidecar still answers, but says it is not ready.
+        async with aiohttp.ClientSession() as probe:
+            await wait_status(probe, proxy + "/-/ready", 503, bound_s=5)
+        # Once shutdown_delay is over the listener closes: new connections are refused.
+        assert await refused_within(proxy + "/-/healthy", bound_s=5)
+        state.gates[1].set()
+        state.gates[2].set()
+        rest = await asyncio.wait_for(stream.content.read(), timeout=10)
+        assert rest == b'data: {"i": 1}\n\ndata: {"i": 2}\n\ndata: [DONE]\n\n'
+        stream.close()
+        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
+
+
+async def test_sigterm_with_nothing_in_flight_exits_0_quickly(tmp_path: Path) -> None:
+    async with serve_app(build_upstream()) as upstream:
+        process, _ = await start_sidecar(upstream, tmp_path)
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=10) == 0

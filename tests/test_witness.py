@@ -1,0 +1,153 @@
+"""Reset sequences, ordinals and verdicts (proxy/witness.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.observe import Observation
+from proxy.witness import Witness
+
+BASE = Observation(
+    request_id="r", session_id=None, case_id=None, method="POST", path="/v1/chat/completions",
+    status=200, stream=False, model="m", prompt_tokens=100, completion_tokens=4, cached_tokens=0,
+    cached_tokens_source="usage.prompt_tokens_details.cached_tokens", reset_id=None, ordinal_since_reset=None,
+    started_ns=1, first_byte_ns=2, finished_ns=3, outcome="ok", usage_injected=False,
+)  # fmt: skip
+
+
+def accepted(witness: Witness, reset_id: str = "x1") -> Witness:
+    """A witness after one accepted reset."""
+    witness.reset_accepted(reset_id=reset_id, session_id="s", case_id="c", at_ns=10)
+    return witness
+
+
+def finished(witness: Witness, reset_and_ordinal: tuple[str | None, int | None], **fields: object) -> dict | None:
+    """Observe a request that began with the given (reset_id, ordinal)."""
+    reset_id, ordinal = reset_and_ordinal
+    obs = replace(BASE, reset_id=reset_id, ordinal_since_reset=ordinal, request_id=f"r{ordinal}", **fields)
+    return witness.observe(obs)
+
+
+def test_requests_before_any_reset_are_unnumbered() -> None:
+    witness = Witness()
+    assert witness.begin_request() == (None, None)
+    assert finished(witness, (None, None)) is None
+    assert witness.state()["verdict"] == "unverified" and witness.state()["since_reset"]["requests"] == 1
+
+
+def test_ordinals_count_from_one_after_a_reset() -> None:
+    witness = accepted(Witness())
+    assert [witness.begin_request() for _ in range(3)] == [("x1", 1), ("x1", 2), ("x1", 3)]
+
+
+def test_zero_cached_first_request_is_consistent() -> None:
+    witness = accepted(Witness())
+    verification = finished(witness, witness.begin_request(), cached_tokens=0)
+    assert verification is not None
+    assert {k: v for k, v in verification.items() if k != "at_ns"} == {
+        "schema_version": 1, "event_type": "infer.cache_verification", "reset_id": "x1", "session_id": "s",
+        "case_id": "c", "verdict": "consistent", "request_id": "r1", "cached_tokens": 0,
+    }  # fmt: skip
+    assert witness.state()["verdict"] == "consistent"
+
+
+def test_cached_tokens_after_reset_contradict_it() -> None:
+    witness = accepted(Witness())
+    verification = finished(witness, witness.begin_request(), cached_tokens=96)
+    assert verification is not None and verification["verdict"] == "contradicted"
+    assert witness.state()["verdict_cached_tokens"] == 96
+
+
+def test_no_cached_field_is_unobservable() -> None:
+    witness = accepted(Witness())
+    verification = finished(witness, witness.begin_request(), cached_tokens=None, cached_tokens_source=None)
+    assert verification is not None and verification["verdict"] == "unobservable"
+
+
+def test_later_ordinal_waits_for_an_earlier_one_in_flight() -> None:
+    witness = accepted(Witness())
+    first, second = witness.begin_request(), witness.begin_request()
+    assert finished(witness, second, cached_tokens=50) is None
+    assert witness.state()["verdict"] == "unverified"
+    verification = finished(witness, first, cached_tokens=0)
+    assert verification is not None and (verification["verdict"], verification["request_id"]) == ("consistent", "r1")
+
+
+def test_later_ordinal_decides_once_the_earlier_one_fails() -> None:
+    witness = accepted(Witness())
+    first, second = witness.begin_request(), witness.begin_request()
+    assert finished(witness, second, cached_tokens=50) is None
+    verification = finished(witness, first, outcome="client_disconnected", cached_tokens=None)
+    assert verification is not None and (verification["verdict"], verification["request_id"]) == ("contradicted", "r2")
+
+
+def test_failed_first_request_is_skipped() -> None:
+    witness = accepted(Witness())
+    first, second = witness.begin_request(), witness.begin_request()
+    assert finished(witness, first, status=500, cached_tokens=None) is None
+    verification = finished(witness, second, cached_tokens=0)
+    assert verification is not None and verification["request_id"] == "r2"
+
+
+def test_abandoned_request_stops_blocking_the_verdict() -> None:
+    witness = accepted(Witness())
+    first, second = witness.begin_request(), witness.begin_request()
+    finished(witness, second, cached_tokens=0)
+    assert witness.state()["verdict"] == "unverified"
+    witness.abandon(*first)
+    assert witness.state()["verdict"] == "consistent"
+
+
+def test_verdict_is_written_once() -> None:
+    witness = accepted(Witness())
+    assert finished(witness, witness.begin_request(), cached_tokens=0) is not None
+    assert finished(witness, witness.begin_request(), cached_tokens=80) is None
+    assert witness.state()["verdict"] == "consistent"
+
+
+def test_second_reset_starts_a_fresh_sequence_and_ignores_late_old_requests() -> None:
+    witness = accepted(Witness(), "x1")
+    old = witness.begin_request()
+    accepted(witness, "x2")
+    assert witness.state()["verdict"] == "unverified"
+    assert finished(witness, old, cached_tokens=0) is None
+    assert witness.state()["since_reset"]["requests"] == 0
+    new = witness.begin_request()
+    assert new == ("x2", 1)
+    verification = finished(witness, new, cached_tokens=64)
+    assert verification is not None and (verification["reset_id"], verification["verdict"]) == ("x2", "contradicted")
+
+
+def test_coalesced_callers_share_one_sequence() -> None:
+    witness = accepted(Witness(), "x1")
+    witness.begin_request()
+    witness.reset_accepted(reset_id="x1", session_id="other", case_id="other", at_ns=11)
+    assert witness.begin_request() == ("x1", 2)
+    assert witness.state()["session_id"] == "s"
+
+
+def test_refused_reset_is_shown_without_replacing_the_sequence() -> None:
+    witness = accepted(Witness(), "x1")
+    witness.reset_answered({"answer": "acknowledged", "reset_id": "x1"})
+    witness.reset_answered({"answer": "refused", "reset_id": "x2"})
+    state = witness.state()
+    assert state["last_reset"] == {"answer": "refused", "reset_id": "x2"} and state["reset_id"] == "x1"
+
+
+def test_counters_since_reset_sum_tokens_and_unknowns() -> None:
+    witness = accepted(Witness())
+    finished(witness, witness.begin_request(), prompt_tokens=100, cached_tokens=0)
+    finished(witness, witness.begin_request(), prompt_tokens=100, cached_tokens=96)
+    finished(witness, witness.begin_request(), prompt_tokens=50, cached_tokens=None)
+    assert witness.state()["since_reset"] == {
+        "requests": 3, "prompt_tokens": 250, "cached_tokens": 96, "cached_tokens_unknown": 1, "hit_ratio": 0.48,
+    }  # fmt: skip
+
+
+def test_lowest_candidate_wins_after_many_later_requests() -> None:
+    witness = accepted(Witness())
+    first = witness.begin_request()
+    for _ in range(10_000):
+        assert finished(witness, witness.begin_request(), cached_tokens=7) is None
+    verification = finished(witness, first, outcome="upstream_error", status=None, cached_tokens=None)
+    assert verification is not None and (verification["request_id"], verification["cached_tokens"]) == ("r2", 7)

@@ -50,6 +50,7 @@ class EngineState:
     """The engine's kind and version, and its dialect; `--engine auto` detects at start and on return."""
 
     def __init__(self, settings: Settings) -> None:
+        """Start undetected (auto) or with the configured kind."""
         self._settings = settings
         self._auto = settings.engine == "auto"
         kind = UNKNOWN if self._auto else settings.engine
@@ -95,7 +96,5 @@ class EngineState:
 
     async def upstream_came_back(self, session: aiohttp.ClientSession) -> None:
         """The upstream answers again after being down: it may be another engine now, so re-detect (auto)."""
-        if self._auto:
-            await self.detect(session)
-        elif self.info.version is None:
+        if self._auto or self.info.version is None:
             await self.detect(session)

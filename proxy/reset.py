@@ -65,6 +65,7 @@ class BadInput(Exception):
     """A `/cache/reset` input the sidecar will not take; `param` names the field."""
 
     def __init__(self, param: str | None, message: str, code: str = "invalid_value") -> None:
+        """`param` is the field at fault (None for the body as a whole)."""
         super().__init__(message)
         self.param = param
         self.message = message
@@ -252,6 +253,7 @@ class ResetService:
     """Runs one engine reset at a time; callers arriving during one share the next."""
 
     def __init__(self, app: web.Application) -> None:
+        """The service finds settings, admission, engine, client, witness and evidence on `app`."""
         self._app = app
         self._running: _Round | None = None
         self._next: _Round | None = None
@@ -261,6 +263,11 @@ class ResetService:
     def busy(self) -> bool:
         """True while an engine reset runs."""
         return self._running is not None
+
+    @property
+    def waiting(self) -> int:
+        """Callers waiting for the next engine reset (they will share it)."""
+        return len(self._next.callers) if self._next is not None else 0
 
     async def reset(self, params: ResetParams) -> tuple[int, dict[str, Any]]:
         """This caller's answer (status, body), from the reset it shares."""

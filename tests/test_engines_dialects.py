@@ -27,6 +27,8 @@ from proxy.engines.mindnano import MindnanoDialect
 from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
+from proxy.redact import redact_url
+from tests.conftest import serve_app
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 
 TIMEOUT_S = 10.0
@@ -54,19 +56,6 @@ async def running_request(engine: Sim, path: str = "/v1/chat/completions", **bod
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-
-
-@asynccontextmanager
-async def serve_app(app: web.Application) -> AsyncIterator[str]:
-    """A tiny stand-in engine on a free loopback port."""
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
 
 
 def closed_port_url() -> str:
@@ -279,3 +268,17 @@ async def test_engine_call_urls_are_redacted(http) -> None:
         attempt = await reset(VllmDialect(), http, with_credentials)
     assert "pw" not in attempt.url and "***@" in attempt.url
     assert all("pw" not in call.url for call in attempt.calls)
+
+
+@pytest.mark.parametrize(
+    ("url", "redacted"),
+    [
+        ("http://user:pw@engine:8000/x", "http://***@engine:8000/x"),
+        ("http://engine/x?api_key=k&token=t&a=1", "http://engine/x?api_key=***&token=***&a=1"),
+        ("http://engine/x?Secret=s&PASSWORD=p", "http://engine/x?Secret=***&PASSWORD=***"),
+        ("http://engine/reset_prefix_cache?reset_external=true", "http://engine/reset_prefix_cache?reset_external=true"),
+        ("http://[::1/x?key=1", "http://[::1/x?***"),
+    ],
+)
+def test_redact_url(url: str, redacted: str) -> None:
+    assert redact_url(url) == redacted

@@ -468,6 +468,14 @@ def test_full_render_validates_strictly(kube_version: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_chart_refuses_kubernetes_without_native_sidecars() -> None:
+    """kubeVersion >= 1.29 in Chart.yaml: rendering for 1.28 fails instead of deploying a broken pod."""
+    command = [str(HELM), "template", "cw", str(CHART), "--kube-version", "1.28.0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode != 0
+    assert "kubeVersion" in result.stderr
+
+
 def test_native_sidecar_is_rejected_by_kubernetes_1_27_schema() -> None:
     """The validator is strict enough to see the feature: 1.27 has no restartPolicy on init containers."""
     result = validate(render_text(), "1.27.0")

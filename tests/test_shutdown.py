@@ -17,12 +17,13 @@ from tests.upstream import STATE, build_upstream
 async def start_sidecar(upstream: str, tmp_path: Path, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
     """`python -m proxy serve` on a free loopback port, waited on until ready (bounded)."""
     port = free_port()
-    process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "serve", "--upstream", upstream,
-        "--listen", f"127.0.0.1:{port}", "--evidence", str(tmp_path / "ev.jsonl"),
-        "--health-interval", "0.2", *extra,
-        stderr=open(tmp_path / "sidecar.log", "wb"),
-    )
+    with open(tmp_path / "sidecar.log", "wb") as log:  # the child keeps its own copy of the fd
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "proxy", "serve", "--upstream", upstream,
+            "--listen", f"127.0.0.1:{port}", "--evidence", str(tmp_path / "ev.jsonl"),
+            "--health-interval", "0.2", *extra,
+            stderr=log,
+        )
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
         loop = asyncio.get_running_loop()
@@ -79,3 +80,19 @@ async def test_sigterm_with_nothing_in_flight_exits_0_quickly(tmp_path: Path) ->
         process, _ = await start_sidecar(upstream, tmp_path)
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=10) == 0
+
+
+async def test_sigterm_loses_no_buffered_evidence(tmp_path: Path) -> None:
+    from proxy.sim import running_sim
+    from tests.sim_helpers import chat, fast
+
+    async with running_sim(fast("vllm")) as engine, aiohttp.ClientSession() as session:
+        process, proxy = await start_sidecar(engine, tmp_path)
+        for index in range(200):
+            async with session.post(proxy + "/v1/chat/completions", json=chat(f"prompt {index}")) as response:
+                assert response.status == 200
+        # Straight after the last answer: records still sit in the writer's batch.
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
+    lines = (tmp_path / "ev.jsonl").read_bytes().splitlines()
+    assert sum(b'"infer.cache_observation"' in line for line in lines) == 200

@@ -11,7 +11,7 @@ import sys
 import aiohttp
 import pytest
 
-from proxy.sim import SimConfig, add_sim_arguments, sim_config_from_args
+from proxy.sim import SimConfig, add_sim_arguments, parse_listen, sim_config_from_args
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -23,7 +23,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_match_the_spec() -> None:
     ns = parse()
-    assert ns.listen == ("127.0.0.1", 8000)
+    assert parse_listen(ns.listen) == ("127.0.0.1", 8000)
     assert sim_config_from_args(ns) == SimConfig()
     assert SimConfig().block_size == 16 and SimConfig().decode_rate == 50 and SimConfig().prefill_rate == 5000
 
@@ -35,7 +35,7 @@ def test_every_option_reaches_the_config() -> None:
         "--no-dev-mode", "--no-prompt-tokens-details", "--omit-zero-cached", "--admin-api-key", "k",
         "--slots", "4", "--slot-save-path", "/tmp", "--ram-cache", "--model", "m", "--version", "b1",
     )
-    assert ns.listen == ("0.0.0.0", 9)
+    assert parse_listen(ns.listen) == ("0.0.0.0", 9)
     assert sim_config_from_args(ns) == SimConfig(
         dialect="llamacpp", decode_rate=0, prefill_rate=0, block_size=32, cache_blocks=10, max_concurrency=3,
         legacy_empty_body=True, dev_mode=False, prompt_tokens_details=False, omit_zero_cached=True,
@@ -43,9 +43,13 @@ def test_every_option_reaches_the_config() -> None:
     )
 
 
-def test_bad_listen_is_a_usage_error() -> None:
-    with pytest.raises(SystemExit):
-        parse("--listen", "nope")
+def test_bad_listen_is_rejected() -> None:
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_listen("nope")
+
+
+def test_ipv6_listen_is_split() -> None:
+    assert parse_listen("[::1]:8000") == ("::1", 8000)
 
 
 def test_bad_config_is_rejected() -> None:

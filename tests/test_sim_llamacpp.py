@@ -133,6 +133,17 @@ async def test_chat_stream_usage_chunk_carries_timings() -> None:
     usage_chunk = event_json(events[-2])
     assert usage_chunk["choices"] == []
     assert usage_chunk["timings"]["cache_n"] == 0
+    assert "timings" not in event_json(events[-3])
+
+
+async def test_chat_stream_without_usage_puts_timings_on_the_finish_chunk() -> None:
+    body = chat("hello", max_tokens=2, stream=True)
+    async with sim(fast("llamacpp")) as s, s.http.post(s.url + "/v1/chat/completions", json=body) as resp:
+        events = await read_events(resp)
+    finish_chunk = event_json(events[-2])
+    assert finish_chunk["choices"][0]["finish_reason"] == "length"
+    assert finish_chunk["timings"]["cache_n"] == 0
+    assert all("timings" not in event_json(e) for e in events[:-2])
 
 
 async def test_props_slots_and_health() -> None:

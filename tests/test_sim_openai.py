@@ -155,3 +155,24 @@ async def test_unknown_route_is_fastapi_404() -> None:
     async with sim(fast("openai")) as s, s.http.post(s.url + "/reset_prefix_cache") as resp:
         assert resp.status == 404
         assert orjson.loads(await resp.read()) == {"detail": "Not Found"}
+
+
+async def test_client_disconnect_aborts_a_non_stream_request() -> None:
+    async with sim(slow("openai")) as s:
+        task = asyncio.create_task(s.post_json("/v1/chat/completions", chat("hi", max_tokens=100_000)))
+        await s.wait_stats(lambda st: st["running"] == 1)
+        task.cancel()
+        stats = await s.wait_stats(lambda st: st["aborted_total"] == 1)
+        assert stats["running"] == 0
+
+
+async def test_client_disconnect_while_waiting_leaves_no_waiter() -> None:
+    async with sim(slow("openai", max_concurrency=1)) as s:
+        first = asyncio.create_task(s.post_json("/v1/chat/completions", chat("one", max_tokens=20)))
+        second = asyncio.create_task(s.post_json("/v1/chat/completions", chat("two", max_tokens=20)))
+        await s.wait_stats(lambda st: st["waiting"] == 1)
+        second.cancel()
+        await s.wait_stats(lambda st: st["waiting"] == 0)
+        assert (await first)[0] == 200
+        stats = await s.wait_stats(lambda st: st["running"] == 0)
+        assert stats["completed_total"] == 1

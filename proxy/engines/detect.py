@@ -22,6 +22,7 @@ class _Prober:
     """GETs JSON from the upstream, each probe bounded by the timeout."""
 
     def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, api_key: str | None) -> None:
+        """Probe `base_url` through `session`, each call bounded by `timeout_s`."""
         self._session = session
         self._base_url = base_url.rstrip("/")
         self._timeout_s = timeout_s

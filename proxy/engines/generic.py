@@ -39,6 +39,7 @@ class GenericDialect(Dialect):
         success_field: str | None = None,
         health_path: str = "/health",
     ) -> None:
+        """The configured reset call and how to read its answer."""
         self._method = reset_method.upper()
         self._path = reset_path
         self._busy = frozenset(busy_statuses)

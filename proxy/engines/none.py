@@ -20,6 +20,7 @@ class NoResetDialect(Dialect):
     kind = "none"
 
     def __init__(self, hint: str = NONE_HINT, health_path: str = "/health") -> None:
+        """`hint` says how to get a reset."""
         self._hint = hint
         self.health_path = health_path
 

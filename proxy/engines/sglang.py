@@ -30,6 +30,7 @@ class SglangDialect(Dialect):
     kind = "sglang"
 
     def __init__(self, api_key: str | None = None) -> None:
+        """`api_key`: the engine's admin key (sent as a bearer token), if it has one."""
         self._api_key = api_key
 
     async def reset_once(

@@ -71,7 +71,7 @@ def parse_listen(value: str) -> tuple[str, int]:
     """Split `HOST:PORT` (IPv6 as `[::1]:8000`) into host and port."""
     host, sep, port = value.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise argparse.ArgumentTypeError(f"--listen wants HOST:PORT, e.g. 127.0.0.1:8000, not {value!r}")
+        raise ValueError(f"--listen wants HOST:PORT, e.g. 127.0.0.1:8000, not {value!r}")
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
@@ -79,7 +79,8 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the simulator's options (SPEC §8 names) to an argparse parser."""
     d = SimConfig()
     parser.add_argument("--dialect", choices=DIALECTS, default=d.dialect, help="engine to speak like")
-    parser.add_argument("--listen", default="127.0.0.1:8000", type=parse_listen, metavar="HOST:PORT")
+    # Kept as the raw "HOST:PORT" string (callers split it, e.g. with parse_listen).
+    parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default 127.0.0.1:8000")
     parser.add_argument("--model", default=d.model, help="served model name")
     parser.add_argument("--version", dest="engine_version", default=None, help="engine version to report")
     parser.add_argument("--decode-rate", type=float, default=d.decode_rate, metavar="TOKENS_PER_S",

@@ -96,6 +96,10 @@ class Dialect:
         """Top-level members added to the include_usage chunk."""
         return {}
 
+    def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
+        """Top-level members added to the stream's last data event, whichever chunk that is."""
+        return {}
+
     def finish_chunk_extras(self, seq: Sequence) -> dict[str, Any]:
         """Top-level members added to the chunk that carries finish_reason."""
         return {}

@@ -101,13 +101,18 @@ class LlamacppDialect(Dialect):
 
     def _pick_free(self, seq: Sequence) -> Slot | None:
         """A free slot: the one sharing the longest prefix with the prompt, else the least recently used."""
-        free = [s for s in self.slots if s.claims == 0]
-        if not free:
-            return None
-        best = max(free, key=lambda s: common_prefix(s.tokens, seq.prompt))
-        if common_prefix(best.tokens, seq.prompt) > 0:
-            return best
-        return min(free, key=lambda s: s.last_used)
+        best: Slot | None = None
+        best_len = 0
+        oldest: Slot | None = None
+        for slot in self.slots:
+            if slot.claims:
+                continue
+            n = common_prefix(slot.tokens, seq.prompt)
+            if n > best_len:
+                best, best_len = slot, n
+            if oldest is None or slot.last_used < oldest.last_used:
+                oldest = slot
+        return best if best is not None else oldest
 
     async def admit(self, seq: Sequence) -> None:
         """Take the pinned slot (`id_slot`) or any free one; defer while none is free."""
@@ -212,8 +217,9 @@ class LlamacppDialect(Dialect):
         """Non-stream responses carry `timings`."""
         return {"timings": self.timings(seq)}
 
-    def usage_chunk_extras(self, seq: Sequence) -> dict[str, Any]:
-        """The include_usage chunk carries `timings` too."""
+    def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
+        """llama-server appends `timings` to the last chunk of a stream: the include_usage chunk
+        when there is one, else the finish chunk (tools/server `deltas.back()`)."""
         return {"timings": self.timings(seq)}
 
     def not_found(self) -> web.Response:

@@ -160,7 +160,7 @@ class OpenAIRoutes:
         if usage_on_finish:
             final["usage"] = self.dialect.usage(seq)
             final.update(self.dialect.usage_chunk_extras(seq))
-        await send_event(resp, final)
+        events = [final]
         if include_usage and not usage_on_finish:
             usage_chunk: dict[str, Any] = {
                 "id": ident,
@@ -171,7 +171,10 @@ class OpenAIRoutes:
                 "usage": self.dialect.usage(seq),
             }
             usage_chunk.update(self.dialect.usage_chunk_extras(seq))
-            await send_event(resp, usage_chunk)
+            events.append(usage_chunk)
+        events[-1].update(self.dialect.last_event_extras(seq))
+        for event in events:
+            await send_event(resp, event)
         await resp.write(DONE)
         await resp.write_eof()
         return resp

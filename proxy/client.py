@@ -1,0 +1,258 @@
+"""Client commands: `cachewitness reset` (exit code = the answer) and `cachewitness evidence`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
+
+from proxy.evidence_summary import summarize, summary_table
+from proxy.redact import redact_url
+
+__all__ = [
+    "EXIT_CODES",
+    "add_evidence_arguments",
+    "add_reset_arguments",
+    "run_evidence",
+    "run_reset",
+]
+
+DEFAULT_URL = "http://127.0.0.1:9000"
+# SPEC §2: the exit code says the answer.
+EXIT_CODES = {
+    "acknowledged": 0,
+    "accepted_unverified": 3,
+    "refused": 4,
+    "unsupported": 5,
+    "unreachable": 6,
+    "error": 6,
+}
+EXIT_FAILED = 6
+EXIT_BAD_INPUT = 2
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Admin calls never follow redirects (a token must not travel elsewhere)."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        """Refuse every redirect."""
+        return None
+
+
+# No environment proxy between the client and its sidecar, and no redirects.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def _common_arguments(parser: argparse.ArgumentParser) -> None:
+    """--url, --token-file, --timeout: where the sidecar is and how to be let in."""
+    parser.add_argument("--url", default=None, metavar="SIDECAR_URL",
+                        help=f"the sidecar's base URL (env CACHEWITNESS_URL; default {DEFAULT_URL})")
+    parser.add_argument("--token-file", default=None, metavar="F",
+                        help="file holding the admin token (else env CACHEWITNESS_ADMIN_TOKEN)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds to wait for the sidecar's answer (default 300)")
+
+
+def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `cachewitness reset`."""
+    _common_arguments(parser)
+    parser.add_argument("--session-id", default=None, metavar="S", help="benchmark session id for the record")
+    parser.add_argument("--case-id", default=None, metavar="C", help="benchmark case id for the record")
+    parser.add_argument("--requested", choices=("cold", "unspecified"), default=None,
+                        help="cache state the case asks for (default cold)")
+    parser.add_argument("--warmup-requests", type=int, default=None, metavar="N",
+                        help="warm-up requests the case runs before measuring")
+    parser.add_argument("--no-drain", action="store_true", help="do not hold traffic while resetting")
+    parser.add_argument("--retry-seconds", type=float, default=None, metavar="N",
+                        help="keep retrying a refused reset for N seconds (0..120)")
+    parser.add_argument("--force", action="store_true",
+                        help="vLLM: reset_running_requests=true (preempts running requests)")
+    parser.add_argument("--json", action="store_true", help="print the answer's JSON body")
+
+
+def add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `cachewitness evidence`."""
+    _common_arguments(parser)
+    parser.add_argument("--session-id", default=None, metavar="S")
+    parser.add_argument("--case-id", default=None, metavar="C")
+    parser.add_argument("--event-type", default=None, metavar="T",
+                        help="infer.cache_state, infer.cache_observation or infer.cache_verification")
+    parser.add_argument("--since-ns", type=int, default=None, metavar="NS", help="records at or after this time")
+    parser.add_argument("--summary", action="store_true",
+                        help="print a table per (session, case) instead of the records")
+
+
+def _base_url(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
+    """--url, else CACHEWITNESS_URL, else the default; without a trailing slash."""
+    return (ns.url or env.get("CACHEWITNESS_URL") or DEFAULT_URL).rstrip("/")
+
+
+def _token(ns: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """The admin token from --token-file, else CACHEWITNESS_ADMIN_TOKEN; raises OSError for an unreadable file."""
+    if ns.token_file:
+        with open(ns.token_file, encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    return env.get("CACHEWITNESS_ADMIN_TOKEN") or None
+
+
+def _request(url: str, token: str | None, *, data: bytes | None = None) -> urllib.request.Request:
+    """A request to the sidecar with the admin token, if any."""
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    if data is not None:
+        headers["Content-Type"] = "application/json"
+    return urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else its start."""
+    try:
+        payload = json.loads(body.decode("utf-8"))
+        return str(payload["error"]["message"])
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return body[:300].decode("utf-8", errors="replace").strip() or "(no body)"
+
+
+def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
+    """The JSON body of the reset call: only what the user gave."""
+    body: dict[str, Any] = {}
+    for name in ("session_id", "case_id", "requested", "warmup_requests", "retry_seconds"):
+        value = getattr(ns, name, None)
+        if value is not None:
+            body[name] = value
+    if ns.no_drain:
+        body["drain"] = False
+    if ns.force:
+        body["force"] = True
+    return body
+
+
+def _human_line(answer: dict[str, Any]) -> str:
+    """One readable line: answer, attempts, engine, and the hint or warning."""
+    engine = answer.get("engine") or {}
+    kind = engine.get("kind") or "?"
+    version = f" {engine['version']}" if engine.get("version") else ""
+    attempts = answer.get("attempts")
+    parts = [
+        f"{answer.get('answer')}: engine {kind}{version}",
+        f"{attempts} attempt{'s' if attempts != 1 else ''}",
+        f"reset_id {answer.get('reset_id')}",
+    ]
+    drain = answer.get("drain") or {}
+    if drain.get("enabled"):
+        parts.append(f"drained {drain.get('inflight_at_start', 0)} in flight in {drain.get('waited_s', 0):.2f}s")
+    line = ", ".join(parts)
+    for key in ("detail", "hint", "warning"):
+        if answer.get(key):
+            line += f"; {key}: {answer[key]}"
+    return line
+
+
+def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """POST /cache/reset; print the answer; exit 0/3/4/5/6 by answer (2 for input the sidecar rejected)."""
+    env = os.environ if env is None else env
+    base = _base_url(ns, env)
+    try:
+        token = _token(ns, env)
+    except OSError as exc:
+        print(f"cachewitness reset: cannot read --token-file {ns.token_file}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    request = _request(f"{base}/cache/reset", token, data=json.dumps(_reset_body(ns)).encode())
+    try:
+        with _OPENER.open(request, timeout=ns.timeout) as response:
+            status, raw = response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(f"cachewitness reset: the sidecar at {redact_url(base)} cannot be reached: {reason}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        answer = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        answer = None
+    if not isinstance(answer, dict) or "answer" not in answer:
+        return _report_failure(status, raw, base)
+    if ns.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(_human_line(answer))
+    return EXIT_CODES.get(str(answer["answer"]), EXIT_FAILED)
+
+
+def _report_failure(status: int, raw: bytes, base: str) -> int:
+    """Say why the sidecar gave no reset answer (auth, bad input, other) and pick the exit code."""
+    message = _error_message(raw)
+    if status == 401:
+        why = f"the sidecar wants its admin token (401: {message}); pass --token-file or set CACHEWITNESS_ADMIN_TOKEN"
+    elif status == 403:
+        why = f"the sidecar refused this client (403: {message})"
+    elif status == 400:
+        print(f"cachewitness reset: the sidecar rejected the input: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    else:
+        why = f"HTTP {status} from {redact_url(base)}/cache/reset: {message}"
+    print(f"cachewitness reset: {why}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _evidence_url(ns: argparse.Namespace, base: str) -> str:
+    """GET /cache/evidence with the filters the user gave."""
+    query = {
+        name: str(value)
+        for name, value in (("session_id", ns.session_id), ("case_id", ns.case_id),
+                            ("event_type", ns.event_type), ("since_ns", ns.since_ns))
+        if value is not None
+    }
+    return f"{base}/cache/evidence" + (f"?{urllib.parse.urlencode(query)}" if query else "")
+
+
+def _records(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
+    """Decode JSON lines, skipping any that are not JSON objects."""
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            yield record
+
+
+def run_evidence(ns: argparse.Namespace, env: Mapping[str, str] | None = None, out: IO[bytes] | None = None) -> int:
+    """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0 on success, 6 on failure."""
+    env = os.environ if env is None else env
+    base = _base_url(ns, env)
+    try:
+        token = _token(ns, env)
+    except OSError as exc:
+        print(f"cachewitness evidence: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    sink = out if out is not None else sys.stdout.buffer
+    try:
+        with _OPENER.open(_request(_evidence_url(ns, base), token), timeout=ns.timeout) as response:
+            if ns.summary:
+                table = summary_table(summarize(_records(iter(response.readline, b""))))
+                sink.write(table.encode("utf-8") + b"\n")
+            else:
+                for line in iter(response.readline, b""):  # bounded by the response's end
+                    sink.write(line)
+            sink.flush()
+    except urllib.error.HTTPError as exc:
+        print(f"cachewitness evidence: HTTP {exc.code}: {_error_message(exc.read())}", file=sys.stderr)
+        return EXIT_FAILED
+    except BrokenPipeError:
+        return 0  # the reader (e.g. `head`) has had enough
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(f"cachewitness evidence: the sidecar at {redact_url(base)} cannot be reached: {reason}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0

@@ -1,0 +1,137 @@
+"""Admin auth on `/cache/*` (SPEC §3): bearer token, loopback-only without one, `--admin-open`."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from proxy.app import build_app
+from proxy.auth import is_loopback
+from tests.conftest import make_settings, serve_app
+from tests.sim_helpers import fast, sim
+
+TOKEN = "t0k3n-for-tests"
+
+
+def non_loopback_ipv4() -> str | None:
+    """One of this machine's own non-loopback IPv4 addresses (traffic to it never leaves the machine)."""
+    candidates: list[str] = []
+    try:
+        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    for target in ("192.0.2.1", "10.254.254.254"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # UDP connect sends nothing; it only picks the source address
+                candidates.append(probe.getsockname()[0])
+        except OSError:
+            pass
+    for address in candidates:
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
+
+
+@asynccontextmanager
+async def sidecar(tmp_path: Path, host: str = "127.0.0.1", **overrides: Any) -> AsyncIterator[str]:
+    """A vLLM simulator and a sidecar bound on `host`; yields the sidecar's URL."""
+    async with sim(fast("vllm")) as engine:
+        async with serve_app(build_app(make_settings(engine.url, tmp_path, **overrides)), host=host) as url:
+            yield url
+
+
+async def post_reset(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    async with aiohttp.ClientSession() as http, http.post(f"{url}/cache/reset", headers=headers or {}) as resp:
+        return resp.status, await resp.json()
+
+
+@pytest.fixture
+def remote_host() -> str:
+    address = non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    return address
+
+
+async def test_missing_token_is_401(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN) as url:
+        status, body = await post_reset(url)
+    assert status == 401 and body["error"]["code"] == "missing_admin_token"
+
+
+async def test_wrong_token_is_401(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN) as url:
+        status, body = await post_reset(url, {"Authorization": "Bearer nope"})
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+
+
+async def test_right_token_is_let_in(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN) as url:
+        status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200 and body["answer"] == "acknowledged"
+
+
+async def test_every_cache_route_needs_the_token(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN) as url, aiohttp.ClientSession() as http:
+        for path in ("/cache/state", "/cache/evidence"):
+            async with http.get(url + path) as resp:
+                assert resp.status == 401, path
+
+
+async def test_forwarded_traffic_is_not_subject_to_admin_auth(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/v1/models", headers={"Authorization": "Bearer client-key"}) as resp:
+            assert resp.status == 200
+
+
+async def test_loopback_client_needs_no_token_when_none_is_set(tmp_path) -> None:
+    async with sidecar(tmp_path) as url:
+        status, _ = await post_reset(url)
+    assert status == 200
+
+
+async def test_non_loopback_client_without_token_is_403_with_how_to(tmp_path, remote_host: str) -> None:
+    async with sidecar(tmp_path, host=remote_host) as url:
+        status, body = await post_reset(url)
+    assert status == 403
+    assert "--admin-token-file" in body["error"]["message"] and "--admin-open" in body["error"]["message"]
+    assert "CACHEWITNESS_ADMIN_TOKEN" in body["error"]["message"]
+
+
+async def test_admin_open_lets_non_loopback_clients_in(tmp_path, remote_host: str) -> None:
+    async with sidecar(tmp_path, host=remote_host, admin_open=True) as url:
+        status, body = await post_reset(url)
+    assert status == 200 and body["answer"] == "acknowledged"
+
+
+async def test_token_lets_non_loopback_clients_in(tmp_path, remote_host: str) -> None:
+    async with sidecar(tmp_path, host=remote_host, admin_token=TOKEN) as url:
+        status, _ = await post_reset(url, {"Authorization": f"Bearer {TOKEN}"})
+    assert status == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.2", True),
+        ("::1", True),
+        ("::ffff:127.0.0.1", True),
+        ("192.0.2.7", False),
+        ("::ffff:192.0.2.7", False),
+        ("fd00::2", False),
+        ("", False),
+        (None, False),
+        ("not-an-ip", False),
+    ],
+)
+def test_is_loopback(host: str | None, loopback: bool) -> None:
+    assert is_loopback(host) is loopback

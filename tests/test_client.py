@@ -1,0 +1,173 @@
+"""`cachewitness reset` / `evidence` as a user runs them: `python -m proxy ...` against a served sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from proxy.app import build_app
+from proxy.sim import SimConfig
+from tests.conftest import make_settings, serve_app
+from tests.sim_helpers import Sim, chat, fast, sim, slow, words
+
+REPO = Path(__file__).resolve().parents[1]
+TOKEN = "client-test-token"
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished client command."""
+
+    code: int
+    stdout: str
+    stderr: str
+
+
+async def cli(*args: str, env: dict[str, str] | None = None) -> Run:
+    """Run `python -m proxy ARGS` without blocking the event loop that serves the sidecar."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHEWITNESS_")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", *args, cwd=REPO, env={**clean, **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
+    assert process.returncode is not None
+    return Run(process.returncode, out.decode(), err.decode())
+
+
+@asynccontextmanager
+async def sidecar(config: SimConfig, tmp_path: Path, **overrides: Any) -> AsyncIterator[tuple[Sim, str]]:
+    """A simulator and a sidecar in front of it; yields both."""
+    async with sim(config) as engine:
+        async with serve_app(build_app(make_settings(engine.url, tmp_path, **overrides))) as url:
+            yield engine, url
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_acknowledged_exits_0_with_one_readable_line(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url):
+        run = await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")
+    assert run.code == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("acknowledged: engine vllm 0.32.0, 1 attempt,")
+
+
+async def test_json_prints_the_answer_body(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url):
+        run = await cli("reset", "--url", url, "--json", "--session-id", "s1")
+    assert run.code == 0
+    answer = json.loads(run.stdout)
+    assert answer["answer"] == "acknowledged" and answer["cache_state"]["session_id"] == "s1"
+
+
+async def test_accepted_unverified_exits_3(tmp_path) -> None:
+    async with sidecar(fast("vllm", legacy_empty_body=True), tmp_path) as (_, url):
+        run = await cli("reset", "--url", url)
+    assert run.code == 3 and run.stdout.startswith("accepted_unverified")
+
+
+async def test_refused_exits_4(tmp_path) -> None:
+    async with sidecar(slow("vllm"), tmp_path) as (engine, url), aiohttp.ClientSession() as http:
+        request = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=chat(words(8), 5000)))
+        await engine.wait_stats(lambda s: s["running"] == 1)
+        run = await cli("reset", "--url", url, "--no-drain", "--retry-seconds", "0")
+        request.cancel()
+        try:
+            await request
+        except asyncio.CancelledError:
+            pass
+    assert run.code == 4 and run.stdout.startswith("refused")
+
+
+async def test_unsupported_exits_5_and_prints_the_hint(tmp_path) -> None:
+    async with sidecar(fast("vllm", dev_mode=False), tmp_path) as (_, url):
+        run = await cli("reset", "--url", url)
+    assert run.code == 5
+    assert "VLLM_SERVER_DEV_MODE=1" in run.stdout
+
+
+async def test_unreachable_engine_exits_6(tmp_path) -> None:
+    async with serve_app(build_app(make_settings(closed_port_url(), tmp_path))) as url:
+        run = await cli("reset", "--url", url)
+    assert run.code == 6 and run.stdout.startswith("unreachable")
+
+
+async def test_unreachable_sidecar_exits_6_and_says_so() -> None:
+    run = await cli("reset", "--url", closed_port_url())
+    assert run.code == 6
+    assert "cannot be reached" in run.stderr
+
+
+async def test_missing_token_exits_6_and_says_why(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
+        run = await cli("reset", "--url", url)
+    assert run.code == 6
+    assert "401" in run.stderr and "CACHEWITNESS_ADMIN_TOKEN" in run.stderr
+
+
+async def test_token_file_is_sent(tmp_path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
+        run = await cli("reset", "--url", url, "--token-file", str(token_file))
+    assert run.code == 0, run.stderr
+
+
+async def test_token_and_url_come_from_the_environment(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
+        run = await cli("reset", env={"CACHEWITNESS_URL": url, "CACHEWITNESS_ADMIN_TOKEN": TOKEN})
+    assert run.code == 0, run.stderr
+
+
+async def test_input_the_sidecar_rejects_exits_2(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url):
+        run = await cli("reset", "--url", url, "--session-id", "bad id!")
+    assert run.code == 2
+    assert "session_id" in run.stderr
+
+
+async def test_evidence_streams_the_records(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url):
+        assert (await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")).code == 0
+        run = await cli("evidence", "--url", url, "--session-id", "s1", "--event-type", "infer.cache_state")
+    assert run.code == 0, run.stderr
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [(r["event_type"], r["session_id"], r["case_id"]) for r in records] == [("infer.cache_state", "s1", "c1")]
+
+
+async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url), aiohttp.ClientSession() as http:
+        assert (await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")).code == 0
+        headers = {"X-Session-Id": "s1", "X-Case-Id": "c1"}
+        for _ in range(2):
+            async with http.post(f"{url}/v1/chat/completions", json=chat(words(40), 2), headers=headers) as resp:
+                assert resp.status == 200
+        run = await cli("evidence", "--url", url, "--summary")
+    assert run.code == 0, run.stderr
+    header, *rows = run.stdout.strip().splitlines()
+    assert header.split() == ["session", "case", "reset", "verdict", "requests", "prompt_tok", "cached_tok", "hit_ratio"]
+    row = [r.split() for r in rows if r.split()[:2] == ["s1", "c1"]]
+    assert row and row[0][2] == "acknowledged" and row[0][4] == "2"
+
+
+async def test_evidence_without_token_exits_6(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
+        run = await cli("evidence", "--url", url)
+    assert run.code == 6 and "401" in run.stderr

@@ -1,0 +1,85 @@
+"""The reference client's record rules (stormlog infer.cache_state) for every sidecar outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+from proxy.engines.base import (
+    ACCEPTED_UNVERIFIED,
+    ACKNOWLEDGED,
+    ERROR,
+    REFUSED,
+    UNREACHABLE,
+    UNSUPPORTED,
+    Attempt,
+    CacheReset,
+    cache_state_record,
+    run_kind,
+)
+
+
+def folded(outcome: str, *, status: int | None = 200, error: str | None = None, attempts: int = 1) -> CacheReset:
+    success = {ACKNOWLEDGED: True, ACCEPTED_UNVERIFIED: None}.get(outcome, False)
+    last = Attempt(outcome, status=status, success=success, error=error, url="http://engine/r")
+    return CacheReset.from_attempts(last, at_ns=1, attempts=attempts, calls=(), answered_at_ns=2)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "answer", "succeeded", "http_status"),
+    [
+        (ACKNOWLEDGED, "acknowledged", True, 200),
+        (ACCEPTED_UNVERIFIED, "accepted_unverified", True, 200),
+        (REFUSED, "refused", False, 409),
+        (UNSUPPORTED, None, False, 501),
+        (UNREACHABLE, None, False, 502),
+        (ERROR, None, False, 502),
+    ],
+)
+def test_answer_words_and_status_by_outcome(outcome: str, answer: str | None, succeeded: bool, http_status: int) -> None:
+    reset = folded(outcome)
+    assert reset.answer == answer
+    assert reset.succeeded is succeeded
+    assert reset.http_status == http_status
+
+
+def test_refusal_error_counts_attempts_like_the_reference() -> None:
+    assert folded(REFUSED, error="success false", attempts=3).error == "refused: success false on 3 attempts"
+
+
+@pytest.mark.parametrize("outcome", [UNSUPPORTED, UNREACHABLE, ERROR])
+def test_failure_error_starts_with_the_outcome(outcome: str) -> None:
+    assert folded(outcome, status=None, error="why").error == f"{outcome}: why"
+
+
+def test_reset_block_has_exactly_the_reference_keys() -> None:
+    assert list(folded(ACKNOWLEDGED).to_record()) == [
+        "url", "at_ns", "status", "error", "success", "answer", "attempts", "answered_at_ns"]
+
+
+@pytest.mark.parametrize(
+    ("requested", "warmup", "outcome", "expected"),
+    [
+        ("cold", 0, ACKNOWLEDGED, "cold_start"),
+        ("cold", 0, ACCEPTED_UNVERIFIED, "cold_start"),
+        ("cold", 0, REFUSED, "unspecified"),
+        ("cold", 0, UNSUPPORTED, "unspecified"),
+        ("cold", 2, ACKNOWLEDGED, "steady_state"),
+        ("unspecified", 0, ACKNOWLEDGED, "unspecified"),
+    ],
+)
+def test_run_kind(requested: str, warmup: int, outcome: str, expected: str) -> None:
+    assert run_kind(requested, warmup, folded(outcome)) == expected
+
+
+def test_reason_of_an_unconfirmed_reset_names_the_status() -> None:
+    record = cache_state_record(session_id="s", case_id="c", requested="cold", reset=folded(ACCEPTED_UNVERIFIED),
+                                warmup_requests=0)
+    assert record["reason"] == (
+        "the cache reset returned HTTP 200 without saying whether it succeeded, and no engine adapter can confirm it")
+    assert record["acknowledged"] is False and record["attempted"] is True
+
+
+def test_reason_of_a_failed_reset_quotes_its_error() -> None:
+    record = cache_state_record(session_id="s", case_id="c", requested="cold",
+                                reset=folded(UNSUPPORTED, status=404, error="HTTP 404"), warmup_requests=0)
+    assert record["reason"] == "the cache reset failed (unsupported: HTTP 404)"

@@ -22,6 +22,7 @@ demo: $(STAMP)
 ## make test: everything CI runs — unit/integration suite, deployment checks, real engines
 test: $(STAMP)
 	bash scripts/install-deploy-tools.sh
+	bash scripts/check-deploy.sh
 	bash scripts/setup-real-engines.sh
 	$(PY) -m pytest -q
 

@@ -93,9 +93,12 @@ def _cached(usage: dict[str, Any]) -> str:
 
 def _reset_line(answer: dict[str, Any]) -> str:
     drain = answer.get("drain") or {}
+    if drain.get("enabled"):
+        drained = f"drain waited {drain.get('waited_s', 0):.2f}s for {drain.get('inflight_at_start', 0)} in-flight"
+    else:
+        drained = f"no drain, {drain.get('inflight_at_start', 0)} in flight"
     return (
-        f"HTTP {answer['http_status']} answer={answer.get('answer')} attempts={answer.get('attempts')} "
-        f"drain waited {drain.get('waited_s', 0):.2f}s for {drain.get('inflight_at_start', 0)} in-flight"
+        f"HTTP {answer['http_status']} answer={answer.get('answer')} attempts={answer.get('attempts')}, {drained}"
     )
 
 

@@ -74,7 +74,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 CACHED_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
 # The sidecar's own time per request: tens of microseconds when all is well.
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
-# Drain (≤ drain_timeout) + retries (≤ 120 s) + the last attempt (reset_attempt_timeout).
+# Retries (≤ 120 s) + the last attempt (reset_attempt_timeout), with room for a drain if counted in.
 RESET_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RESET_ATTEMPT_BUCKETS = (1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0)
 
@@ -204,13 +204,14 @@ class Metrics:
             PREFIX + "cache_verifications_total", "Verdicts of accepted resets (SPEC §5.3).",
             ("verdict",), registry=registry)
         self.resets = Counter(
-            PREFIX + "cache_resets_total", "Answers of POST /cache/reset, by engine kind and answer.",
+            PREFIX + "cache_resets_total",
+            "Cache resets run against the engine, by engine kind and answer (coalesced calls count once).",
             ("engine", "answer"), registry=registry)
         self.reset_duration = Histogram(
-            PREFIX + "cache_reset_duration_seconds", "POST /cache/reset time, drain and retries included.",
+            PREFIX + "cache_reset_duration_seconds", "Time of one cache reset against the engine, retries included.",
             buckets=RESET_DURATION_BUCKETS, registry=registry)
         self.reset_attempts = Histogram(
-            PREFIX + "cache_reset_attempts", "Engine reset attempts per POST /cache/reset.",
+            PREFIX + "cache_reset_attempts", "Engine reset attempts per cache reset.",
             buckets=RESET_ATTEMPT_BUCKETS, registry=registry)
 
         self._requests = {(route, code): self.requests.labels(route, code) for route in ROUTES for code in CODES}

@@ -32,7 +32,7 @@ from proxy.engines.base import (
     cache_state_record,
 )
 from proxy.errors import error_response
-from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, SETTINGS, WITNESS
+from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, METRICS, SETTINGS, WITNESS
 from proxy.logs import log_event
 
 __all__ = [
@@ -355,6 +355,10 @@ class ResetService:
         summary = _summary(current, outcome, answers[0][1]["cache_state"])
         if witness is not None:
             witness.reset_answered(summary)
+        metrics = self._app.get(METRICS)
+        if metrics is not None:
+            # Once per engine reset: coalesced callers count once.
+            metrics.reset_answered(outcome.engine.kind, reset.outcome, summary["duration_s"], reset.attempts)
         log_event(log, logging.INFO if reset.succeeded else logging.WARNING, f"cache reset {reset.outcome}",
                   event="cache_reset", reset_id=current.reset_id, answer=reset.outcome,
                   engine_kind=outcome.engine.kind, engine_version=outcome.engine.version, attempts=reset.attempts,

@@ -181,6 +181,7 @@ async def test_forwarded_request_moves_requests_duration_and_ttfb(
         after = await scrape(http, url)
 
     def delta(name: str, **labels: str) -> float:
+        """How much a sample moved between the two scrapes."""
         return after.value(name, **labels) - before.value(name, **labels)
 
     assert delta("cachewitness_requests_total", route="/v1/models", code="2xx") == 1
@@ -219,6 +220,7 @@ async def test_token_counters_move_by_exactly_the_usage_the_engine_reported(
     assert cold == 0 and warm > 0
 
     def delta(name: str) -> float:
+        """How much a sim-model sample moved between the two scrapes."""
         return after.value(name, model="sim-model") - before.value(name, model="sim-model")
 
     assert delta("cachewitness_prompt_tokens_total") == first["prompt_tokens"] + second["prompt_tokens"]

@@ -295,6 +295,14 @@ async def test_every_caller_gets_its_own_evidence_record(tmp_path) -> None:
     assert states == [body["cache_state"]]
 
 
+async def test_reset_is_counted_in_metrics_by_engine_and_answer(tmp_path) -> None:
+    async with stack(fast("vllm", dev_mode=False), tmp_path) as s:
+        await s.reset()
+        async with s.http.get(f"{s.url}/metrics") as resp:
+            text = await resp.text()
+    assert 'cachewitness_cache_resets_total{answer="unsupported",engine="vllm"} 1.0' in text
+
+
 # -- engines through the sidecar ----------------------------------------------------------
 
 async def test_sglang_admin_key_goes_to_flush_cache(tmp_path) -> None:

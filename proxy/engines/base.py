@@ -13,7 +13,7 @@ import asyncio
 import json
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import aiohttp
@@ -222,10 +222,6 @@ class CacheReset:
             hint=last.hint,
             warning=last.warning,
         )
-
-    def with_calls(self, calls: tuple[EngineCall, ...]) -> CacheReset:
-        """A copy with another calls list (answers bound it)."""
-        return replace(self, calls=calls)
 
 
 def _success_for(attempt: Attempt) -> bool | None:

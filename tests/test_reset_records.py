@@ -57,6 +57,17 @@ def test_reset_block_has_exactly_the_reference_keys() -> None:
 
 
 @pytest.mark.parametrize(
+    ("outcome", "success"),
+    [(ACKNOWLEDGED, True), (ACCEPTED_UNVERIFIED, None), (REFUSED, False),
+     (UNSUPPORTED, None), (UNREACHABLE, None), (ERROR, None)],
+)
+def test_reset_block_success_means_what_the_reference_means(outcome: str, success: bool | None) -> None:
+    # The reference reads `success` from a 2xx body only: an engine that could not serve
+    # the reset records null there, even though the sidecar's answer says false.
+    assert folded(outcome).to_record()["success"] is success
+
+
+@pytest.mark.parametrize(
     ("requested", "warmup", "outcome", "expected"),
     [
         ("cold", 0, ACKNOWLEDGED, "cold_start"),

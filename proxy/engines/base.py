@@ -188,13 +188,17 @@ class CacheReset:
         return HTTP_STATUS[self.outcome]
 
     def to_record(self) -> dict[str, Any]:
-        """The `reset` block of `infer.cache_state`: exactly the reference's keys."""
+        """The `reset` block of `infer.cache_state`: exactly the reference's keys and meanings.
+
+        The reference reads `success` from a 2xx body only, so a reset the engine could not
+        serve (unsupported, unreachable, error) records None there, not the answer's false.
+        """
         return {
             "url": self.url,
             "at_ns": self.at_ns,
             "status": self.status,
             "error": self.error,
-            "success": self.success,
+            "success": {ACKNOWLEDGED: True, REFUSED: False}.get(self.answer or ""),
             "answer": self.answer,
             "attempts": self.attempts,
             "answered_at_ns": self.answered_at_ns,

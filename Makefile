@@ -24,7 +24,7 @@ test: $(STAMP)
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
 	bash scripts/setup-real-engines.sh
-	$(PY) -m pytest -q
+	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)
@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 ## make test-real: only the real llama-server / vLLM tests
 test-real: $(STAMP)
 	bash scripts/setup-real-engines.sh
-	$(PY) -m pytest -q tests/real
+	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q tests/real
 
 test-deploy: $(STAMP)
 	bash scripts/install-deploy-tools.sh

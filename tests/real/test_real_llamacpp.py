@@ -73,31 +73,43 @@ async def test_repeated_prompt_is_cold_after_reset_then_cached(llama: Pair) -> N
     assert all(r["session_id"] == session_id and r["stream"] is False for r in records)
 
 
-async def test_streamed_repeat_is_cold_then_cached_without_the_usage_chunk(llama: Pair) -> None:
-    """Chat streams are observed (0 then > 0 cached) and reach the client shaped as the engine's own."""
+CHAT = "/v1/chat/completions"
+
+
+def _chat(max_tokens: int = 8) -> dict:
+    """A chat request with a fresh long prompt."""
+    return {"model": MODEL, "messages": [{"role": "user", "content": long_prompt()}],
+            "max_tokens": max_tokens, "temperature": 0}
+
+
+async def test_streamed_repeat_is_cold_then_cached(llama: Pair) -> None:
+    """Chat streams are observed: 0 cached tokens after a reset, then > 0 for the same prompt."""
     session_id, case_id = new_case()
-    body = {"model": MODEL, "messages": [{"role": "user", "content": long_prompt()}],
-            "max_tokens": 8, "temperature": 0}
-    chat = "/v1/chat/completions"
+    body = _chat()
     async with aiohttp.ClientSession() as s:
         status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
         assert status == 200, answer
-        direct = await stream(s, llama.engine_url,
-                              {**body, "messages": [{"role": "user", "content": long_prompt()}]}, path=chat)
-        first = await stream(s, llama.url, body, tags(session_id, case_id), path=chat)
-        second = await stream(s, llama.url, body, tags(session_id, case_id), path=chat)
+        first = await stream(s, llama.url, body, tags(session_id, case_id), path=CHAT)
+        second = await stream(s, llama.url, body, tags(session_id, case_id), path=CHAT)
         records = await observations(s, llama.url, case_id, 2)
-    assert not any("usage" in e for e in direct.events)     # llama.cpp sends no usage unasked
-    for seen in (first, second):
-        assert seen.done
-        assert all(e.get("choices") for e in seen.events), "a usage-only chunk reached the client"
-        assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
+    assert first.done and second.done
     # The sidecar may read llama.cpp's own `timings.cache_n` on the finish chunk
     # instead of injecting include_usage; either way the count must be there.
     assert [r["stream"] for r in records] == [True, True]
     assert records[0]["cached_tokens"] == 0
     assert records[1]["cached_tokens"] > 0
     assert [r["ordinal_since_reset"] for r in records] == [1, 2]
+
+
+async def test_stream_reaches_the_client_without_the_injected_usage(llama: Pair) -> None:
+    """The client's chat stream has the engine's own chunk shapes: no usage chunk added."""
+    async with aiohttp.ClientSession() as s:
+        direct = await stream(s, llama.engine_url, _chat(), path=CHAT)
+        seen = await stream(s, llama.url, _chat(), path=CHAT)
+    assert not any("usage" in e for e in direct.events)     # llama.cpp sends no usage unasked
+    assert seen.done
+    assert all(e.get("choices") for e in seen.events), "a usage-only chunk reached the client"
+    assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
 
 
 async def test_erase_with_cache_ram_off_is_verified_consistent(llama: Pair) -> None:

@@ -14,9 +14,9 @@ from tests.real.sidecar_client import (
 )
 
 MODEL = "tiny"
-# ~350 tok/s on 2 cores: a few seconds of decoding, long enough to be caught in
+# ~350 tok/s on 2 cores: ~9 s of decoding, long enough to be caught in
 # flight and short enough for the refused reset's retries to outlast it.
-IN_FLIGHT_TOKENS = 1500
+IN_FLIGHT_TOKENS = 3000
 # More than vLLM decodes in the disconnect test's wait: ending early means aborted.
 LONG_GENERATION = 3500
 
@@ -32,14 +32,31 @@ async def _running(s: aiohttp.ClientSession, pair: Pair) -> float | None:
     return await metric_value(s, f"{pair.engine_url}/metrics", "vllm:num_requests_running")
 
 
-async def _wait_running(s: aiohttp.ClientSession, pair: Pair) -> None:
-    """Wait until the engine runs at least one request."""
+async def _generation_in_flight(s: aiohttp.ClientSession, pair: Pair, max_tokens: int,
+                                headers: dict[str, str]) -> asyncio.Task[int]:
+    """Start a streamed generation through the sidecar; return once its first chunk arrived.
 
-    async def probe() -> bool | None:
-        """True once a request runs."""
-        return True if (await _running(s, pair) or 0) >= 1 else None
+    The first chunk is the event that proves vLLM runs the request (its
+    num_requests_running gauge is only sampled). The returned task reads the
+    rest of the stream and returns its status.
+    """
+    first_chunk = asyncio.Event()
 
-    await eventually(probe, 30.0, "vLLM running a request")
+    async def read_all() -> int:
+        """Read the stream to its end, signalling the first data event."""
+        async with s.post(f"{pair.url}/v1/completions", headers=headers,
+                          json={**_long_body(max_tokens), "stream": True}) as resp:
+            async for line in resp.content:
+                if line.startswith(b"data:"):
+                    first_chunk.set()
+            return resp.status
+
+    task = asyncio.create_task(read_all())
+    started = asyncio.create_task(first_chunk.wait())
+    await asyncio.wait({task, started}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    started.cancel()
+    assert first_chunk.is_set(), "the generation never started streaming"
+    return task
 
 
 def _long_body(max_tokens: int) -> JSON:
@@ -92,41 +109,50 @@ async def test_repeated_prompt_is_cold_after_reset_then_cached(vllm: Pair) -> No
     assert "consistent" in find_key(state, "verdict"), state
 
 
-async def test_streamed_repeat_is_cold_then_cached_without_the_usage_chunk(vllm: Pair) -> None:
-    """Streams are observed (0 then > 0 cached) while the client never sees the injected usage chunk."""
+async def test_streamed_repeat_is_cold_then_cached(vllm: Pair) -> None:
+    """Streams without include_usage are observed through injection: 0 then > 0 cached tokens."""
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
     async with aiohttp.ClientSession() as s:
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id)
         assert status == 200, answer
-        direct = await stream(s, vllm.engine_url, {**body, "prompt": long_prompt()})
         first = await stream(s, vllm.url, body, tags(session_id, case_id))
         second = await stream(s, vllm.url, body, tags(session_id, case_id))
         records = await observations(s, vllm.url, case_id, 2)
-    for seen in (first, second):
-        assert seen.done
-        assert all(e.get("choices") for e in seen.events), "the usage-only chunk reached the client"
-        assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
+    assert first.done and second.done
     assert all(r["usage_injected"] is True and r["stream"] is True for r in records), records
-    assert records[0]["cached_tokens"] == 0
+    assert [r["cached_tokens"] for r in records][0] == 0
     assert records[1]["cached_tokens"] > 0
+    assert [r["ordinal_since_reset"] for r in records] == [1, 2]
+
+
+async def test_stream_reaches_the_client_without_the_injected_usage(vllm: Pair) -> None:
+    """The client's stream has the engine's own chunk shapes: no usage chunk, no `usage: null`."""
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        direct = await stream(s, vllm.engine_url, body)
+        seen = await stream(s, vllm.url, {**body, "prompt": long_prompt()})
+    assert not any("usage" in e for e in direct.events)     # vLLM sends no usage unasked
+    assert seen.done
+    assert all(e.get("choices") for e in seen.events), "the usage-only chunk reached the client"
+    assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
 
 
 async def test_reset_without_drain_is_refused_then_retried_until_acknowledged(vllm: Pair) -> None:
     """With a generation in flight and no drain, vLLM says success:false; retries end acknowledged."""
     session_id, case_id = new_case()
     async with aiohttp.ClientSession() as s:
-        generation = asyncio.create_task(complete(s, vllm.url, _long_body(IN_FLIGHT_TOKENS)))
-        await _wait_running(s, vllm)
+        generation = await _generation_in_flight(s, vllm, IN_FLIGHT_TOKENS, tags(session_id, case_id))
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id,
                                      drain=False, retry_seconds=60)
-        done = await generation
+        assert await generation == 200
+        (observed,) = await observations(s, vllm.url, case_id, 1)
         record = await cache_state_record(s, vllm.url, case_id)
     assert status == 200 and answer["answer"] == "acknowledged", answer
     assert answer["attempts"] > 1
     refusals = [c for c in answer["calls"] if "success" in json.dumps(c) and "false" in json.dumps(c)]
     assert refusals, answer["calls"]                  # vLLM's own {"success": false} is kept
-    assert done["usage"]["completion_tokens"] == IN_FLIGHT_TOKENS    # nothing was preempted
+    assert observed["completion_tokens"] == IN_FLIGHT_TOKENS    # nothing was preempted
     assert record["reset"]["attempts"] == answer["attempts"] and record["reset"]["answer"] == "acknowledged"
 
 
@@ -134,15 +160,15 @@ async def test_reset_with_drain_waits_and_is_acknowledged_first_time(vllm: Pair)
     """With a generation in flight and drain on, the reset waits for it and succeeds at attempt 1."""
     session_id, case_id = new_case()
     async with aiohttp.ClientSession() as s:
-        generation = asyncio.create_task(complete(s, vllm.url, _long_body(IN_FLIGHT_TOKENS)))
-        await _wait_running(s, vllm)
+        generation = await _generation_in_flight(s, vllm, IN_FLIGHT_TOKENS, tags(session_id, case_id))
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id, drain=True)
-        done = await generation
+        assert await generation == 200
+        (observed,) = await observations(s, vllm.url, case_id, 1)
         record = await cache_state_record(s, vllm.url, case_id)
     assert status == 200 and answer["answer"] == "acknowledged", answer
     assert answer["attempts"] == 1
     assert answer["drain"]["inflight_at_start"] >= 1
-    assert done["usage"]["completion_tokens"] == IN_FLIGHT_TOKENS
+    assert observed["completion_tokens"] == IN_FLIGHT_TOKENS
     assert record["reset"]["attempts"] == 1 and record["reset"]["answer"] == "acknowledged"
 
 

@@ -1,0 +1,169 @@
+"""Process plumbing for the benchmark: tools, ports, pinning, CPU and memory readings from /proc."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "Cores",
+    "Service",
+    "cpu_seconds",
+    "ensure_tools",
+    "free_port",
+    "machine_busy_seconds",
+    "rss_mb",
+    "start_service",
+    "wait_http",
+]
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def ensure_tools() -> tuple[str, str]:
+    """Paths of nginx and wrk, installed from Debian's packages when absent (needs root)."""
+    def find() -> tuple[str | None, str | None]:
+        nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+        return nginx, shutil.which("wrk")
+
+    nginx, wrk = find()
+    if nginx and wrk:
+        return nginx, wrk
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        sys.exit("bench: nginx and wrk are needed: install them (Debian: apt-get install -y nginx wrk) and rerun")
+    print("bench: installing nginx and wrk (apt-get install -y nginx wrk) ...", flush=True)
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    # policy-rc.d may or may not stop the package from starting the system nginx; we never use it.
+    if subprocess.run(["apt-get", "install", "-y", "-q", "nginx", "wrk"], env=env,
+                      stdout=subprocess.DEVNULL).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL, check=False)
+        subprocess.run(["apt-get", "install", "-y", "-q", "nginx", "wrk"], env=env,
+                       stdout=subprocess.DEVNULL, check=True)
+    nginx, wrk = find()
+    if not (nginx and wrk):
+        sys.exit("bench: nginx/wrk still missing after apt-get install")
+    return nginx, wrk
+
+
+def free_port() -> int:
+    """A free loopback port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where each role runs: the proxy alone on one core, upstream and load generator on the other."""
+
+    proxy: str | None
+    rest: str | None
+
+    @classmethod
+    def choose(cls, pin: bool) -> Cores:
+        """The two highest-numbered allowed cores (proxy last), or no pinning."""
+        allowed = sorted(os.sched_getaffinity(0))
+        if not pin or len(allowed) < 2 or not shutil.which("taskset"):
+            return cls(None, None)
+        return cls(proxy=str(allowed[-1]), rest=str(allowed[-2]))
+
+    @staticmethod
+    def prefix(core: str | None) -> list[str]:
+        """`taskset -c CORE` or nothing."""
+        return ["taskset", "-c", core] if core is not None else []
+
+
+@dataclass
+class Service:
+    """A long-running process we started (simulator, sidecar, nginx)."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def pids(self) -> list[int]:
+        """The process and its direct children (nginx workers)."""
+        pids = [self.proc.pid]
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+            pids += [int(c) for c in children]
+        except OSError:
+            pass
+        return pids
+
+    def stop(self) -> None:
+        """Terminate and reap, killing after a grace period."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_service(name: str, argv: list[str], url: str, log_dir: Path, probe: str) -> Service:
+    """Start a service with its output in log_dir/name.log, and wait until `probe` answers."""
+    log = (log_dir / f"{name}.log").open("wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    service = Service(name, proc, url)
+    if not wait_http(url + probe, proc, 30.0):
+        service.stop()
+        sys.exit(f"bench: {name} did not come up; see {log_dir / (name + '.log')}")
+    return service
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """Poll `url` until it answers 200 (False if the process died or time ran out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    return False
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / CLK_TCK
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy so far (all cores, all processes)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / CLK_TCK
+
+
+def rss_mb(pids: list[int]) -> float:
+    """Resident memory of these processes together, in MB (10^6 bytes)."""
+    total_kb = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total_kb += int(line.split()[1])
+        except OSError:
+            continue
+    return total_kb * 1024 / 1e6

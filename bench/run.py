@@ -216,7 +216,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 round of 2 s (a smoke run)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--render", type=Path, metavar="JSON", help="only re-render the table from a latest.json")
     ns = parser.parse_args()
+    if ns.render is not None:
+        saved = json.loads(ns.render.read_text())
+        markdown, _ = render(saved["meta"], saved["runs"], saved["memory"])
+        print(markdown)
+        return 0
     if ns.quick:
         ns.seconds, ns.rounds = 2.0, 1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -380,6 +380,106 @@ def _next_separator(data: bytes | bytearray, pos: int, end: int) -> tuple[int, i
     return -1, 0
 
 
+_FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
+
+
+def _is_finish_event(event: bytes) -> bool:
+    """An event that ends a choice (`finish_reason` set): engines put last-event members after it."""
+    return any(marker in event for marker in _FINISH_MARKERS)
+
+
+def _value_end(data: bytes | bytearray, pos: int, end: int) -> int:
+    """Index just after the JSON value that starts at pos (string, object, array or literal); -1 if cut."""
+    if pos >= end:
+        return -1
+    first = data[pos]
+    if first == 0x22:  # string
+        i = pos + 1
+        while i < end:
+            if data[i] == 0x5C:
+                i += 2
+                continue
+            if data[i] == 0x22:
+                return i + 1
+            i += 1
+        return -1
+    if first in (0x7B, 0x5B):  # object or array
+        depth, in_string, i = 0, False, pos
+        while i < end:
+            byte = data[i]
+            if in_string:
+                if byte == 0x5C:
+                    i += 1
+                elif byte == 0x22:
+                    in_string = False
+            elif byte == 0x22:
+                in_string = True
+            elif byte in (0x7B, 0x5B):
+                depth += 1
+            elif byte in (0x7D, 0x5D):
+                depth -= 1
+                if depth == 0:
+                    return i + 1
+            i += 1
+        return -1
+    i = pos
+    while i < end and data[i] not in b",}] \t\r\n":
+        i += 1
+    return i
+
+
+def _trailing_members(event: bytes, after: int, close: int) -> list[tuple[bytes, bytes]]:
+    """(key, raw bytes with its leading comma) of each member in event[after:close], e.g. `,"k":v`."""
+    members: list[tuple[bytes, bytes]] = []
+    pos = after
+    while True:
+        comma = _skip_ws(event, pos, close)
+        if comma >= close or event[comma] != 0x2C:
+            return members
+        key_start = _skip_ws(event, comma + 1, close)
+        key_end = _value_end(event, key_start, close)
+        if key_end == -1 or event[key_start] != 0x22:
+            return members
+        colon = _skip_ws(event, key_end, close)
+        if colon >= close or event[colon] != 0x3A:
+            return members
+        value_end = _value_end(event, _skip_ws(event, colon + 1, close), close)
+        if value_end == -1:
+            return members
+        members.append((event[key_start:key_end], event[pos:value_end]))
+        pos = value_end
+
+
+def _last_event_members(usage_event: bytes, finish_event: bytes) -> bytes:
+    """The members an engine put after `usage` on its usage-only chunk that the finish chunk lacks.
+
+    Engines attach some members to the stream's LAST event: vLLM `system_fingerprint`
+    (seen on 0.32), llama.cpp `timings` (tools/server `deltas.back()`). Without
+    include_usage that event is the finish chunk, so they belong back there.
+    """
+    members = _find_usage_members(usage_event, 0, len(usage_event))
+    objects = [m for m in members if m.is_object]
+    if not objects:
+        return b""
+    body_end = _skip_ws_back(usage_event, len(usage_event), 0)
+    close = usage_event.rfind(b"}", 0, body_end)
+    if close == -1:
+        return b""
+    moved = [
+        raw for key, raw in _trailing_members(usage_event, objects[-1].value_end, close)
+        if key + b":" not in finish_event and key + b" :" not in finish_event
+    ]
+    return b"".join(moved)
+
+
+def _with_members(finish_event: bytes, members: bytes) -> bytes:
+    """The finish event with raw `,"k":v` members added before its closing brace."""
+    close = finish_event.rfind(b"}")
+    if close == -1 or not members:
+        return finish_event
+    return finish_event[:close] + members + finish_event[close:]
+
+
 class StreamScanner:
     """Reads usage out of an SSE response as it streams, and strips what injection added.
 
@@ -388,14 +488,14 @@ class StreamScanner:
     lines and the traces of an injected `include_usage` are removed byte-wise:
     the usage-only chunk (`"choices":[]`), every `"usage":null` member, and usage
     placed on a content chunk (llama.cpp /v1/completions puts it on the finish
-    chunk). A complete event is never held back.
+    chunk).
 
-    llama.cpp quirk, left as is: it attaches `timings` to the LAST event, which
-    with include_usage is the usage-only chunk. Dropping that chunk drops the
-    timings, so the stripped stream's finish chunk lacks the `"timings"` member
-    the direct stream would have had. Moving it back would mean holding back the
-    finish chunk, which streaming forbids. (Not injecting for llama.cpp avoids it:
-    its finish chunk carries `timings.cache_n` anyway.)
+    Engines attach some members to the stream's LAST event (vLLM
+    `system_fingerprint`, llama.cpp `timings`): with include_usage that is the
+    usage-only chunk, without it the finish chunk. So a finish chunk (one with
+    `finish_reason` set) is held until the next event arrives — the usage chunk
+    follows it at once — and the members after `usage` on a dropped usage chunk
+    move back onto it, byte for byte. No other event is ever held back.
 
     `strip_null_usage=False` keeps `"usage":null` members, for engines that write
     them whether or not include_usage is on (SGLang before its msgspec encoder
@@ -412,6 +512,8 @@ class StreamScanner:
         self._usage = _NO_USAGE
         self._saw_usage = False
         self._deferred: bytes | None = None  # latest side-marker event, decoded lazily
+        self._held: bytes | None = None  # a finish chunk waiting for the event after it
+        self._dropped_usage: bytes | None = None  # the usage-only chunk just dropped
 
     @property
     def usage(self) -> Usage:
@@ -451,11 +553,11 @@ class StreamScanner:
             self._carry += memoryview(chunk)[consumed:]
         if len(self._carry) > MAX_EVENT_BYTES:
             # No usage event is this big: stop framing it and let it through.
-            held = bytes(self._carry)
+            big = bytes(self._carry)
             self._carry.clear()
             self._oversize = True
-            self._oversize_tail = held[-3:]
-            emitted += held
+            self._oversize_tail = big[-3:]
+            emitted += self._release_held() + big
         return emitted if self._strip else chunk
 
     def finish(self) -> bytes:
@@ -465,9 +567,30 @@ class StreamScanner:
         if rest:
             out = self._event(rest, 0, len(rest), len(rest))
             rest = out if out is not None else rest
+            if self._strip:
+                rest = self._through_hold(rest, dropped=out == b"")
         self._oversize = False
         self._apply_deferred()
-        return rest if self._strip else b""
+        return self._release_held() + rest if self._strip else b""
+
+    def _release_held(self) -> bytes:
+        """The held finish chunk (if any), now let go."""
+        held, self._held = self._held, None
+        return held or b""
+
+    def _through_hold(self, piece: bytes, *, dropped: bool) -> bytes:
+        """Pass one (stripped) event through the finish-chunk hold; return the bytes to emit now."""
+        out = b""
+        if self._held is not None:
+            held, self._held = self._held, None
+            if dropped and self._dropped_usage is not None:
+                held = _with_members(held, _last_event_members(self._dropped_usage, held))
+            out = held
+        self._dropped_usage = None
+        if piece and _is_finish_event(piece):
+            self._held = piece
+            return out
+        return out + piece if out else piece
 
     def _feed_oversize(self, chunk: bytes) -> bytes:
         """Pass an oversize event through until its blank line, then frame again."""
@@ -509,10 +632,17 @@ class StreamScanner:
                 break
             event_end = sep + length
             changed = self._event(data, cursor, sep, event_end)
-            if changed is not None and pieces is None:
-                pieces = [bytes(data[pos:cursor])]
-            if pieces is not None:
-                pieces.append(changed if changed is not None else bytes(data[cursor:event_end]))
+            if self._strip and (self._held is not None or changed == b"" or (
+                    any(data.find(m, cursor, sep) != -1 for m in _FINISH_MARKERS))):
+                if pieces is None:
+                    pieces = [bytes(data[pos:cursor])]
+                piece = changed if changed is not None else bytes(data[cursor:event_end])
+                pieces.append(self._through_hold(piece, dropped=changed == b""))
+            else:
+                if changed is not None and pieces is None:
+                    pieces = [bytes(data[pos:cursor])]
+                if pieces is not None:
+                    pieces.append(changed if changed is not None else bytes(data[cursor:event_end]))
             cursor = event_end
         return (b"".join(pieces) if pieces is not None else None), cursor
 
@@ -548,6 +678,7 @@ class StreamScanner:
         if not self._strip:
             return None
         if _is_usage_only(data, start, body_end):
+            self._dropped_usage = event
             return b""
         removable = [m for m in members if m.is_object or self._strip_null]
         return _without_members(data, start, event_end, removable)

@@ -75,9 +75,32 @@ def llamacpp_completions_stream(*, include_usage: bool) -> bytes:
 LLAMACPP_TIMINGS = b',"timings":{"cache_n":7,"predicted_n":2,"prompt_n":1}'
 
 
+def vllm_chat_stream(*, include_usage: bool) -> bytes:
+    """vLLM 0.32 /v1/chat/completions as captured from the real engine here: no `"usage":null`
+    members, and `system_fingerprint` on the LAST event (the usage chunk once include_usage is on)."""
+    fingerprint = b',"system_fingerprint":"vllm-0.32.0-a7049512"'
+    head = (
+        b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
+        b'"delta":{"content":"~"},"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+    )
+    finish = (
+        b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
+        b'"delta":{"content":""},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null}]'
+        + (b"" if include_usage else fingerprint) + b"}\n\n"
+    )
+    usage = (
+        b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[],'
+        b'"usage":{"prompt_tokens":30,"total_tokens":33,"completion_tokens":3,"prompt_tokens_details":'
+        b'{"cached_tokens":16,"created_cache_tokens":0}}' + fingerprint + b"}\n\n"
+        if include_usage
+        else b""
+    )
+    return head + finish + usage + b"data: [DONE]\n\n"
+
+
 def llamacpp_chat_stream(*, include_usage: bool) -> bytes:
-    """llama.cpp /v1/chat/completions: `timings` rides on the LAST event, which with
-    include_usage is the `choices: []` usage chunk, not the finish chunk."""
+    """llama.cpp /v1/chat/completions: `timings` rides on the LAST event (tools/server pushes it
+    onto `deltas.back()`, after `usage`), which with include_usage is the `choices: []` usage chunk."""
     head = b'data: {"choices":[{"delta":{"content":"ab"},"finish_reason":null,"index":0}],"created":1,"id":"c","model":"m","object":"chat.completion.chunk","system_fingerprint":"b1"}\n\n'
     finish = (
         b'data: {"choices":[{"delta":{},"finish_reason":"length","index":0}],"created":1,"id":"c",'
@@ -87,8 +110,8 @@ def llamacpp_chat_stream(*, include_usage: bool) -> bytes:
     )
     usage = (
         b'data: {"choices":[],"created":1,"id":"c","model":"m","object":"chat.completion.chunk",'
-        b'"system_fingerprint":"b1"' + LLAMACPP_TIMINGS + b',"usage":{"completion_tokens":2,"prompt_tokens":8,'
-        b'"total_tokens":10}}\n\n'
+        b'"system_fingerprint":"b1","usage":{"completion_tokens":2,"prompt_tokens":8,'
+        b'"total_tokens":10}' + LLAMACPP_TIMINGS + b"}\n\n"
         if include_usage
         else b""
     )
@@ -253,6 +276,12 @@ STRIP_CASES = {
         openai_chat_stream(include_usage=False, pretty=True, crlf=True),
         128,
     ),
+    "vllm_last_event_fingerprint": (vllm_chat_stream(include_usage=True), vllm_chat_stream(include_usage=False), 16),
+    "llamacpp_chat_last_event_timings": (
+        llamacpp_chat_stream(include_usage=True),
+        llamacpp_chat_stream(include_usage=False),
+        7,
+    ),
     "llamacpp_completions": (
         llamacpp_completions_stream(include_usage=True),
         llamacpp_completions_stream(include_usage=False),
@@ -305,13 +334,26 @@ def test_usage_on_content_chunk_is_read_before_it_is_removed() -> None:
     )
 
 
-def test_llamacpp_chat_stripped_stream_lacks_only_the_finish_chunk_timings() -> None:
-    # Documented quirk: timings moved to the usage chunk, which is dropped.
-    injected = llamacpp_chat_stream(include_usage=True)
-    direct = llamacpp_chat_stream(include_usage=False)
+def test_last_event_member_already_on_the_finish_chunk_is_not_duplicated() -> None:
+    # mindnano puts its metrics on both the finish chunk and the usage chunk.
+    metrics = b',"mindnano_metrics":{"cached_tokens":3}'
+    finish = b'data: {"choices":[{"delta":{},"finish_reason":"length","index":0}]' + metrics + b"}\n\n"
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":8}' + metrics + b"}\n\n"
     scanner = StreamScanner(strip_injected=True)
-    assert run(scanner, [injected]) == direct.replace(LLAMACPP_TIMINGS, b"")
-    assert (scanner.usage.cached_tokens, scanner.usage.cached_tokens_source) == (7, "timings.cache_n")
+    assert run(scanner, [finish, usage, b"data: [DONE]\n\n"]) == finish + b"data: [DONE]\n\n"
+
+
+def test_finish_chunk_is_released_when_no_usage_chunk_follows() -> None:
+    finish = b'data: {"choices":[{"delta":{},"finish_reason":"stop","index":0}]}\n\n'
+    scanner = StreamScanner(strip_injected=True)
+    assert scanner.feed(finish) == b""  # held: the usage chunk would follow at once
+    assert scanner.feed(b"data: [DONE]\n\n") == finish + b"data: [DONE]\n\n"
+
+
+def test_finish_chunk_of_a_cut_stream_is_released_at_the_end() -> None:
+    finish = b'data: {"choices":[{"delta":{},"finish_reason":"stop","index":0}]}\n\n'
+    scanner = StreamScanner(strip_injected=True)
+    assert scanner.feed(finish) + scanner.finish() == finish
 
 
 def test_stream_cut_before_usage_chunk_passes_what_came_and_knows_nothing() -> None:

@@ -27,6 +27,8 @@ class Dialect:
     rejects_stream_options_without_stream = False
     # llama.cpp puts /v1/completions usage on the finish chunk, not a usage-only chunk.
     completions_usage_on_finish_chunk = False
+    # OpenAI writes `"usage": null` on every other chunk once include_usage is on.
+    null_usage_members = True
 
     def __init__(self, engine: Engine) -> None:
         """Attach to the engine and build the prefix cache."""

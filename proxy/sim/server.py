@@ -129,7 +129,7 @@ class OpenAIRoutes:
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_on_finish = include_usage and not chat and self.dialect.completions_usage_on_finish_chunk
         # OpenAI: once include_usage is on, every chunk but the usage chunk has "usage": null.
-        null_usage = include_usage and not usage_on_finish
+        null_usage = include_usage and not usage_on_finish and self.dialect.null_usage_members
 
         def chunk(piece: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
             """One chunk with one choice."""

@@ -18,6 +18,12 @@ class VllmDialect(Dialect):
 
     name = "vllm"
     rejects_stream_options_without_stream = True
+    # Seen on the real 0.32 server: no `"usage": null` members on stream chunks under include_usage.
+    null_usage_members = False
+
+    def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
+        """vLLM 0.32 puts `system_fingerprint` on a stream's last chunk (the usage chunk if any)."""
+        return {"system_fingerprint": f"vllm-{self.config.engine_version}-sim"}
 
     def usage(self, seq: Sequence) -> dict[str, Any]:
         """Usage; the cached field needs --enable-prompt-tokens-details, and <= 0.14 omitted a 0."""

@@ -31,14 +31,16 @@ class Admission:
     """Counts forwarded requests in flight and holds new ones while a reset drains.
 
     Forwarding calls `admit()` before it contacts the upstream and `leave()` when
-    the exchange is over. A reset calls `hold()`, then `wait_idle()`, does its
-    work, and `release()`s the gate so held requests go on.
+    the exchange is over. A reset calls `hold(budget)`, then `wait_idle()`, does its
+    work, and `release()`s the gate so held requests go on. A held request waits
+    at most the budget of the hold it met (the reset's worst case), then gives up.
     """
 
     def __init__(self) -> None:
         self._inflight = 0
         self._held = 0
         self._holds = 0
+        self._budget_s = 0.0
         self._open = asyncio.Event()
         self._open.set()
         self._idle = asyncio.Event()
@@ -59,12 +61,12 @@ class Admission:
         """True while a reset holds the gate."""
         return self._holds > 0
 
-    async def admit(self, max_wait_s: float) -> bool:
-        """Enter, waiting while the gate is held; False when the wait ran out."""
+    async def admit(self) -> bool:
+        """Enter, waiting while the gate is held; False when the hold's budget ran out."""
         if not self._open.is_set():
             self._held += 1
             try:
-                await asyncio.wait_for(self._open.wait(), timeout=max_wait_s)
+                await asyncio.wait_for(self._open.wait(), timeout=self._budget_s)
             except TimeoutError:
                 return False
             finally:
@@ -79,9 +81,10 @@ class Admission:
         if self._inflight == 0:
             self._idle.set()
 
-    def hold(self) -> None:
-        """Close the gate: new requests wait in `admit()`."""
+    def hold(self, budget_s: float) -> None:
+        """Close the gate: new requests wait in `admit()`, each for at most `budget_s`."""
         self._holds += 1
+        self._budget_s = budget_s
         self._open.clear()
 
     def release(self) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.errors import error_response
@@ -119,37 +119,32 @@ def _tag(value: str | None) -> str | None:
     return value[:128] if value else None
 
 
-def _request_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop ones (and those named in Connection)."""
+def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
+    """`headers` minus the hop-by-hop ones in `drop` and those named in their Connection header."""
     named = {
         token.strip().lower()
-        for value in request.headers.getall("Connection", ())
+        for value in headers.getall("Connection", ())
         for token in value.split(",")
     }
-    headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in request.headers.items():
+    kept: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
         lowered = name.lower()
-        if lowered in _REQUEST_DROP or lowered in named:
-            continue
-        headers.add(name, value)
+        if lowered not in drop and lowered not in named:
+            kept.add(name, value)
+    return kept
+
+
+def _request_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
+    """The client's end-to-end headers, with the request id the engine will see."""
+    headers = _end_to_end(request.headers, _REQUEST_DROP)
     if "X-Request-Id" not in headers:
         headers["X-Request-Id"] = request_id
     return headers
 
 
 def _response_headers(upstream: aiohttp.ClientResponse, request_id: str) -> CIMultiDict[str]:
-    """The engine's headers minus hop-by-hop ones, plus our request id and SSE flushing hint."""
-    named = {
-        token.strip().lower()
-        for value in upstream.headers.getall("Connection", ())
-        for token in value.split(",")
-    }
-    headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.headers.items():
-        lowered = name.lower()
-        if lowered in HOP_BY_HOP or lowered in named:
-            continue
-        headers.add(name, value)
+    """The engine's end-to-end headers, plus our request id and SSE flushing hint."""
+    headers = _end_to_end(upstream.headers, HOP_BY_HOP)
     headers.setdefault("X-Request-Id", request_id)
     if upstream.content_type == "text/event-stream":
         # nginx and other buffering proxies in front of us flush SSE at once (llama.cpp #24774).
@@ -211,23 +206,41 @@ async def _read_bounded(request: web.Request, limit: int) -> bytes:
 async def forward(request: web.Request) -> web.StreamResponse:
     """Proxy one request to the upstream and stream the answer back."""
     app = request.app
-    settings = app[SETTINGS]
     request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
     exchange = Exchange(request_id=request_id, started_ns=time.time_ns())
+    try:
+        return await _admit_and_exchange(request, exchange)
+    finally:
+        # Every request is counted, those the sidecar itself turned away (413, 503) included.
+        record_forwarded(app, exchange.forwarded(request))
+
+
+def _rejected(exchange: Exchange, response: web.Response) -> web.Response:
+    """A request the sidecar answers itself, without the engine."""
+    exchange.status = response.status
+    exchange.outcome = "rejected"
+    return response
+
+
+async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.StreamResponse:
+    """Read what must be observed, pass the drain gate, then exchange with the upstream."""
+    app = request.app
+    settings = app[SETTINGS]
     limit = settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
-        return _too_large(limit)
+        return _rejected(exchange, _too_large(limit))
     body: bytes | None = None
     if settings.observe and is_observed(request.method, request.path):
         try:
             body = await _read_bounded(request, limit)
         except BodyTooLarge:
-            return _too_large(limit)
+            return _rejected(exchange, _too_large(limit))
         except ClientGone:
+            exchange.outcome = "client_disconnected"
             raise asyncio.CancelledError from None
         engine = app.get(ENGINE)
-        # llama.cpp puts `timings` (with cache_n) on the last event: without injection that is
-        # the finish chunk, so nothing needs injecting and the client's bytes stay exactly its own.
+        # llama.cpp needs no injection: its finish chunk carries `timings.cache_n`, and its
+        # /v1/completions streams may carry usage unasked, which stripping would then remove.
         inject = settings.inject_usage and (engine is None or engine.info.kind != "llamacpp")
         prepared = prepare_request(body, inject_usage=inject, path=request.path)
         body = prepared.body
@@ -236,14 +249,13 @@ async def forward(request: web.Request) -> web.StreamResponse:
         exchange.model = prepared.model
         exchange.usage_injected = prepared.usage_injected
     admission = app[ADMISSION]
-    max_wait = settings.drain_timeout + settings.retry_seconds + settings.reset_attempt_timeout
-    if not await admission.admit(max_wait):
-        return error_response(
+    if not await admission.admit():
+        return _rejected(exchange, error_response(
             503,
             "the sidecar held this request while a cache reset drained the engine, and the wait ran out",
             type_="service_unavailable",
             code="draining",
-        )
+        ))
     try:
         if exchange.observed:
             # Assigned after admission: a request held during a drain belongs to the new reset.
@@ -251,7 +263,6 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return await _exchange(request, exchange, body, settings.upstream_base, limit)
     finally:
         admission.leave()
-        record_forwarded(app, exchange.forwarded(request))
         if exchange.observed:
             record_observation(app, exchange.observation(request))
 
@@ -276,7 +287,7 @@ async def _exchange(
             request.method, url, headers=headers, data=data, allow_redirects=False
         )
     except BodyTooLarge:
-        return _too_large(limit)
+        return _rejected(exchange, _too_large(limit))
     except ClientGone:
         exchange.outcome = "client_disconnected"
         raise asyncio.CancelledError from None
@@ -286,7 +297,7 @@ async def _exchange(
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, (BodyTooLarge, ClientGone)) else None
         if isinstance(cause, BodyTooLarge):
-            return _too_large(limit)
+            return _rejected(exchange, _too_large(limit))
         return _upstream_failure(exc, exchange)
     exchange.upstream_head_ns = time.time_ns()
     try:

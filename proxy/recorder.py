@@ -19,7 +19,7 @@ class Forwarded:
     method: str
     path: str
     status: int | None
-    outcome: str
+    outcome: str  # an Observation outcome, or "rejected": answered by the sidecar itself (413, 503)
     started_ns: int
     first_byte_ns: int | None
     finished_ns: int

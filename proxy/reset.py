@@ -325,7 +325,9 @@ class ResetService:
         await engine.ensure_detected(session)
         info, dialect = engine.info, engine.dialect
         if params.drain:
-            admission.hold()
+            # A held request waits out the whole reset at worst: the drain, the retry window,
+            # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
+            admission.hold(settings.drain_timeout + 2 * params.retry_seconds + settings.reset_attempt_timeout)
         try:
             if params.drain:
                 drained = await admission.wait_idle(settings.drain_timeout)

@@ -148,3 +148,23 @@ async def test_client_leaving_before_the_answer_closes_the_upstream_request(
             await task
     await asyncio.wait_for(state.disconnected.wait(), timeout=5)
     assert not state.finished.is_set()
+
+
+async def test_requests_the_sidecar_turns_away_are_counted_but_not_as_engine_errors(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proxy = await sidecar(upstream, max_body_bytes=10)
+    async with client.post(proxy + "/v1/chat/completions", data=b"x" * 11) as response:
+        assert response.status == 413
+    async with client.get(proxy + "/metrics") as response:
+        text = await response.text()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("cachewitness_")
+    }
+    assert samples[("cachewitness_requests_total", (("code", "4xx"), ("route", "/v1/chat/completions")))] == 1
+    assert all(value == 0 for (name, _), value in samples.items() if name == "cachewitness_upstream_errors_total")

@@ -68,7 +68,12 @@ def _run_sim(ns: argparse.Namespace) -> int:
 
 
 def _add_client_commands(sub: argparse._SubParsersAction) -> None:
-    from proxy.client import add_evidence_arguments, add_reset_arguments, run_evidence, run_reset
+    from proxy.client import (
+        add_evidence_arguments,
+        add_reset_arguments,
+        run_evidence,
+        run_reset,
+    )
 
     reset = sub.add_parser("reset", help="ask a sidecar for a prefix-cache reset (exit code = answer)")
     add_reset_arguments(reset)

@@ -9,7 +9,12 @@ import aiohttp
 
 from proxy.config import Settings
 from proxy.engines.base import Dialect, EngineInfo
-from proxy.engines.detect import UNKNOWN, UndetectedDialect, detect_engine, probe_version
+from proxy.engines.detect import (
+    UNKNOWN,
+    UndetectedDialect,
+    detect_engine,
+    probe_version,
+)
 from proxy.engines.generic import GenericDialect
 from proxy.engines.llamacpp import LlamacppDialect
 from proxy.engines.mindnano import MindnanoDialect

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from aiohttp import web
 import orjson
+from aiohttp import web
 
 __all__ = ["error_response"]
 

@@ -17,8 +17,19 @@ from yarl import URL
 from proxy.errors import error_response
 from proxy.keys import ADMISSION, CLIENT, ENGINE, SETTINGS
 from proxy.logs import log_event
-from proxy.observe import Observation, StreamScanner, is_observed, prepare_request, usage_from_json
-from proxy.recorder import Forwarded, begin_observation, record_forwarded, record_observation
+from proxy.observe import (
+    Observation,
+    StreamScanner,
+    is_observed,
+    prepare_request,
+    usage_from_json,
+)
+from proxy.recorder import (
+    Forwarded,
+    begin_observation,
+    record_forwarded,
+    record_observation,
+)
 
 __all__ = ["forward", "HOP_BY_HOP", "Exchange"]
 

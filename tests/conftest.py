@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -27,6 +29,40 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncItera
         yield f"http://{host}:{port}"
     finally:
         await runner.cleanup()
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (until someone binds it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def closed_port_url() -> str:
+    """A loopback URL nothing listens on."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A plain client session."""
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest.fixture
+def upstream_app() -> web.Application:
+    """The controllable test upstream (tests/upstream.py)."""
+    from tests.upstream import build_upstream
+
+    return build_upstream()
+
+
+@pytest.fixture
+async def upstream(upstream_app: web.Application) -> AsyncIterator[str]:
+    """The test upstream served on a loopback port."""
+    async with serve_app(upstream_app) as url:
+        yield url
 
 
 def make_settings(upstream: str, tmp_path: Path, **overrides: Any) -> Settings:

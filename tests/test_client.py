@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,7 +16,7 @@ import aiohttp
 
 from proxy.app import build_app
 from proxy.sim import SimConfig
-from tests.conftest import make_settings, serve_app
+from tests.conftest import closed_port_url, make_settings, serve_app
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,13 +50,6 @@ async def sidecar(config: SimConfig, tmp_path: Path, **overrides: Any) -> AsyncI
     async with sim(config) as engine:
         async with serve_app(build_app(make_settings(engine.url, tmp_path, **overrides))) as url:
             yield engine, url
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 async def test_acknowledged_exits_0_with_one_readable_line(tmp_path) -> None:

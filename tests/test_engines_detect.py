@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator
-
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -14,22 +10,10 @@ from proxy.engine_state import EngineState
 from proxy.engines.base import UNREACHABLE
 from proxy.engines.detect import detect_engine, probe_version
 from proxy.sim import build_sim_app
+from tests.conftest import closed_port_url
 from tests.sim_helpers import fast, sim
 
 TIMEOUT_S = 5.0
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 @pytest.mark.parametrize(

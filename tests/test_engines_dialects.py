@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -28,16 +27,10 @@ from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.redact import redact_url
-from tests.conftest import serve_app
+from tests.conftest import closed_port_url, serve_app
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 
 TIMEOUT_S = 10.0
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def reset(dialect: Dialect, http: aiohttp.ClientSession, url: str, *, force: bool = False,
@@ -56,13 +49,6 @@ async def running_request(engine: Sim, path: str = "/v1/chat/completions", **bod
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # -- vLLM ----------------------------------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -12,17 +11,11 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.sim import SimConfig, running_sim
+from proxy.sim import running_sim
 from tests.conftest import SidecarFactory
 from tests.sim_helpers import chat, fast, slow, words
 
 PROMPT = words(80)
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 async def evidence(http: aiohttp.ClientSession, proxy: str, **filters: str) -> list[dict[str, Any]]:

@@ -13,19 +13,8 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from tests.conftest import SidecarFactory, serve_app
-from tests.upstream import GZIPPED, STATE, build_upstream
-
-
-@pytest.fixture
-async def upstream_app() -> web.Application:
-    return build_upstream()
-
-
-@pytest.fixture
-async def upstream(upstream_app: web.Application) -> AsyncIterator[str]:
-    async with serve_app(upstream_app) as url:
-        yield url
+from tests.conftest import SidecarFactory
+from tests.upstream import GZIPPED, STATE
 
 
 @pytest.fixture

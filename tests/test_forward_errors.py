@@ -3,43 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import SidecarFactory, serve_app
-from tests.upstream import STATE, build_upstream
+from tests.conftest import SidecarFactory, free_port
+from tests.upstream import STATE
 
 
-@pytest.fixture
-async def upstream_app() -> web.Application:
-    return build_upstream()
-
-
-@pytest.fixture
-async def upstream(upstream_app: web.Application) -> AsyncIterator[str]:
-    async with serve_app(upstream_app) as url:
-        yield url
-
-
-@pytest.fixture
-async def client() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-def closed_port() -> int:
-    """A loopback port with nothing listening on it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-async def still_serves(client: aiohttp.ClientSession, proxy: str) -> None:
-    async with client.get(proxy + "/-/healthy") as response:
+async def still_serves(http: aiohttp.ClientSession, proxy: str) -> None:
+    async with http.get(proxy + "/-/healthy") as response:
         assert response.status == 200
 
 
@@ -51,64 +26,64 @@ async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> 
     return body["error"]
 
 
-async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, client) -> None:
-    proxy = await sidecar(f"http://127.0.0.1:{closed_port()}")
-    async with client.get(proxy + "/v1/models") as response:
+async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, http) -> None:
+    proxy = await sidecar(f"http://127.0.0.1:{free_port()}")
+    async with http.get(proxy + "/v1/models") as response:
         error = await assert_openai_error(response, 502)
     assert "refused" in error["message"]
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
-async def test_upstream_that_drops_the_connection_is_502(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_upstream_that_drops_the_connection_is_502(sidecar: SidecarFactory, upstream: str, http) -> None:
     proxy = await sidecar(upstream)
-    async with client.get(proxy + "/cut") as response:
+    async with http.get(proxy + "/cut") as response:
         await assert_openai_error(response, 502)
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
-async def test_upstream_silent_past_read_timeout_is_504(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_upstream_silent_past_read_timeout_is_504(sidecar: SidecarFactory, upstream: str, http) -> None:
     proxy = await sidecar(upstream, read_timeout=0.3)
-    async with client.get(proxy + "/slow?s=30") as response:
+    async with http.get(proxy + "/slow?s=30") as response:
         await assert_openai_error(response, 504)
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
-async def test_upstream_cut_mid_body_cuts_the_client_too(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_upstream_cut_mid_body_cuts_the_client_too(sidecar: SidecarFactory, upstream: str, http) -> None:
     proxy = await sidecar(upstream)
-    async with client.get(proxy + "/cut-mid-body") as response:
+    async with http.get(proxy + "/cut-mid-body") as response:
         assert response.status == 200
         with pytest.raises(aiohttp.ClientPayloadError):
             await response.read()
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
-async def test_declared_body_over_limit_is_413(sidecar: SidecarFactory, upstream: str, upstream_app, client) -> None:
+async def test_declared_body_over_limit_is_413(sidecar: SidecarFactory, upstream: str, upstream_app, http) -> None:
     proxy = await sidecar(upstream, max_body_bytes=1000)
-    async with client.post(proxy + "/echo", data=b"x" * 1001) as response:
+    async with http.post(proxy + "/echo", data=b"x" * 1001) as response:
         await assert_openai_error(response, 413)
     assert upstream_app[STATE].seen == []
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
-async def test_chunked_body_over_limit_is_413(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_chunked_body_over_limit_is_413(sidecar: SidecarFactory, upstream: str, http) -> None:
     proxy = await sidecar(upstream, max_body_bytes=100_000)
 
     async def parts() -> AsyncIterator[bytes]:
         for _ in range(20):
             yield b"y" * 10_000
 
-    async with client.post(proxy + "/echo", data=parts()) as response:
+    async with http.post(proxy + "/echo", data=parts()) as response:
         await assert_openai_error(response, 413)
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
-async def test_body_at_the_limit_passes(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_body_at_the_limit_passes(sidecar: SidecarFactory, upstream: str, http) -> None:
     proxy = await sidecar(upstream, max_body_bytes=1000)
-    async with client.post(proxy + "/echo", data=b"x" * 1000) as response:
+    async with http.post(proxy + "/echo", data=b"x" * 1000) as response:
         assert (await response.json())["body_len"] == 1000
 
 
-async def test_malformed_http_gets_400_and_proxy_keeps_serving(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_malformed_http_gets_400_and_proxy_keeps_serving(sidecar: SidecarFactory, upstream: str, http) -> None:
     proxy = await sidecar(upstream)
     host, port = proxy.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -117,7 +92,7 @@ async def test_malformed_http_gets_400_and_proxy_keeps_serving(sidecar: SidecarF
     status_line = await asyncio.wait_for(reader.readline(), timeout=5)
     writer.close()
     assert status_line.split()[1] == b"400"
-    await still_serves(client, proxy)
+    await still_serves(http, proxy)
 
 
 async def test_client_leaving_mid_stream_closes_the_upstream_request(
@@ -151,14 +126,14 @@ async def test_client_leaving_before_the_answer_closes_the_upstream_request(
 
 
 async def test_requests_the_sidecar_turns_away_are_counted_but_not_as_engine_errors(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, http
 ) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     proxy = await sidecar(upstream, max_body_bytes=10)
-    async with client.post(proxy + "/v1/chat/completions", data=b"x" * 11) as response:
+    async with http.post(proxy + "/v1/chat/completions", data=b"x" * 11) as response:
         assert response.status == 413
-    async with client.get(proxy + "/metrics") as response:
+    async with http.get(proxy + "/metrics") as response:
         text = await response.text()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import aiohttp
 
-from tests.conftest import SidecarFactory, serve_app
+from tests.conftest import SidecarFactory, free_port, serve_app
 from tests.upstream import build_upstream
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def wait_status(session: aiohttp.ClientSession, url: str, status: int, bound_s: float = 10) -> None:

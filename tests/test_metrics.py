@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import build_app
 from proxy.keys import EVIDENCE, METRICS
 from proxy.sim import SimConfig, build_sim_app, running_sim
-from tests.conftest import SidecarFactory, make_settings, serve_app
+from tests.conftest import SidecarFactory, closed_port_url, make_settings, serve_app
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
@@ -110,21 +109,6 @@ async def post_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any])
     async with http.post(url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
         return (await resp.json())["usage"]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    """A plain client session."""
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-def closed_port_url() -> str:
-    """A loopback URL nothing listens on."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 @asynccontextmanager

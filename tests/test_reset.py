@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from proxy.app import build_app
 from proxy.keys import ADMISSION
 from proxy.reset import RESETS
 from proxy.sim import SimConfig
-from tests.conftest import make_settings, serve_app
+from tests.conftest import closed_port_url, make_settings, serve_app
 from tests.sim_helpers import WAIT_S, Sim, chat, fast, sim, slow, words
 
 REFERENCE_RECORD_KEYS = {
@@ -67,13 +66,6 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
     while not predicate():
         assert loop.time() < deadline, "the state was never reached"
         await asyncio.sleep(0.005)
-
-
-def closed_port_url() -> str:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
 
 
 # -- answers by outcome -------------------------------------------------------------------

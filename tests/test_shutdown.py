@@ -9,8 +9,8 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.conftest import serve_app
-from tests.test_health import free_port, wait_status
+from tests.conftest import free_port, serve_app
+from tests.test_health import wait_status
 from tests.upstream import STATE, build_upstream
 
 

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.sim_helpers import chat, event_json, fast, next_event, read_events, sim, slow, words
+from tests.sim_helpers import (
+    chat,
+    event_json,
+    fast,
+    next_event,
+    read_events,
+    sim,
+    slow,
+    words,
+)
 
 
 async def test_second_request_while_busy_is_429() -> None:

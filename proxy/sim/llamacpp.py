@@ -19,7 +19,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.sim.dialect import Dialect
 from proxy.sim.engine import Sequence
 from proxy.sim.text import PromptError, completion_prompt_tokens
-from proxy.sim.wire import error_response, json_body, read_json, send_event, sse_response
+from proxy.sim.wire import (
+    json_body,
+    read_json,
+    send_event,
+    sse_response,
+)
 
 __all__ = ["LlamacppDialect"]
 

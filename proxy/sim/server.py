@@ -20,7 +20,14 @@ from proxy.sim.openai import OpenaiDialect
 from proxy.sim.sglang import SglangDialect
 from proxy.sim.text import PromptError, chat_prompt_tokens, completion_prompt_tokens
 from proxy.sim.vllm import VllmDialect
-from proxy.sim.wire import DONE, error_response, json_body, read_json, send_event, sse_response
+from proxy.sim.wire import (
+    DONE,
+    error_response,
+    json_body,
+    read_json,
+    send_event,
+    sse_response,
+)
 
 __all__ = ["build_sim_app", "SIM_ENGINE"]
 

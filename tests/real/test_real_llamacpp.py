@@ -8,8 +8,20 @@ import aiohttp
 
 from tests.real.conftest import Pair
 from tests.real.sidecar_client import (
-    cache_state, cache_state_record, chunk_shapes, complete, engine_info_labels, eventually,
-    find_key, long_prompt, new_case, observations, reset, stream, tags, verification,
+    cache_state,
+    cache_state_record,
+    chunk_shapes,
+    complete,
+    engine_info_labels,
+    eventually,
+    find_key,
+    long_prompt,
+    new_case,
+    observations,
+    reset,
+    stream,
+    tags,
+    verification,
 )
 
 MODEL = "tiny"

@@ -9,8 +9,22 @@ import aiohttp
 
 from tests.real.conftest import Pair
 from tests.real.sidecar_client import (
-    JSON, cache_state, cache_state_record, chunk_shapes, complete, engine_info_labels, eventually,
-    find_key, long_prompt, metric_value, new_case, observations, reset, stream, tags, verification,
+    JSON,
+    cache_state,
+    cache_state_record,
+    chunk_shapes,
+    complete,
+    engine_info_labels,
+    eventually,
+    find_key,
+    long_prompt,
+    metric_value,
+    new_case,
+    observations,
+    reset,
+    stream,
+    tags,
+    verification,
 )
 
 MODEL = "tiny"

@@ -96,7 +96,11 @@ def _run_demo(ns: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full argument parser."""
-    parser = argparse.ArgumentParser(prog="cachewitness", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="cachewitness",
+        description="A sidecar reverse proxy for LLM inference servers: uniform prefix-cache reset, "
+        "cached-token evidence, Prometheus metrics.",
+    )
     parser.add_argument("--version", action="version", version=f"cachewitness {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 
 from aiohttp import web
 
@@ -14,9 +15,13 @@ from proxy.config import Settings
 from proxy.keys import HEALTH
 from proxy.logs import log_event
 
-__all__ = ["run", "serve"]
+__all__ = ["ListenError", "run", "serve"]
 
 log = logging.getLogger("cachewitness.serve")
+
+
+class ListenError(Exception):
+    """The listen address cannot be bound: the message says which and what to do."""
 
 
 def _install_uvloop() -> str:
@@ -49,7 +54,14 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     )
     await runner.setup()
     site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ListenError(
+            f"config: listen = {settings.listen!r} cannot be bound ({exc.strerror or exc}); "
+            "choose a free HOST:PORT with --listen or CACHEWITNESS_LISTEN"
+        ) from None
     log_event(log, logging.INFO, "serving", listen=settings.listen, upstream=_safe(settings.upstream))
     await stop.wait()
     app[HEALTH].shutting_down = True
@@ -76,5 +88,9 @@ def run(settings: Settings) -> int:
     """Blocking entry point of `cachewitness serve`; exit code 0 after a clean shutdown."""
     loop_kind = _install_uvloop()
     log_event(log, logging.INFO, "starting", event_loop=loop_kind)
-    asyncio.run(serve(settings))
+    try:
+        asyncio.run(serve(settings))
+    except ListenError as exc:
+        print(f"cachewitness: {exc}", file=sys.stderr)
+        return 2
     return 0

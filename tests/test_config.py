@@ -85,3 +85,20 @@ def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1
     assert "drain_timeout" in lines[0] and "Traceback" not in done.stderr
+
+
+def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{port}",
+             "--evidence", str(tmp_path / "ev.jsonl")],
+            capture_output=True, text=True, timeout=60,
+        )
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert f"127.0.0.1:{port}" in done.stderr.strip().splitlines()[-1]

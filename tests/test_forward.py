@@ -162,3 +162,28 @@ async def test_many_concurrent_streams_all_complete(sidecar: SidecarFactory, ups
     bodies = await asyncio.gather(*(one() for _ in range(150)))
     expected = b"".join(f'data: {{"i": {i}}}\n\n'.encode() for i in range(200)) + b"data: [DONE]\n\n"
     assert all(body == expected for body in bodies)
+
+
+async def test_rewritten_stream_request_carries_its_own_content_length(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
+    proxy = await sidecar(upstream)
+    body = b'{"model": "m", "stream": true, "messages": []}'
+    async with client.post(proxy + "/v1/chat/completions", data=body,
+                           headers={"Content-Type": "application/json"}) as response:
+        described = await response.json()
+    seen = {name.lower(): value for name, value in described["headers"]}
+    assert '"include_usage":true' in described["body"]
+    assert int(seen["content-length"]) == described["body_len"] != len(body)
+    assert "transfer-encoding" not in seen
+
+
+async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
+    proxy = await sidecar(upstream)
+    body = b'{"model": "m",  "stream": false, "messages": [], "user": "u"}'
+    async with client.post(proxy + "/v1/chat/completions", data=body,
+                           headers={"Content-Type": "application/json"}) as response:
+        described = await response.json()
+    assert described["body"].encode() == body

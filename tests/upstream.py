@@ -34,6 +34,7 @@ async def echo(request: web.Request) -> web.Response:
         "raw_path": request.raw_path,
         "headers": [[k.decode("latin-1"), v.decode("latin-1")] for k, v in request.raw_headers],
         "body_len": len(body),
+        "body": body.decode("utf-8", "replace"),
         "body_sha256": hashlib.sha256(body).hexdigest(),
     }
     request.app[STATE].seen.append(described)
@@ -158,6 +159,8 @@ def build_upstream() -> web.Application:
     app[STATE] = UpstreamState()
     app.router.add_route("*", "/echo", echo)
     app.router.add_route("*", "/echo/{tail:.*}", echo)
+    # An observed inference path that echoes, to see what the sidecar sent after observing.
+    app.router.add_post("/v1/chat/completions", echo)
     app.router.add_post("/mirror", mirror)
     app.router.add_get("/gzip", gzipped)
     app.router.add_get("/redirect", redirect)

@@ -50,6 +50,8 @@ HOP_BY_HOP = frozenset(
     }
 )
 _REQUEST_DROP = HOP_BY_HOP | {"host"}
+# Validation failures (FastAPI's 422, plain 400) that may be our injected stream_options.
+_REFUSED_INJECTION = frozenset({400, 422})
 _CHUNK = 64 * 1024
 
 
@@ -241,6 +243,7 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
     if request.content_length is not None and request.content_length > limit:
         return _rejected(exchange, _too_large(limit))
     body: bytes | None = None
+    original: bytes | None = None
     if settings.observe and is_observed(request.method, request.path):
         try:
             body = await _read_bounded(request, limit)
@@ -254,6 +257,7 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         # /v1/completions streams may carry usage unasked, which stripping would then remove.
         inject = settings.inject_usage and (engine is None or engine.info.kind != "llamacpp")
         prepared = prepare_request(body, inject_usage=inject, path=request.path)
+        original = body
         body = prepared.body
         exchange.observed = True
         exchange.stream = prepared.stream
@@ -271,7 +275,7 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         if exchange.observed:
             # Assigned after admission: a request held during a drain belongs to the new reset.
             exchange.reset_id, exchange.ordinal = begin_observation(app)
-        return await _exchange(request, exchange, body, settings.upstream_base, limit)
+        return await _exchange(request, exchange, body, settings.upstream_base, limit, original=original)
     finally:
         admission.leave()
         if exchange.observed:
@@ -279,9 +283,14 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
 
 
 async def _exchange(
-    request: web.Request, exchange: Exchange, body: bytes | None, base: str, limit: int
+    request: web.Request, exchange: Exchange, body: bytes | None, base: str, limit: int,
+    *, original: bytes | None = None,
 ) -> web.StreamResponse:
-    """Send the request upstream and relay the answer; the admission slot is held throughout."""
+    """Send the request upstream and relay the answer; the admission slot is held throughout.
+
+    `original` is the client's own body when `body` has include_usage injected: an engine
+    that refuses the injected request gets the client's request instead.
+    """
     client = request.app[CLIENT]
     url = URL(base + request.raw_path, encoded=True)
     headers = _request_headers(request, exchange.request_id)
@@ -311,6 +320,14 @@ async def _exchange(
             return _rejected(exchange, _too_large(limit))
         return _upstream_failure(exc, exchange)
     exchange.upstream_head_ns = time.time_ns()
+    if exchange.usage_injected and original is not None and upstream.status in _REFUSED_INJECTION:
+        # A strict OpenAI-compatible engine may reject `stream_options` it does not know; the
+        # client must not fail because of us, so it gets the engine's answer to its own request.
+        upstream.close()
+        exchange.usage_injected = False
+        log_event(log, logging.INFO, "engine refused the injected include_usage; sent the client's body",
+                  request_id=exchange.request_id, status=upstream.status)
+        return await _exchange(request, exchange, original, base, limit)
     try:
         return await _relay(request, upstream, exchange, limit)
     finally:

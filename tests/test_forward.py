@@ -187,3 +187,17 @@ async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
                            headers={"Content-Type": "application/json"}) as response:
         described = await response.json()
     assert described["body"].encode() == body
+
+
+async def test_engine_refusing_injected_stream_options_gets_the_clients_own_request(
+    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client
+) -> None:
+    proxy = await sidecar(upstream)
+    body = b'{"model": "m", "stream": true, "prompt": "x"}'
+    async with client.post(proxy + "/v1/completions", data=body,
+                           headers={"Content-Type": "application/json"}) as response:
+        assert response.status == 200
+        assert (await response.read()).endswith(b"data: [DONE]\n\n")
+    seen = upstream_app[STATE].seen
+    assert len(seen) == 2 and "stream_options" in seen[0]["body"]
+    assert seen[1]["body"].encode() == body

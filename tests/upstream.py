@@ -41,6 +41,20 @@ async def echo(request: web.Request) -> web.Response:
     return web.json_response(described, headers={"X-Upstream": "yes"})
 
 
+async def strict_openai(request: web.Request) -> web.StreamResponse:
+    """An engine with strict validation: `stream_options` is an unknown field (422), else a stream."""
+    body = await request.read()
+    request.app[STATE].seen.append({"body": body.decode()})
+    if b"stream_options" in body:
+        return web.json_response({"detail": "extra fields not permitted: stream_options"}, status=422)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(b'data: {"choices":[{"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n')
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
 async def mirror(request: web.Request) -> web.StreamResponse:
     """Stream the request body back as it comes (both directions streaming)."""
     response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
@@ -161,6 +175,7 @@ def build_upstream() -> web.Application:
     app.router.add_route("*", "/echo/{tail:.*}", echo)
     # An observed inference path that echoes, to see what the sidecar sent after observing.
     app.router.add_post("/v1/chat/completions", echo)
+    app.router.add_post("/v1/completions", strict_openai)
     app.router.add_post("/mirror", mirror)
     app.router.add_get("/gzip", gzipped)
     app.router.add_get("/redirect", redirect)

@@ -128,6 +128,24 @@ async def _script(s: Session) -> None:
     s.say(f"   /cache/state verdict: {state.get('verdict')}")
 
 
+async def _ram_cache_scene(tmp: Path) -> None:
+    """The witness at work: llama.cpp acknowledges an erase its RAM prompt cache survives."""
+    print("\n5. llama.cpp with its host-RAM prompt cache on (the default --cache-ram): erase is not a full reset")
+    sim = SimConfig(dialect="llamacpp", decode_rate=0, prefill_rate=0, slot_save_path=str(tmp), ram_cache=True)
+    async with running_sim(sim) as engine, _sidecar(engine, tmp / "llamacpp.jsonl") as base:
+        async with aiohttp.ClientSession() as http:
+            session = Session(http, base)
+            await session.wait_ready()
+            await session.chat("ram-warm")
+            answer = await session.reset("ram-cold")
+            session.say(f"   {_reset_line(answer)}")
+            session.say(f"   warning: {answer.get('warning')}")
+            session.say(f"   first request after it: {_cached(await session.chat('ram-cold'))}")
+            async with http.get(base + "/cache/state") as response:
+                state = await response.json()
+            session.say(f"   /cache/state verdict: {state.get('verdict')}  <- the reset did not clear what it claimed")
+
+
 async def _demo() -> int:
     with tempfile.TemporaryDirectory(prefix="cachewitness-demo-") as tmp:
         evidence = Path(tmp) / "cachewitness.jsonl"
@@ -140,6 +158,7 @@ async def _demo() -> int:
                 await _script(session)
                 async with http.get(base + "/cache/evidence", params={"session_id": SESSION}) as response:
                     lines = (await response.read()).splitlines()
+            await _ram_cache_scene(Path(tmp))
         records = [orjson.loads(line) for line in lines if line.strip()]
         cases: list[CaseSummary] = summarize(records)
         print("\nevidence summary (from GET /cache/evidence):")

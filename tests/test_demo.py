@@ -1,0 +1,17 @@
+"""`cachewitness demo` runs end to end and reports what a benchmark session saw."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_demo_runs_the_session_and_prints_the_report() -> None:
+    done = subprocess.run([sys.executable, "-m", "proxy", "demo"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "second: 128 of 129 prompt tokens cached" in out
+    assert "answer=acknowledged attempts=1, drain waited" in out
+    assert "/cache/state verdict: consistent" in out
+    assert "/cache/state verdict: contradicted" in out
+    assert "cold-case   acknowledged  consistent" in out

@@ -184,15 +184,23 @@ class EvidenceWriter:
         """Append a batch, rotating by size; return what could not be written."""
         written = 0
         try:
-            for index, (event_type, line) in enumerate(batch):
+            while written < len(batch):
                 fd = self._open()
-                if self._size > 0 and self._size + len(line) > self.max_bytes:
+                if self._size > 0 and self._size + len(batch[written][1]) > self.max_bytes:
                     self._rotate()
                     fd = self._open()
-                self._write_all(fd, line)
-                self._size += len(line)
-                self.records_total[event_type] = self.records_total.get(event_type, 0) + 1
-                written = index + 1
+                # Every line that fits in the current file goes down in one write (a syscall
+                # per record costs more than the record): at least one, even an oversized one.
+                end, size = written + 1, self._size + len(batch[written][1])
+                while end < len(batch) and size + len(batch[end][1]) <= self.max_bytes:
+                    size += len(batch[end][1])
+                    end += 1
+                chunk = batch[written:end]
+                self._write_all(fd, b"".join(line for _, line in chunk))
+                self._size = size
+                for event_type, _ in chunk:
+                    self.records_total[event_type] = self.records_total.get(event_type, 0) + 1
+                written = end
         except OSError as exc:
             self.write_errors_total += 1
             kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
@@ -208,9 +216,9 @@ class EvidenceWriter:
             self._copy_to_stdout(batch[:written] if written < len(batch) else batch)
         return batch[written:]
 
-    def _write_all(self, fd: int, line: bytes) -> None:
-        """os.write until the whole line is down; a failure leaves no partial line behind."""
-        view = memoryview(line)
+    def _write_all(self, fd: int, lines: bytes) -> None:
+        """os.write until all the lines are down; a failure leaves no partial line behind."""
+        view = memoryview(lines)
         start_size = self._size
         try:
             while view:

@@ -166,15 +166,29 @@ def _usage_block(obj: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
+_DETAILS_SOURCE = "usage.prompt_tokens_details.cached_tokens"
+
+
 def _usage_from_object(obj: Any) -> Usage:
     """Token counts from one decoded response body or stream event."""
     if not isinstance(obj, dict):
         return _NO_USAGE
+    usage = obj.get("usage")
+    # The shape nearly every answer has (OpenAI usage with prompt_tokens_details): read it
+    # without walking the other engines' fields — this runs for every observed request.
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            cached = _int(details.get("cached_tokens"))
+            prompt = _int(usage.get("prompt_tokens"))
+            completion = _int(usage.get("completion_tokens"))
+            if cached is not None and prompt is not None and completion is not None:
+                return Usage(prompt, completion, cached, _DETAILS_SOURCE)
     usage = _usage_block(obj) or {}
     # The SPEC's order (§5.2), then llama.cpp's /v1/messages field.
     # llama.cpp's `tokens_cached` is the slot's whole length, not a hit count: never read.
     cached_fields: tuple[tuple[str, Any], ...] = (
-        ("usage.prompt_tokens_details.cached_tokens", _dig(usage, "prompt_tokens_details", "cached_tokens")),
+        (_DETAILS_SOURCE, _dig(usage, "prompt_tokens_details", "cached_tokens")),
         ("usage.input_tokens_details.cached_tokens", _dig(usage, "input_tokens_details", "cached_tokens")),
         ("timings.cache_n", _dig(obj, "timings", "cache_n")),
         ("meta_info.cached_tokens", _dig(obj, "meta_info", "cached_tokens")),

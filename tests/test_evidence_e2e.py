@@ -217,3 +217,21 @@ async def test_evidence_filters_select_records(sidecar: SidecarFactory, http) ->
     assert {r["case_id"] for r in case_b} == {"b"} and len(case_b) >= 2
     assert [r["case_id"] for r in states] == ["a", "b"]
     assert all(r["at_ns"] >= states[1]["at_ns"] for r in later) and len(later) < len(everything)
+
+
+async def test_full_disk_is_counted_and_forwarding_goes_on(sidecar: SidecarFactory, http) -> None:
+    async with running_sim(fast("vllm")) as engine:
+        # /dev/full: every write fails with ENOSPC, as a full disk does (root or not).
+        proxy = await sidecar(engine, evidence="/dev/full")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 10
+        errors = 0
+        while errors == 0:
+            assert loop.time() < deadline, "the write error was never counted"
+            await post_chat(http, proxy, chat(PROMPT))
+            async with http.get(proxy + "/cache/state") as response:
+                errors = (await response.json())["sidecar"]["evidence_write_errors_total"]
+            await asyncio.sleep(0.05)
+        await post_chat(http, proxy, chat(PROMPT))
+        async with http.get(proxy + "/metrics") as response:
+            assert "cachewitness_evidence_write_errors_total" in await response.text()

@@ -16,6 +16,8 @@ __all__ = ["handle_state", "handle_evidence"]
 _ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
 _FILTERS = ("session_id", "case_id", "event_type", "since_ns")
+# Matching lines go out in writes of about this size, not one write per line.
+_WRITE_BYTES = 64 * 1024
 
 
 async def handle_state(request: web.Request) -> web.Response:
@@ -65,6 +67,8 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     await evidence.flush()
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
+    batch: list[bytes] = []
+    size = 0
     async for line in read_evidence(
         Path(app[SETTINGS].evidence),
         keep=app[SETTINGS].evidence_keep,
@@ -73,6 +77,12 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
         event_type=event_type,
         since_ns=since_ns,
     ):
-        await response.write(line)
+        batch.append(line)
+        size += len(line)
+        if size >= _WRITE_BYTES:
+            await response.write(b"".join(batch))
+            batch, size = [], 0
+    if batch:
+        await response.write(b"".join(batch))
     await response.write_eof()
     return response

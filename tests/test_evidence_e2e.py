@@ -235,3 +235,15 @@ async def test_full_disk_is_counted_and_forwarding_goes_on(sidecar: SidecarFacto
         await post_chat(http, proxy, chat(PROMPT))
         async with http.get(proxy + "/metrics") as response:
             assert "cachewitness_evidence_write_errors_total" in await response.text()
+
+
+async def test_evidence_larger_than_one_write_comes_back_whole(sidecar: SidecarFactory, http) -> None:
+    async with running_sim(fast("vllm")) as engine:
+        proxy = await sidecar(engine)
+        for index in range(300):
+            await post_chat(http, proxy, chat(f"prompt {index}"), **{"X-Case-Id": f"case-{index}"})
+        async with http.get(proxy + "/cache/evidence") as response:
+            raw = await response.read()
+    assert len(raw) > 64 * 1024
+    records = [orjson.loads(line) for line in raw.splitlines()]
+    assert [r["case_id"] for r in records] == [f"case-{i}" for i in range(300)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from aiohttp import web
@@ -10,10 +9,10 @@ from aiohttp import web
 from proxy.errors import error_response
 from proxy.evidence import read_evidence
 from proxy.keys import ADMISSION, ENGINE, EVIDENCE, HEALTH, SETTINGS, WITNESS
+from proxy.reset import is_valid_id
 
 __all__ = ["handle_state", "handle_evidence"]
 
-_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
 _FILTERS = ("session_id", "case_id", "event_type", "since_ns")
 # Matching lines go out in writes of about this size, not one write per line.
@@ -50,7 +49,7 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     if unknown:
         return _bad_filter(unknown[0], f"unknown filter {unknown[0]!r}; filters are {', '.join(_FILTERS)}")
     for name in ("session_id", "case_id"):
-        if name in query and not _ID.match(query[name]):
+        if name in query and not is_valid_id(query[name]):
             return _bad_filter(name, f"{name} must be 1-128 characters of [A-Za-z0-9._:-]")
     event_type = query.get("event_type")
     if event_type is not None and event_type not in _EVENT_TYPES:

@@ -60,11 +60,16 @@ def _add_sim(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_sim(ns: argparse.Namespace) -> int:
-    from proxy.config import parse_listen
-    from proxy.sim import run_sim, sim_config_from_args
+    # The simulator's own listen rules (a bare ":PORT" binds every address), not serve's.
+    from proxy.sim import parse_listen, run_sim, sim_config_from_args
 
-    host, port = parse_listen(ns.listen)
-    return run_sim(sim_config_from_args(ns), host, port)
+    try:
+        host, port = parse_listen(ns.listen)
+        config = sim_config_from_args(ns)
+    except ValueError as exc:
+        print(f"cachewitness sim: {exc}", file=sys.stderr)
+        return 2
+    return run_sim(config, host, port)
 
 
 def _add_client_commands(sub: argparse._SubParsersAction) -> None:

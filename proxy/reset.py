@@ -52,7 +52,13 @@ log = logging.getLogger("cachewitness.reset")
 # vLLM refuses while blocks are held and says callers may retry: every half second, as the reference client.
 RESET_RETRY_INTERVAL_SECONDS = 0.5
 MAX_RETRY_SECONDS = 120.0
+# session_id / case_id (SPEC §4), also the filters of GET /cache/evidence.
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def is_valid_id(value: object) -> bool:
+    """A session or case id: 1-128 characters of [A-Za-z0-9._:-]."""
+    return isinstance(value, str) and _ID.fullmatch(value) is not None
 _FIELDS = ("session_id", "case_id", "requested", "warmup_requests", "drain", "retry_seconds", "force")
 _BODY_LIMIT = 64 * 1024
 # An answer lists every engine call, but a long retry window against llama.cpp makes hundreds:
@@ -98,7 +104,7 @@ def _text_bool(name: str, text: str) -> bool:
 def _parse_field(name: str, value: Any, from_query: bool) -> Any:
     """One field's value, checked; query values arrive as text, JSON values must have their JSON type."""
     if name in ("session_id", "case_id"):
-        if not isinstance(value, str) or not _ID.fullmatch(value):
+        if not is_valid_id(value):
             raise BadInput(name, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
         return value
     if name == "requested":

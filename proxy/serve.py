@@ -14,6 +14,7 @@ from proxy.app import build_app
 from proxy.config import Settings
 from proxy.keys import HEALTH
 from proxy.logs import log_event
+from proxy.redact import redact_url
 
 __all__ = ["ListenError", "run", "serve"]
 
@@ -62,7 +63,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             f"config: listen = {settings.listen!r} cannot be bound ({exc.strerror or exc}); "
             "choose a free HOST:PORT with --listen or CACHEWITNESS_LISTEN"
         ) from None
-    log_event(log, logging.INFO, "serving", listen=settings.listen, upstream=_safe(settings.upstream))
+    log_event(log, logging.INFO, "serving", listen=settings.listen, upstream=redact_url(settings.upstream))
     await stop.wait()
     app[HEALTH].shutting_down = True
     log_event(log, logging.INFO, "shutting down", shutdown_delay=settings.shutdown_delay,
@@ -76,12 +77,6 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signum)
     log_event(log, logging.INFO, "stopped")
-
-
-def _safe(url: str) -> str:
-    from proxy.redact import redact_url
-
-    return redact_url(url)
 
 
 def run(settings: Settings) -> int:

@@ -247,3 +247,11 @@ async def test_evidence_larger_than_one_write_comes_back_whole(sidecar: SidecarF
     assert len(raw) > 64 * 1024
     records = [orjson.loads(line) for line in raw.splitlines()]
     assert [r["case_id"] for r in records] == [f"case-{i}" for i in range(300)]
+
+
+async def test_evidence_filter_with_a_trailing_newline_is_400(sidecar: SidecarFactory, http) -> None:
+    async with running_sim(fast("vllm")) as engine:
+        proxy = await sidecar(engine)
+        async with http.get(proxy + "/cache/evidence", params={"case_id": "a\n"}) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "case_id"

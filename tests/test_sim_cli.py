@@ -80,3 +80,13 @@ async def test_run_sim_serves_and_exits_0_on_sigterm() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize("argv", [["--listen", "nope"], ["--slots", "0"]])
+def test_sim_command_with_a_bad_option_exits_2_with_one_line(argv: list[str]) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "proxy", "sim", *argv], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

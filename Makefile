@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-fast test-real test-deploy bench clean
+.PHONY: venv demo lint test test-fast test-real test-deploy bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m proxy demo
 
+## make lint: ruff's lint rules and formatting (pinned in pyproject's test extra)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
 ## make test: everything CI runs — unit/integration suite, deployment checks, real engines
-test: $(STAMP)
+test: lint
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
 	bash scripts/setup-real-engines.sh

@@ -30,23 +30,33 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def ensure_tools() -> tuple[str, str]:
     """Paths of nginx and wrk, installed from Debian's packages when absent (needs root)."""
+
     def find() -> tuple[str | None, str | None]:
-        nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+        nginx = shutil.which("nginx") or next(
+            (p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None
+        )
         return nginx, shutil.which("wrk")
 
     nginx, wrk = find()
     if nginx and wrk:
         return nginx, wrk
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        sys.exit("bench: nginx and wrk are needed: install them (Debian: apt-get install -y nginx wrk) and rerun")
+        sys.exit(
+            "bench: nginx and wrk are needed: install them (Debian: apt-get install -y nginx wrk) and rerun"
+        )
     print("bench: installing nginx and wrk (apt-get install -y nginx wrk) ...", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # policy-rc.d may or may not stop the package from starting the system nginx; we never use it.
-    if subprocess.run(["apt-get", "install", "-y", "-q", "nginx", "wrk"], env=env,
-                      stdout=subprocess.DEVNULL).returncode != 0:
+    if (
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "nginx", "wrk"], env=env, stdout=subprocess.DEVNULL
+        ).returncode
+        != 0
+    ):
         subprocess.run(["apt-get", "update", "-q"], env=env, stdout=subprocess.DEVNULL, check=False)
-        subprocess.run(["apt-get", "install", "-y", "-q", "nginx", "wrk"], env=env,
-                       stdout=subprocess.DEVNULL, check=True)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-q", "nginx", "wrk"], env=env, stdout=subprocess.DEVNULL, check=True
+        )
     nginx, wrk = find()
     if not (nginx and wrk):
         sys.exit("bench: nginx/wrk still missing after apt-get install")

@@ -30,10 +30,23 @@ def _ms(text: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2)]
 
 
-def run_wrk(wrk: str, pin: list[str], script: Path, url: str, concurrency: int, seconds: float) -> dict[str, float]:
+def run_wrk(
+    wrk: str, pin: list[str], script: Path, url: str, concurrency: int, seconds: float
+) -> dict[str, float]:
     """Run wrk for `seconds` at `concurrency` connections; requests/s, latency percentiles, errors."""
-    argv = [*pin, wrk, "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "10s",
-            "--latency", "-s", str(script), url + "/v1/chat/completions"]
+    argv = [
+        *pin,
+        wrk,
+        "-t1",
+        f"-c{concurrency}",
+        f"-d{max(1, round(seconds))}s",
+        "--timeout",
+        "10s",
+        "--latency",
+        "-s",
+        str(script),
+        url + "/v1/chat/completions",
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
     result: dict[str, float] = {"errors": 0.0}
     for pct, value in re.findall(r"^\s+(50|75|90|99)%\s+(\S+)\s*$", out, re.M):
@@ -44,7 +57,9 @@ def run_wrk(wrk: str, pin: list[str], script: Path, url: str, concurrency: int, 
         result["rps"] = float(m.group(1))
     if (m := re.search(r"Non-2xx or 3xx responses: (\d+)", out)) is not None:
         result["errors"] += float(m.group(1))
-    if (m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)) is not None:
+    if (
+        m := re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    ) is not None:
         result["errors"] += sum(float(g) for g in m.groups())
     if "rps" not in result or "p50_ms" not in result:
         raise RuntimeError(f"could not read wrk's output:\n{out}")
@@ -53,7 +68,18 @@ def run_wrk(wrk: str, pin: list[str], script: Path, url: str, concurrency: int, 
 
 def run_sse(pin: list[str], url: str, concurrency: int, seconds: float, max_tokens: int) -> dict[str, float]:
     """Run the SSE load generator; events/s, time to first event, inter-event gap p99, errors."""
-    argv = [*pin, sys.executable, str(HERE / "sse_load.py"), "--url", url, "--concurrency", str(concurrency),
-            "--seconds", str(seconds), "--max-tokens", str(max_tokens)]
+    argv = [
+        *pin,
+        sys.executable,
+        str(HERE / "sse_load.py"),
+        "--url",
+        url,
+        "--concurrency",
+        str(concurrency),
+        "--seconds",
+        str(seconds),
+        "--max-tokens",
+        str(max_tokens),
+    ]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 90).stdout
     return json.loads(out.strip().splitlines()[-1])

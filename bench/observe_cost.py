@@ -19,10 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service  # noqa: E402
-from loads import WRK_SCRIPT, run_wrk  # noqa: E402
+from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service
+from loads import WRK_SCRIPT, run_wrk
 
-PATHS = (("observed (defaults)", []), ("bare (--no-observe --no-inject-usage)", ["--no-observe", "--no-inject-usage"]))
+PATHS = (
+    ("observed (defaults)", []),
+    ("bare (--no-observe --no-inject-usage)", ["--no-observe", "--no-inject-usage"]),
+)
 
 
 def main() -> int:
@@ -39,38 +42,85 @@ def main() -> int:
         script = work / "post.lua"
         script.write_text(WRK_SCRIPT)
         port = free_port()
-        sim = start_service("sim", [*Cores.prefix(cores.rest), sys.executable, "-m", "proxy", "sim", "--dialect",
-                                    "vllm", "--listen", f"127.0.0.1:{port}", "--decode-rate", "0",
-                                    "--prefill-rate", "0"], f"http://127.0.0.1:{port}", work, "/health")
+        sim = start_service(
+            "sim",
+            [
+                *Cores.prefix(cores.rest),
+                sys.executable,
+                "-m",
+                "proxy",
+                "sim",
+                "--dialect",
+                "vllm",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--decode-rate",
+                "0",
+                "--prefill-rate",
+                "0",
+            ],
+            f"http://127.0.0.1:{port}",
+            work,
+            "/health",
+        )
         sidecars = []
         for name, extra in PATHS:
             listen = free_port()
-            sidecars.append(start_service(
-                name.split()[0], [*Cores.prefix(cores.proxy), sys.executable, "-m", "proxy", "serve", "--upstream",
-                                  sim.url, "--listen", f"127.0.0.1:{listen}", "--evidence",
-                                  str(work / f"{name.split()[0]}.jsonl"), *extra],
-                f"http://127.0.0.1:{listen}", work, "/-/ready"))
+            sidecars.append(
+                start_service(
+                    name.split()[0],
+                    [
+                        *Cores.prefix(cores.proxy),
+                        sys.executable,
+                        "-m",
+                        "proxy",
+                        "serve",
+                        "--upstream",
+                        sim.url,
+                        "--listen",
+                        f"127.0.0.1:{listen}",
+                        "--evidence",
+                        str(work / f"{name.split()[0]}.jsonl"),
+                        *extra,
+                    ],
+                    f"http://127.0.0.1:{listen}",
+                    work,
+                    "/-/ready",
+                )
+            )
         per_request: dict[str, list[float]] = {name: [] for name, _ in PATHS}
         try:
             for _ in range(ns.rounds):
-                for (name, _), sidecar in zip(PATHS, sidecars):
+                for (name, _), sidecar in zip(PATHS, sidecars, strict=True):
                     before = cpu_seconds(sidecar.pids())
-                    result = run_wrk(wrk, Cores.prefix(cores.rest), script, sidecar.url + "/v1/chat/completions",
-                                     ns.concurrency, ns.seconds)
+                    result = run_wrk(
+                        wrk,
+                        Cores.prefix(cores.rest),
+                        script,
+                        sidecar.url + "/v1/chat/completions",
+                        ns.concurrency,
+                        ns.seconds,
+                    )
                     spent = cpu_seconds(sidecar.pids()) - before
                     per_request[name].append(1e6 * spent / max(1.0, result["requests"]))
         finally:
             for service in (*sidecars, sim):
                 service.stop()
     observed, bare = (statistics.median(per_request[name]) for name, _ in PATHS)
-    print(f"sidecar CPU per request, µs (wrk c={ns.concurrency}, {ns.rounds} × {ns.seconds:g} s, "
-          f"sidecars pinned to core {cores.proxy}, simulator + wrk to core {cores.rest})\n")
+    print(
+        f"sidecar CPU per request, µs (wrk c={ns.concurrency}, {ns.rounds} × {ns.seconds:g} s, "
+        f"sidecars pinned to core {cores.proxy}, simulator + wrk to core {cores.rest})\n"
+    )
     print("| path | " + " | ".join(f"round {i + 1}" for i in range(ns.rounds)) + " | median |")
     print("|---|" + "---:|" * (ns.rounds + 1))
     for name, _ in PATHS:
         values = per_request[name]
-        print(f"| {name} | " + " | ".join(f"{v:.0f}" for v in values) + f" | {statistics.median(values):.0f} |")
-    print(f"\nobserving costs {observed - bare:+.0f} µs per request ({100 * (observed - bare) / bare:+.1f} %)")
+        print(
+            f"| {name} | " + " | ".join(f"{v:.0f}" for v in values) + f" | {statistics.median(values):.0f} |"
+        )
+    print(
+        f"\nobserving costs {observed - bare:+.0f} µs per request ({100 * (observed - bare) / bare:+.1f} %)"
+    )
     return 0
 
 

@@ -32,12 +32,19 @@ def _spread(values: list[float]) -> float | None:
 
 def _runs(runs: list[Run], case: str, conc: int, path: str) -> list[Run]:
     """The rounds of one case on one path, in round order."""
-    return sorted((r for r in runs if r["case"] == case and r["concurrency"] == conc and r["path"] == path
-                   and "failed" not in r), key=lambda r: r["round"])
+    return sorted(
+        (
+            r
+            for r in runs
+            if r["case"] == case and r["concurrency"] == conc and r["path"] == path and "failed" not in r
+        ),
+        key=lambda r: r["round"],
+    )
 
 
-def _paired(runs: list[Run], case: str, conc: int, path: str, base: str,
-            f: Callable[[Run, Run], float | None]) -> float | None:
+def _paired(
+    runs: list[Run], case: str, conc: int, path: str, base: str, f: Callable[[Run, Run], float | None]
+) -> float | None:
     """Median over rounds of f(run on path, run on base in the same round)."""
     mine = {r["round"]: r for r in _runs(runs, case, conc, path)}
     theirs = {r["round"]: r for r in _runs(runs, case, conc, base)}
@@ -66,7 +73,9 @@ def _median_run(rs: list[Run], key: str) -> Run:
     return sorted(rs, key=lambda r: r[key])[len(rs) // 2]
 
 
-def render(meta: dict[str, Any], runs: list[Run], memory: dict[str, dict[str, float]]) -> tuple[str, dict[str, Any]]:
+def render(
+    meta: dict[str, Any], runs: list[Run], memory: dict[str, dict[str, float]]
+) -> tuple[str, dict[str, Any]]:
     """The Markdown report and the summary behind it."""
     summary: dict[str, Any] = {"nonstream": {}, "stream": {}, "cpu": {}, "memory": memory}
     lines = [
@@ -96,7 +105,9 @@ def render(meta: dict[str, Any], runs: list[Run], memory: dict[str, dict[str, fl
                 "p50_ms": _median([r["p50_ms"] for r in rs]),
                 "p90_ms": _median([r["p90_ms"] for r in rs]),
                 "p99_ms": _median([r["p99_ms"] for r in rs]),
-                "p50_added_ms": _paired(runs, "nonstream", conc, path, "direct", lambda a, b: a["p50_ms"] - b["p50_ms"]),
+                "p50_added_ms": _paired(
+                    runs, "nonstream", conc, path, "direct", lambda a, b: a["p50_ms"] - b["p50_ms"]
+                ),
                 "vs_direct": _paired(runs, "nonstream", conc, path, "direct", _ratio("rps")),
                 "vs_nginx": _paired(runs, "nonstream", conc, path, "nginx", _ratio("rps")),
                 "errors": sum(r["errors"] for r in rs),
@@ -163,10 +174,12 @@ def _pinning_line(meta: dict[str, Any]) -> str:
     pin = meta["pinning"]
     if pin is None:
         return "Processes were not pinned: proxy, simulator and load generator share every core."
-    return (f"Pinning (taskset): the proxy under test alone on core {pin['proxy']}; the simulator and the load "
-            f"generator (wrk, bench/sse_load.py) share core {pin['upstream_and_loadgen']}. The direct path therefore "
-            "shows what that one core of simulator + load generator can do; \"limited by\" says which core was full "
-            "(≥ 90 % busy, other people's processes included) during the median round.")
+    return (
+        f"Pinning (taskset): the proxy under test alone on core {pin['proxy']}; the simulator and the load "
+        f"generator (wrk, bench/sse_load.py) share core {pin['upstream_and_loadgen']}. The direct path therefore "
+        'shows what that one core of simulator + load generator can do; "limited by" says which core was full '
+        "(≥ 90 % busy, other people's processes included) during the median round."
+    )
 
 
 def _cpu_section(runs: list[Run], summary: dict[str, Any]) -> list[str]:
@@ -190,11 +203,18 @@ def _cpu_section(runs: list[Run], summary: dict[str, Any]) -> list[str]:
         sim = per_1000("nonstream", 64, path, "upstream_cpu_s", "requests")
         wrk = per_1000("nonstream", 64, path, "loadgen_cpu_s", "requests")
         capacity = 1000 / c64 if c64 else None
-        summary["cpu"][path] = {"proxy_s_per_1000_c64": c64, "proxy_s_per_1000_c16": c16,
-                                "one_core_capacity_rps": capacity, "proxy_s_per_1000_streams": streams,
-                                "sim_s_per_1000": sim, "wrk_s_per_1000": wrk}
-        lines.append(f"| {LABELS[path]} | {_fmt(c64, 3)} | {_fmt(c16, 3)} | {_fmt(capacity)} | {_fmt(streams, 2)} "
-                     f"| {_fmt(sim, 3)} | {_fmt(wrk, 3)} |")
+        summary["cpu"][path] = {
+            "proxy_s_per_1000_c64": c64,
+            "proxy_s_per_1000_c16": c16,
+            "one_core_capacity_rps": capacity,
+            "proxy_s_per_1000_streams": streams,
+            "sim_s_per_1000": sim,
+            "wrk_s_per_1000": wrk,
+        }
+        lines.append(
+            f"| {LABELS[path]} | {_fmt(c64, 3)} | {_fmt(c16, 3)} | {_fmt(capacity)} | {_fmt(streams, 2)} "
+            f"| {_fmt(sim, 3)} | {_fmt(wrk, 3)} |"
+        )
     return lines
 
 
@@ -211,11 +231,15 @@ def _memory_section(memory: dict[str, dict[str, float]]) -> list[str]:
     ]
     for path, m in memory.items():
         ratio = m["open_mb"] / nginx_open if nginx_open and path != "nginx" else None
-        lines.append(f"| {LABELS[path]} | {_fmt(m['idle_at_start_mb'], 1)} | {_fmt(m['after_load_mb'], 1)} "
-                     f"| {_fmt(m['open_mb'], 1)} | {m['open_streams']:.0f} | {_x(ratio)} |")
+        lines.append(
+            f"| {LABELS[path]} | {_fmt(m['idle_at_start_mb'], 1)} | {_fmt(m['after_load_mb'], 1)} "
+            f"| {_fmt(m['open_mb'], 1)} | {m['open_streams']:.0f} | {_x(ratio)} |"
+        )
     lines.append("")
-    lines.append("The 1,000-stream figure comes from a fresh sidecar (its idle RSS is in `latest.json`); "
-                 "nginx's figures add its master and worker.")
+    lines.append(
+        "The 1,000-stream figure comes from a fresh sidecar (its idle RSS is in `latest.json`); "
+        "nginx's figures add its master and worker."
+    )
     return lines
 
 
@@ -229,19 +253,40 @@ def _aims_section(summary: dict[str, Any], memory: dict[str, dict[str, float]]) 
     open_mb = memory.get("cw", {}).get("open_mb")
     cost = _paired_cost(summary)
     aims = [
-        ("added latency p50 at concurrency 16 (in brackets: at concurrency 1)", "≤ 1 ms",
-         f"{_fmt(added, 2, ' ms')} ({_fmt(ns.get('1/cw', {}).get('p50_added_ms'), 2, ' ms')})",
-         added is not None and added <= 1.0),
-        ("non-streaming requests/s (measured; one-core capacity from CPU/request)", "≥ 3,000",
-         f"{_fmt(best_rps)} (capacity {_fmt(capacity)})", best_rps is not None and best_rps >= 3000),
+        (
+            "added latency p50 at concurrency 16 (in brackets: at concurrency 1)",
+            "≤ 1 ms",
+            f"{_fmt(added, 2, ' ms')} ({_fmt(ns.get('1/cw', {}).get('p50_added_ms'), 2, ' ms')})",
+            added is not None and added <= 1.0,
+        ),
+        (
+            "non-streaming requests/s (measured; one-core capacity from CPU/request)",
+            "≥ 3,000",
+            f"{_fmt(best_rps)} (capacity {_fmt(capacity)})",
+            best_rps is not None and best_rps >= 3000,
+        ),
         ("SSE events/s", "≥ 30,000", _fmt(best_events), best_events is not None and best_events >= 30000),
-        ("RSS with 1,000 open streams", "≤ 100 MB", _fmt(open_mb, 1, " MB"), open_mb is not None and open_mb <= 100),
-        ("evidence + injection cost vs `--no-observe --no-inject-usage` (throughput c=64 / 256 streams; "
-         "CPU per request c=64)",
-         "≤ 10 %", cost[0], cost[1]),
+        (
+            "RSS with 1,000 open streams",
+            "≤ 100 MB",
+            _fmt(open_mb, 1, " MB"),
+            open_mb is not None and open_mb <= 100,
+        ),
+        (
+            "evidence + injection cost vs `--no-observe --no-inject-usage` (throughput c=64 / 256 streams; "
+            "CPU per request c=64)",
+            "≤ 10 %",
+            cost[0],
+            cost[1],
+        ),
     ]
-    lines = ["", "### Aims (issue 9), one sidecar process", "", "| aim | target | measured | met |",
-             "|---|---|---|---|"]
+    lines = [
+        "",
+        "### Aims (issue 9), one sidecar process",
+        "",
+        "| aim | target | measured | met |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {a} | {t} | {m} | {'yes' if ok else '**no**'} |" for a, t, m, ok in aims]
     return lines
 
@@ -263,19 +308,29 @@ def _paired_cost(summary: dict[str, Any]) -> tuple[str, bool]:
     if not costs or not on_cpu or not off_cpu:
         return "—", False
     extra = on_cpu / off_cpu - 1
-    text = "throughput " + " / ".join(f"{c * 100:.1f} %" for c in costs) + f"; CPU per request +{extra * 100:.1f} %"
+    text = (
+        "throughput "
+        + " / ".join(f"{c * 100:.1f} %" for c in costs)
+        + f"; CPU per request +{extra * 100:.1f} %"
+    )
     return text, extra <= 0.10
 
 
 def _noise_section(runs: list[Run], meta: dict[str, Any]) -> list[str]:
     """How busy the machine was with other people's work while we measured."""
     foreign = [r["foreign_cores"] for r in runs]
-    failed = [f"{r['case']} c={r['concurrency']} {r['path']} round {r['round']}" for r in runs if "failed" in r]
+    failed = [
+        f"{r['case']} c={r['concurrency']} {r['path']} round {r['round']}" for r in runs if "failed" in r
+    ]
     return [
         "",
-        *([f"Failed runs (left out of the medians; see latest.json): {'; '.join(failed)}.", ""] if failed else []),
+        *(
+            [f"Failed runs (left out of the medians; see latest.json): {'; '.join(failed)}.", ""]
+            if failed
+            else []
+        ),
         f"Noise: other processes on the machine used a median of {_median(foreign):.2f} cores "
         f"(max {max(foreign):.2f}) during the measurements; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in meta['load_avg_at_end'])}. \"spread\" is (max − min) / median over rounds. "
+        f'{", ".join(f"{x:.1f}" for x in meta["load_avg_at_end"])}. "spread" is (max − min) / median over rounds. '
         "Absolute figures move with that load; the ratios much less.",
     ]

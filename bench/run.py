@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import (  # noqa: E402
+from harness import (
     Cores,
     Service,
     cpu_seconds,
@@ -36,9 +36,9 @@ from harness import (  # noqa: E402
     rss_mb,
     start_service,
 )
-from loads import WRK_SCRIPT, run_sse, run_wrk  # noqa: E402
-from nginx_conf import nginx_config  # noqa: E402
-from report import render  # noqa: E402
+from loads import WRK_SCRIPT, run_sse, run_wrk
+from nginx_conf import nginx_config
+from report import render
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -76,33 +76,91 @@ class Bench:
         self.services: dict[str, Service] = {}
         sim_port, slow_port = free_port(), free_port()
         self.services["sim"] = start_service(
-            "sim", [*rest_pin, *py, "-m", "proxy", "sim", "--dialect", "vllm", "--listen", f"127.0.0.1:{sim_port}",
-                    "--decode-rate", "0", "--prefill-rate", "0"],
-            f"http://127.0.0.1:{sim_port}", tmp, "/health")
+            "sim",
+            [
+                *rest_pin,
+                *py,
+                "-m",
+                "proxy",
+                "sim",
+                "--dialect",
+                "vllm",
+                "--listen",
+                f"127.0.0.1:{sim_port}",
+                "--decode-rate",
+                "0",
+                "--prefill-rate",
+                "0",
+            ],
+            f"http://127.0.0.1:{sim_port}",
+            tmp,
+            "/health",
+        )
         # Open streams need an engine that is still generating: 1 token/s (memory case only).
         self.services["slow-sim"] = start_service(
-            "slow-sim", [*rest_pin, *py, "-m", "proxy", "sim", "--dialect", "vllm", "--listen",
-                         f"127.0.0.1:{slow_port}", "--decode-rate", "1", "--prefill-rate", "0"],
-            f"http://127.0.0.1:{slow_port}", tmp, "/health")
+            "slow-sim",
+            [
+                *rest_pin,
+                *py,
+                "-m",
+                "proxy",
+                "sim",
+                "--dialect",
+                "vllm",
+                "--listen",
+                f"127.0.0.1:{slow_port}",
+                "--decode-rate",
+                "1",
+                "--prefill-rate",
+                "0",
+            ],
+            f"http://127.0.0.1:{slow_port}",
+            tmp,
+            "/health",
+        )
         for name, upstream, extra in (
             ("cw", sim_port, []),
             ("cw-bare", sim_port, ["--no-observe", "--no-inject-usage"]),
         ):
             port = free_port()
             self.services[name] = start_service(
-                name, [*proxy_pin, *py, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{upstream}",
-                       "--listen", f"127.0.0.1:{port}", "--evidence", str(tmp / f"{name}.jsonl"),
-                       "--log-level", "warning", *extra],
-                f"http://127.0.0.1:{port}", tmp, "/-/ready")
+                name,
+                [
+                    *proxy_pin,
+                    *py,
+                    "-m",
+                    "proxy",
+                    "serve",
+                    "--upstream",
+                    f"http://127.0.0.1:{upstream}",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--evidence",
+                    str(tmp / f"{name}.jsonl"),
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                f"http://127.0.0.1:{port}",
+                tmp,
+                "/-/ready",
+            )
         nginx_port, nginx_slow_port = free_port(), free_port()
         prefix = tmp / "nginx"
         prefix.mkdir()
         conf = prefix / "nginx.conf"
-        conf.write_text(nginx_config(prefix, [(nginx_port, f"127.0.0.1:{sim_port}"),
-                                              (nginx_slow_port, f"127.0.0.1:{slow_port}")]))
+        conf.write_text(
+            nginx_config(
+                prefix, [(nginx_port, f"127.0.0.1:{sim_port}"), (nginx_slow_port, f"127.0.0.1:{slow_port}")]
+            )
+        )
         self.services["nginx"] = start_service(
-            "nginx", [*proxy_pin, self.nginx_bin, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
-            f"http://127.0.0.1:{nginx_port}", tmp, "/health")
+            "nginx",
+            [*proxy_pin, self.nginx_bin, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
+            f"http://127.0.0.1:{nginx_port}",
+            tmp,
+            "/health",
+        )
         self.nginx_slow_url = f"http://127.0.0.1:{nginx_slow_port}"
         self.services["direct"] = self.services["sim"]
         self.idle_rss = {name: rss_mb(self.services[name].pids()) for name in ("cw", "cw-bare", "nginx")}
@@ -178,25 +236,59 @@ class Bench:
             port = free_port()
             extra = ["--no-observe", "--no-inject-usage"] if path == "cw-bare" else []
             service = start_service(
-                f"{path}-mem", [*Cores.prefix(self.cores.proxy), sys.executable, "-m", "proxy", "serve",
-                                "--upstream", f"http://127.0.0.1:{slow}", "--listen", f"127.0.0.1:{port}",
-                                "--evidence", str(self.tmp / f"{path}-mem.jsonl"), "--log-level", "warning", *extra],
-                f"http://127.0.0.1:{port}", self.tmp, "/-/ready")
+                f"{path}-mem",
+                [
+                    *Cores.prefix(self.cores.proxy),
+                    sys.executable,
+                    "-m",
+                    "proxy",
+                    "serve",
+                    "--upstream",
+                    f"http://127.0.0.1:{slow}",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--evidence",
+                    str(self.tmp / f"{path}-mem.jsonl"),
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                f"http://127.0.0.1:{port}",
+                self.tmp,
+                "/-/ready",
+            )
             url = service.url
         try:
             idle = rss_mb(service.pids())
             client = subprocess.Popen(
-                [*Cores.prefix(self.cores.rest), sys.executable, str(HERE / "sse_load.py"), "--url", url,
-                 "--concurrency", str(OPEN_STREAMS), "--hold", "--max-tokens", "100000"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                [
+                    *Cores.prefix(self.cores.rest),
+                    sys.executable,
+                    str(HERE / "sse_load.py"),
+                    "--url",
+                    url,
+                    "--concurrency",
+                    str(OPEN_STREAMS),
+                    "--hold",
+                    "--max-tokens",
+                    "100000",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             assert client.stdout is not None and client.stdin is not None
             ready = json.loads(client.stdout.readline() or "{}")
             time.sleep(1.0)  # let a couple of tokens flow through every stream
             held = rss_mb(service.pids())
             client.stdin.close()
             client.wait(60)
-            return {"idle_mb": idle, "open_mb": held, "open_streams": float(ready.get("ready", 0)),
-                    "errors": float(ready.get("errors", 0))}
+            return {
+                "idle_mb": idle,
+                "open_mb": held,
+                "open_streams": float(ready.get("ready", 0)),
+                "errors": float(ready.get("errors", 0)),
+            }
         finally:
             if path != "nginx":
                 service.stop()
@@ -216,7 +308,9 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="1 round of 2 s (a smoke run)")
     parser.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--render", type=Path, metavar="JSON", help="only re-render the table from a latest.json")
+    parser.add_argument(
+        "--render", type=Path, metavar="JSON", help="only re-render the table from a latest.json"
+    )
     ns = parser.parse_args()
     if ns.render is not None:
         saved = json.loads(ns.render.read_text())
@@ -226,7 +320,9 @@ def main() -> int:
     if ns.quick:
         ns.seconds, ns.rounds = 2.0, 1
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 16384)), hard))  # 1,000 streams = 2,000+ fds
+    resource.setrlimit(
+        resource.RLIMIT_NOFILE, (min(hard, max(soft, 16384)), hard)
+    )  # 1,000 streams = 2,000+ fds
     os.chdir(ROOT)
     started = time.time()
     runs: list[dict[str, object]] = []
@@ -239,19 +335,33 @@ def main() -> int:
             for rnd in range(ns.rounds):
                 for conc in NONSTREAM_CONCURRENCY:
                     for path in PATHS:
-                        r = bench.measure(path, lambda: run_wrk(bench.wrk, rest, bench.script, bench.url(path),
-                                                                conc, ns.seconds))
-                        runs.append({"case": "nonstream", "concurrency": conc, "path": path, "round": rnd, **r})
+                        r = bench.measure(
+                            path,
+                            lambda path=path, conc=conc: run_wrk(
+                                bench.wrk, rest, bench.script, bench.url(path), conc, ns.seconds
+                            ),
+                        )
+                        runs.append(
+                            {"case": "nonstream", "concurrency": conc, "path": path, "round": rnd, **r}
+                        )
                         _progress(runs[-1])
                 for conc in STREAM_CONCURRENCY:
                     for path in PATHS:
-                        r = bench.measure(path, lambda: run_sse(rest, bench.url(path), conc, ns.seconds,
-                                                                STREAM_TOKENS))
+                        r = bench.measure(
+                            path,
+                            lambda path=path, conc=conc: run_sse(
+                                rest, bench.url(path), conc, ns.seconds, STREAM_TOKENS
+                            ),
+                        )
                         runs.append({"case": "stream", "concurrency": conc, "path": path, "round": rnd, **r})
                         _progress(runs[-1])
-            memory = {path: {"idle_at_start_mb": bench.idle_rss[path],
-                             "after_load_mb": rss_mb(bench.services[path].pids())}
-                      for path in ("cw", "cw-bare", "nginx")}
+            memory = {
+                path: {
+                    "idle_at_start_mb": bench.idle_rss[path],
+                    "after_load_mb": rss_mb(bench.services[path].pids()),
+                }
+                for path in ("cw", "cw-bare", "nginx")
+            }
             for path in ("cw", "cw-bare", "nginx"):
                 memory[path].update(bench.open_streams_rss(path))
                 print(f"  memory {path:8s} {memory[path]}", flush=True)
@@ -264,8 +374,9 @@ def main() -> int:
             "seconds": ns.seconds,
             "rounds": ns.rounds,
             "cores": os.cpu_count(),
-            "pinning": None if bench.cores.proxy is None else
-            {"proxy": bench.cores.proxy, "upstream_and_loadgen": bench.cores.rest},
+            "pinning": None
+            if bench.cores.proxy is None
+            else {"proxy": bench.cores.proxy, "upstream_and_loadgen": bench.cores.rest},
             "cpu": _cpu_model(),
             "python": platform.python_version(),
             "nginx": subprocess.run([bench.nginx_bin, "-v"], capture_output=True, text=True).stderr.strip(),
@@ -274,8 +385,9 @@ def main() -> int:
     markdown, summary = render(meta, runs, memory)
     ns.out.mkdir(parents=True, exist_ok=True)
     (ns.out / "latest.md").write_text(markdown)
-    (ns.out / "latest.json").write_text(json.dumps({"meta": meta, "summary": summary, "memory": memory,
-                                                    "runs": runs}, indent=1) + "\n")
+    (ns.out / "latest.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "memory": memory, "runs": runs}, indent=1) + "\n"
+    )
     print()
     print(markdown)
     print(f"written: {ns.out / 'latest.md'}, {ns.out / 'latest.json'}")
@@ -285,12 +397,17 @@ def main() -> int:
 def _progress(run: dict[str, object]) -> None:
     """One line per measurement, so a long run shows it is alive."""
     if "failed" in run:
-        print(f"  r{run['round']} {run['case']:9s} c={run['concurrency']:<3} {run['path']:8s} FAILED", flush=True)
+        print(
+            f"  r{run['round']} {run['case']:9s} c={run['concurrency']:<3} {run['path']:8s} FAILED",
+            flush=True,
+        )
         return
     figure = f"{run['rps']:8.0f} req/s" if run["case"] == "nonstream" else f"{run['events_per_s']:8.0f} ev/s"
-    print(f"  r{run['round']} {run['case']:9s} c={run['concurrency']:<3} {run['path']:8s} {figure}  "
-          f"proxy {run['proxy_cpu_s']:.2f}s cpu  foreign {run['foreign_cores']:.2f} cores  [{run['bottleneck']}]",
-          flush=True)
+    print(
+        f"  r{run['round']} {run['case']:9s} c={run['concurrency']:<3} {run['path']:8s} {figure}  "
+        f"proxy {run['proxy_cpu_s']:.2f}s cpu  foreign {run['foreign_cores']:.2f} cores  [{run['bottleneck']}]",
+        flush=True,
+    )
 
 
 def _cpu_model() -> str:

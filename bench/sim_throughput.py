@@ -81,7 +81,11 @@ async def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--dialects", default="vllm,llamacpp")
     args = parser.parse_args()
-    small = {"model": "sim-model", "messages": [{"role": "user", "content": "hello there, how are you?"}], "max_tokens": 16}
+    small = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": "hello there, how are you?"}],
+        "max_tokens": 16,
+    }
     cases = {
         "chat, 16 tokens": small,
         "chat stream, 16 tokens": {**small, "stream": True, "stream_options": {"include_usage": True}},

@@ -72,7 +72,9 @@ def admin_middleware(settings: Settings) -> Callable[[web.Request, Handler], Awa
                     else "wrong admin token"
                 )
                 return error_response(
-                    401, message, type_="authentication_error",
+                    401,
+                    message,
+                    type_="authentication_error",
                     code="missing_admin_token" if given is None else "invalid_admin_token",
                     headers={"WWW-Authenticate": 'Bearer realm="cachewitness"'},
                 )

@@ -11,7 +11,7 @@ from proxy.evidence import read_evidence
 from proxy.keys import ADMISSION, ENGINE, EVIDENCE, HEALTH, SETTINGS, WITNESS
 from proxy.reset import is_valid_id
 
-__all__ = ["handle_state", "handle_evidence"]
+__all__ = ["handle_evidence", "handle_state"]
 
 _EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
 _FILTERS = ("session_id", "case_id", "event_type", "since_ns")

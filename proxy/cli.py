@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from proxy import __version__
 from proxy.config import OPTIONS, ConfigError, load_settings
 
-__all__ = ["main", "build_parser"]
+__all__ = ["build_parser", "main"]
 
 # Options whose value is a bool get --name/--no-name; the rest take a value.
 _BOOL_OPTIONS = frozenset({"evidence_stdout", "admin_open", "drain", "inject_usage", "observe"})
@@ -30,11 +30,17 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
             continue
         flag = "--" + option.name.replace("_", "-")
         if option.name in _BOOL_OPTIONS:
-            parser.add_argument(flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                                default=None, help=option.help)
+            parser.add_argument(
+                flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None, help=option.help
+            )
         else:
-            parser.add_argument(flag, dest=option.name, default=None, metavar=option.name.upper(),
-                                help=f"{option.help} ({option.fix})")
+            parser.add_argument(
+                flag,
+                dest=option.name,
+                default=None,
+                metavar=option.name.upper(),
+                help=f"{option.help} ({option.fix})",
+            )
     parser.set_defaults(run=_run_serve)
 
 
@@ -89,7 +95,9 @@ def _add_client_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("demo", help="simulator + sidecar on free loopback ports, a scripted session, a report")
+    parser = sub.add_parser(
+        "demo", help="simulator + sidecar on free loopback ports, a scripted session, a report"
+    )
     parser.set_defaults(run=_run_demo)
 
 

@@ -51,12 +51,25 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 
 def _common_arguments(parser: argparse.ArgumentParser) -> None:
     """--url, --token-file, --timeout: where the sidecar is and how to be let in."""
-    parser.add_argument("--url", default=None, metavar="SIDECAR_URL",
-                        help=f"the sidecar's base URL (env CACHEWITNESS_URL; default {DEFAULT_URL})")
-    parser.add_argument("--token-file", default=None, metavar="F",
-                        help="file holding the admin token (else env CACHEWITNESS_ADMIN_TOKEN)")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                        help="seconds to wait for the sidecar's answer (default 300)")
+    parser.add_argument(
+        "--url",
+        default=None,
+        metavar="SIDECAR_URL",
+        help=f"the sidecar's base URL (env CACHEWITNESS_URL; default {DEFAULT_URL})",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="F",
+        help="file holding the admin token (else env CACHEWITNESS_ADMIN_TOKEN)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="seconds to wait for the sidecar's answer (default 300)",
+    )
 
 
 def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,15 +77,30 @@ def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(parser)
     parser.add_argument("--session-id", default=None, metavar="S", help="benchmark session id for the record")
     parser.add_argument("--case-id", default=None, metavar="C", help="benchmark case id for the record")
-    parser.add_argument("--requested", choices=("cold", "unspecified"), default=None,
-                        help="cache state the case asks for (default cold)")
-    parser.add_argument("--warmup-requests", type=int, default=None, metavar="N",
-                        help="warm-up requests the case runs before measuring")
+    parser.add_argument(
+        "--requested",
+        choices=("cold", "unspecified"),
+        default=None,
+        help="cache state the case asks for (default cold)",
+    )
+    parser.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="warm-up requests the case runs before measuring",
+    )
     parser.add_argument("--no-drain", action="store_true", help="do not hold traffic while resetting")
-    parser.add_argument("--retry-seconds", type=float, default=None, metavar="N",
-                        help="keep retrying a refused reset for N seconds (0..120)")
-    parser.add_argument("--force", action="store_true",
-                        help="vLLM: reset_running_requests=true (preempts running requests)")
+    parser.add_argument(
+        "--retry-seconds",
+        type=float,
+        default=None,
+        metavar="N",
+        help="keep retrying a refused reset for N seconds (0..120)",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="vLLM: reset_running_requests=true (preempts running requests)"
+    )
     parser.add_argument("--json", action="store_true", help="print the answer's JSON body")
 
 
@@ -81,11 +109,18 @@ def add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(parser)
     parser.add_argument("--session-id", default=None, metavar="S")
     parser.add_argument("--case-id", default=None, metavar="C")
-    parser.add_argument("--event-type", default=None, metavar="T",
-                        help="infer.cache_state, infer.cache_observation or infer.cache_verification")
-    parser.add_argument("--since-ns", type=int, default=None, metavar="NS", help="records at or after this time")
-    parser.add_argument("--summary", action="store_true",
-                        help="print a table per (session, case) instead of the records")
+    parser.add_argument(
+        "--event-type",
+        default=None,
+        metavar="T",
+        help="infer.cache_state, infer.cache_observation or infer.cache_verification",
+    )
+    parser.add_argument(
+        "--since-ns", type=int, default=None, metavar="NS", help="records at or after this time"
+    )
+    parser.add_argument(
+        "--summary", action="store_true", help="print a table per (session, case) instead of the records"
+    )
 
 
 def _base_url(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
@@ -108,7 +143,9 @@ def _request(url: str, token: str | None, *, data: bytes | None = None) -> urlli
         headers["Authorization"] = f"Bearer {token}"
     if data is not None:
         headers["Content-Type"] = "application/json"
-    return urllib.request.Request(url, data=data, headers=headers, method="POST" if data is not None else "GET")
+    return urllib.request.Request(
+        url, data=data, headers=headers, method="POST" if data is not None else "GET"
+    )
 
 
 def _error_message(body: bytes) -> str:
@@ -147,7 +184,9 @@ def _human_line(answer: dict[str, Any]) -> str:
     ]
     drain = answer.get("drain") or {}
     if drain.get("enabled"):
-        parts.append(f"drained {drain.get('inflight_at_start', 0)} in flight in {drain.get('waited_s', 0):.2f}s")
+        parts.append(
+            f"drained {drain.get('inflight_at_start', 0)} in flight in {drain.get('waited_s', 0):.2f}s"
+        )
     line = ", ".join(parts)
     for key in ("detail", "hint", "warning"):
         if answer.get(key):
@@ -162,7 +201,10 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
     try:
         token = _token(ns, env)
     except OSError as exc:
-        print(f"cachewitness reset: cannot read --token-file {ns.token_file}: {exc.strerror or exc}", file=sys.stderr)
+        print(
+            f"cachewitness reset: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     request = _request(f"{base}/cache/reset", token, data=json.dumps(_reset_body(ns)).encode())
     try:
@@ -172,7 +214,10 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
         status, raw = exc.code, exc.read()
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        print(f"cachewitness reset: the sidecar at {redact_url(base)} cannot be reached: {reason}", file=sys.stderr)
+        print(
+            f"cachewitness reset: the sidecar at {redact_url(base)} cannot be reached: {reason}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     try:
         answer = json.loads(raw.decode("utf-8"))
@@ -207,8 +252,12 @@ def _evidence_url(ns: argparse.Namespace, base: str) -> str:
     """GET /cache/evidence with the filters the user gave."""
     query = {
         name: str(value)
-        for name, value in (("session_id", ns.session_id), ("case_id", ns.case_id),
-                            ("event_type", ns.event_type), ("since_ns", ns.since_ns))
+        for name, value in (
+            ("session_id", ns.session_id),
+            ("case_id", ns.case_id),
+            ("event_type", ns.event_type),
+            ("since_ns", ns.since_ns),
+        )
         if value is not None
     }
     return f"{base}/cache/evidence" + (f"?{urllib.parse.urlencode(query)}" if query else "")
@@ -225,15 +274,19 @@ def _records(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
             yield record
 
 
-def run_evidence(ns: argparse.Namespace, env: Mapping[str, str] | None = None, out: IO[bytes] | None = None) -> int:
+def run_evidence(
+    ns: argparse.Namespace, env: Mapping[str, str] | None = None, out: IO[bytes] | None = None
+) -> int:
     """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0 on success, 6 on failure."""
     env = os.environ if env is None else env
     base = _base_url(ns, env)
     try:
         token = _token(ns, env)
     except OSError as exc:
-        print(f"cachewitness evidence: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(
+            f"cachewitness evidence: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     sink = out if out is not None else sys.stdout.buffer
     try:
@@ -252,7 +305,9 @@ def run_evidence(ns: argparse.Namespace, env: Mapping[str, str] | None = None, o
         return 0  # the reader (e.g. `head`) has had enough
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        print(f"cachewitness evidence: the sidecar at {redact_url(base)} cannot be reached: {reason}",
-              file=sys.stderr)
+        print(
+            f"cachewitness evidence: the sidecar at {redact_url(base)} cannot be reached: {reason}",
+            file=sys.stderr,
+        )
         return EXIT_FAILED
     return 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "ENGINE_KINDS", "Settings", "load_settings", "parse_listen", "OPTIONS"]
+__all__ = ["ENGINE_KINDS", "OPTIONS", "ConfigError", "Settings", "load_settings", "parse_listen"]
 
 ENGINE_KINDS = ("auto", "vllm", "sglang", "llamacpp", "mindnano", "generic", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -181,9 +181,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_body_bytes", _positive_int, "largest request body accepted", "a byte count"),
     Option("connect_timeout", _positive_float, "seconds to connect to the upstream", "seconds ≥ 0"),
     Option("read_timeout", _positive_float, "seconds of upstream silence before 504", "seconds ≥ 0"),
-    Option("upstream_connection_limit", _positive_int, "upstream connections (0 = no limit)", "a whole number ≥ 0"),
+    Option(
+        "upstream_connection_limit",
+        _positive_int,
+        "upstream connections (0 = no limit)",
+        "a whole number ≥ 0",
+    ),
     Option("health_interval", _positive_float, "seconds between upstream health probes", "seconds > 0"),
-    Option("health_path", _http_path, "upstream health path (default: the dialect's)", "a path such as /health"),
+    Option(
+        "health_path", _http_path, "upstream health path (default: the dialect's)", "a path such as /health"
+    ),
     Option("shutdown_delay", _positive_float, "seconds to stay up not-ready after SIGTERM", "seconds ≥ 0"),
     Option("grace_period", _positive_float, "seconds in-flight requests get at shutdown", "seconds ≥ 0"),
     Option("drain", _bool, "drain in-flight requests before a reset by default", "true or false"),
@@ -199,7 +206,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("success_field", str, "generic engine: JSON field that must be true", "a field name"),
     Option("metrics_models", _names, "model names allowed as metric labels", "comma-separated names"),
     Option("metrics_max_models", _positive_int, "most model label values", "a whole number ≥ 0"),
-    Option("upstream_metrics_timeout", _positive_float, "seconds to fetch the engine's /metrics", "seconds > 0"),
+    Option(
+        "upstream_metrics_timeout", _positive_float, "seconds to fetch the engine's /metrics", "seconds > 0"
+    ),
     Option("log_level", _choice(LOG_LEVELS), "log level", "one of " + "|".join(LOG_LEVELS)),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}

@@ -57,8 +57,12 @@ class Session:
 
     async def chat(self, case: str, max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:
         """One chat completion tagged with the case; returns the usage the client saw."""
-        body = {"model": "sim-model", "messages": [{"role": "user", "content": PROMPT}],
-                "max_tokens": max_tokens, "stream": stream}
+        body = {
+            "model": "sim-model",
+            "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": max_tokens,
+            "stream": stream,
+        }
         headers = {"X-Session-Id": SESSION, "X-Case-Id": case}
         async with self.http.post(self.base + "/v1/chat/completions", json=body, headers=headers) as response:
             raw = await response.read()
@@ -68,8 +72,9 @@ class Session:
 
     async def reset(self, case: str, **options: Any) -> dict[str, Any]:
         """`POST /cache/reset` for a case."""
-        async with self.http.post(self.base + "/cache/reset",
-                                  json={"session_id": SESSION, "case_id": case, **options}) as response:
+        async with self.http.post(
+            self.base + "/cache/reset", json={"session_id": SESSION, "case_id": case, **options}
+        ) as response:
             answer = await response.json()
             answer["http_status"] = response.status
             return answer
@@ -94,12 +99,12 @@ def _cached(usage: dict[str, Any]) -> str:
 def _reset_line(answer: dict[str, Any]) -> str:
     drain = answer.get("drain") or {}
     if drain.get("enabled"):
-        drained = f"drain waited {drain.get('waited_s', 0):.2f}s for {drain.get('inflight_at_start', 0)} in-flight"
+        drained = (
+            f"drain waited {drain.get('waited_s', 0):.2f}s for {drain.get('inflight_at_start', 0)} in-flight"
+        )
     else:
         drained = f"no drain, {drain.get('inflight_at_start', 0)} in flight"
-    return (
-        f"HTTP {answer['http_status']} answer={answer.get('answer')} attempts={answer.get('attempts')}, {drained}"
-    )
+    return f"HTTP {answer['http_status']} answer={answer.get('answer')} attempts={answer.get('attempts')}, {drained}"
 
 
 async def _script(s: Session) -> None:
@@ -130,8 +135,12 @@ async def _script(s: Session) -> None:
 
 async def _ram_cache_scene(tmp: Path) -> None:
     """The witness at work: llama.cpp acknowledges an erase its RAM prompt cache survives."""
-    print("\n5. llama.cpp with its host-RAM prompt cache on (the default --cache-ram): erase is not a full reset")
-    sim = SimConfig(dialect="llamacpp", decode_rate=0, prefill_rate=0, slot_save_path=str(tmp), ram_cache=True)
+    print(
+        "\n5. llama.cpp with its host-RAM prompt cache on (the default --cache-ram): erase is not a full reset"
+    )
+    sim = SimConfig(
+        dialect="llamacpp", decode_rate=0, prefill_rate=0, slot_save_path=str(tmp), ram_cache=True
+    )
     async with running_sim(sim) as engine, _sidecar(engine, tmp / "llamacpp.jsonl") as base:
         async with aiohttp.ClientSession() as http:
             session = Session(http, base)
@@ -143,7 +152,9 @@ async def _ram_cache_scene(tmp: Path) -> None:
             session.say(f"   first request after it: {_cached(await session.chat('ram-cold'))}")
             async with http.get(base + "/cache/state") as response:
                 state = await response.json()
-            session.say(f"   /cache/state verdict: {state.get('verdict')}  <- the reset did not clear what it claimed")
+            session.say(
+                f"   /cache/state verdict: {state.get('verdict')}  <- the reset did not clear what it claimed"
+            )
 
 
 async def _demo() -> int:

@@ -28,6 +28,7 @@ __all__ = ["EngineState", "make_dialect"]
 
 log = logging.getLogger("cachewitness.engine")
 
+
 def make_dialect(kind: str, settings: Settings) -> Dialect:
     """The dialect for an engine kind, configured from settings (unknown kinds get the generic one)."""
     if kind == "vllm":
@@ -79,18 +80,34 @@ class EngineState:
         timeout_s = settings.connect_timeout or 5.0
         async with self._lock:
             if self._auto:
-                info = await detect_engine(session, settings.upstream_base, timeout_s, api_key=settings.engine_api_key)
+                info = await detect_engine(
+                    session, settings.upstream_base, timeout_s, api_key=settings.engine_api_key
+                )
             else:
                 version = await probe_version(
-                    session, settings.upstream_base, settings.engine, timeout_s, api_key=settings.engine_api_key
+                    session,
+                    settings.upstream_base,
+                    settings.engine,
+                    timeout_s,
+                    api_key=settings.engine_api_key,
                 )
                 info = EngineInfo(settings.engine, version)
             self.info = info
             self.dialect = make_dialect(info.kind, settings)
         level = logging.WARNING if info.kind == UNKNOWN else logging.INFO
-        message = "engine not reached; kind pending re-detection" if info.kind == UNKNOWN else "engine detected"
-        log_event(log, level, message, event="engine_detected", kind=info.kind, version=info.version,
-                  configured=settings.engine, upstream=redact_url(settings.upstream_base))
+        message = (
+            "engine not reached; kind pending re-detection" if info.kind == UNKNOWN else "engine detected"
+        )
+        log_event(
+            log,
+            level,
+            message,
+            event="engine_detected",
+            kind=info.kind,
+            version=info.version,
+            configured=settings.engine,
+            upstream=redact_url(settings.upstream_base),
+        )
         return info
 
     async def ensure_detected(self, session: aiohttp.ClientSession) -> EngineInfo:

@@ -119,7 +119,7 @@ class EvidenceWriter:
             self._queue.append((event_type, line))
             if len(self._queue) >= 1024:
                 self._wake.set()  # a burst: write now rather than at the next tick
-        except Exception as exc:  # noqa: BLE001 - an unserialisable record must not reach the proxy
+        except Exception as exc:
             self._drop(f"unencodable:{type(exc).__name__}", "unknown")
 
     async def flush(self) -> None:
@@ -158,7 +158,7 @@ class EvidenceWriter:
             self._wake.clear()
             try:
                 await self.flush()
-            except Exception as exc:  # noqa: BLE001 - the writer outlives any one bad batch
+            except Exception as exc:
                 self.write_errors_total += 1
                 _log("evidence_flush_failed", error=type(exc).__name__, path=str(self.path))
             async with self._flushed:
@@ -265,7 +265,11 @@ class EvidenceWriter:
                 os.fsync(fd)
         except OSError as exc:
             self.write_errors_total += 1
-            _log("evidence_fsync_failed", error=errno.errorcode.get(exc.errno or 0, "OSError"), path=str(self.path))
+            _log(
+                "evidence_fsync_failed",
+                error=errno.errorcode.get(exc.errno or 0, "OSError"),
+                path=str(self.path),
+            )
         finally:
             os.close(fd)
 

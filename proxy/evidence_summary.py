@@ -69,8 +69,16 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[CaseSummary]:
                 tally.cached_tokens += cached
                 tally.prompt_tokens += prompt
     return [
-        CaseSummary(session, case, t.reset_answer, t.verdict, t.requests, t.prompt_tokens,
-                    t.cached_tokens, t.unknown_cached)
+        CaseSummary(
+            session,
+            case,
+            t.reset_answer,
+            t.verdict,
+            t.requests,
+            t.prompt_tokens,
+            t.cached_tokens,
+            t.unknown_cached,
+        )
         for (session, case), t in tallies.items()
     ]
 
@@ -81,9 +89,19 @@ def summary_table(cases: list[CaseSummary]) -> str:
     rows = [header]
     for case in cases:
         ratio = f"{case.hit_ratio:.1%}" if case.hit_ratio is not None else "n/a"
-        rows.append((
-            case.session_id or "-", case.case_id or "-", case.reset_answer or "-", case.verdict or "-",
-            str(case.requests), str(case.prompt_tokens), str(case.cached_tokens), ratio,
-        ))
+        rows.append(
+            (
+                case.session_id or "-",
+                case.case_id or "-",
+                case.reset_answer or "-",
+                case.verdict or "-",
+                str(case.requests),
+                str(case.prompt_tokens),
+                str(case.cached_tokens),
+                ratio,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )

@@ -31,7 +31,7 @@ from proxy.recorder import (
     record_observation,
 )
 
-__all__ = ["forward", "HOP_BY_HOP", "Exchange"]
+__all__ = ["HOP_BY_HOP", "Exchange", "forward"]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -101,8 +101,10 @@ class Exchange:
 
     def observation(self, request: web.Request) -> Observation:
         """The frozen record of this exchange, once it is over."""
-        usage = self.scanner.usage if self.scanner is not None else usage_from_json(
-            b"".join(self.json_parts) if self.json_parts is not None else b""
+        usage = (
+            self.scanner.usage
+            if self.scanner is not None
+            else usage_from_json(b"".join(self.json_parts) if self.json_parts is not None else b"")
         )
         return Observation(
             request_id=self.request_id,
@@ -135,9 +137,7 @@ def _tag(value: str | None) -> str | None:
 def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """`headers` minus the hop-by-hop ones in `drop` and those named in their Connection header."""
     named = {
-        token.strip().lower()
-        for value in headers.getall("Connection", ())
-        for token in value.split(",")
+        token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")
     }
     kept: CIMultiDict[str] = CIMultiDict()
     for name, value in headers.items():
@@ -202,8 +202,14 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
             what = "the upstream refused the connection or cannot be reached"
         else:
             what = "the upstream broke the connection"
-    log_event(log, logging.WARNING, "upstream failure", request_id=exchange.request_id,
-              status=status, error=type(exc).__name__)
+    log_event(
+        log,
+        logging.WARNING,
+        "upstream failure",
+        request_id=exchange.request_id,
+        status=status,
+        error=type(exc).__name__,
+    )
     exchange.status = status
     return error_response(status, f"{what} ({type(exc).__name__})", type_="upstream_error", code=code)
 
@@ -265,12 +271,15 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         exchange.usage_injected = prepared.usage_injected
     admission = app[ADMISSION]
     if not await admission.admit():
-        return _rejected(exchange, error_response(
-            503,
-            "the sidecar held this request while a cache reset drained the engine, and the wait ran out",
-            type_="service_unavailable",
-            code="draining",
-        ))
+        return _rejected(
+            exchange,
+            error_response(
+                503,
+                "the sidecar held this request while a cache reset drained the engine, and the wait ran out",
+                type_="service_unavailable",
+                code="draining",
+            ),
+        )
     try:
         if exchange.observed:
             # Assigned after admission: a request held during a drain belongs to the new reset.
@@ -283,8 +292,13 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
 
 
 async def _exchange(
-    request: web.Request, exchange: Exchange, body: bytes | None, base: str, limit: int,
-    *, original: bytes | None = None,
+    request: web.Request,
+    exchange: Exchange,
+    body: bytes | None,
+    base: str,
+    limit: int,
+    *,
+    original: bytes | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and relay the answer; the admission slot is held throughout.
 
@@ -314,7 +328,7 @@ async def _exchange(
     except asyncio.CancelledError:
         exchange.outcome = "client_disconnected"
         raise
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, (BodyTooLarge, ClientGone)) else None
         if isinstance(cause, BodyTooLarge):
             return _rejected(exchange, _too_large(limit))
@@ -325,8 +339,13 @@ async def _exchange(
         # client must not fail because of us, so it gets the engine's answer to its own request.
         upstream.close()
         exchange.usage_injected = False
-        log_event(log, logging.INFO, "engine refused the injected include_usage; sent the client's body",
-                  request_id=exchange.request_id, status=upstream.status)
+        log_event(
+            log,
+            logging.INFO,
+            "engine refused the injected include_usage; sent the client's body",
+            request_id=exchange.request_id,
+            status=upstream.status,
+        )
         return await _exchange(request, exchange, original, base, limit)
     try:
         return await _relay(request, upstream, exchange, limit)
@@ -373,10 +392,15 @@ async def _relay(
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client left; closing upstream aborts the engine.
         exchange.outcome = "client_disconnected"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, aiohttp.ClientError) as exc:
         exchange.outcome = "timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
-        log_event(log, logging.WARNING, "upstream broke mid-response", request_id=exchange.request_id,
-                  error=type(exc).__name__)
+        log_event(
+            log,
+            logging.WARNING,
+            "upstream broke mid-response",
+            request_id=exchange.request_id,
+            error=type(exc).__name__,
+        )
         # The head is gone already: cut the client's connection so a truncated body is never
         # mistaken for a complete one.
         if request.transport is not None:

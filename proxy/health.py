@@ -42,7 +42,9 @@ class UpstreamHealth:
     @property
     def upstream_up(self) -> bool:
         """The upstream answered its health probe within the last few intervals."""
-        return self._last_ok is not None and time.monotonic() - self._last_ok <= READY_INTERVALS * self._interval
+        return (
+            self._last_ok is not None and time.monotonic() - self._last_ok <= READY_INTERVALS * self._interval
+        )
 
     @property
     def ready(self) -> bool:
@@ -53,11 +55,12 @@ class UpstreamHealth:
         """One probe; True when the upstream answered below 500."""
         timeout = aiohttp.ClientTimeout(total=max(self._interval, 0.5))
         try:
-            async with session.get(self._base + self._path(), timeout=timeout,
-                                   allow_redirects=False) as response:
+            async with session.get(
+                self._base + self._path(), timeout=timeout, allow_redirects=False
+            ) as response:
                 await response.read()
                 ok = response.status < 500
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             ok = False
         # Transition first: readiness waits until the engine behind the upstream is known.
         await self._note_transition(ok)
@@ -71,8 +74,12 @@ class UpstreamHealth:
             return
         recovered = ok and self._was_up is False
         self._was_up = ok
-        log_event(log, logging.INFO if ok else logging.WARNING,
-                  "upstream up" if ok else "upstream down", health_path=self._path())
+        log_event(
+            log,
+            logging.INFO if ok else logging.WARNING,
+            "upstream up" if ok else "upstream down",
+            health_path=self._path(),
+        )
         if ok and self._on_up is not None:
             await self._on_up(recovered)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["setup_logging", "log_event"]
+__all__ = ["log_event", "setup_logging"]
 
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 

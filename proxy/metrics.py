@@ -41,12 +41,12 @@ __all__ = [
     "CODES",
     "CONTENT_TYPE",
     "ENGINE_LABELS",
-    "Metrics",
-    "ModelLabels",
     "OTHER",
     "ROUTES",
     "UPSTREAM_ERROR_KINDS",
     "VERDICTS",
+    "Metrics",
+    "ModelLabels",
     "engine_exposition",
     "handle_metrics",
     "setup_metrics",
@@ -75,7 +75,25 @@ UPSTREAM_ERROR_KINDS: tuple[str, ...] = ("connection", "broken_response", "timeo
 PHASES: tuple[str, ...] = ("request", "response")
 
 # LLM requests range from a cached 5 ms answer to minutes-long generations.
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
 # Le "0" counts the cold answers on its own: the bucket a benchmark's first request must land in.
 CACHED_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
 # The sidecar's own time per request: tens of microseconds when all is well.
@@ -177,58 +195,105 @@ class Metrics:
         self.on_unknown_models: Callable[[], None] | None = None
         registry = self.registry
         self.requests = Counter(
-            PREFIX + "requests_total", "Forwarded requests by route and response status class.",
-            ("route", "code"), registry=registry)
+            PREFIX + "requests_total",
+            "Forwarded requests by route and response status class.",
+            ("route", "code"),
+            registry=registry,
+        )
         self.request_duration = Histogram(
-            PREFIX + "request_duration_seconds", "Forwarded request time, request in to last byte out.",
-            ("route",), buckets=LATENCY_BUCKETS, registry=registry)
+            PREFIX + "request_duration_seconds",
+            "Forwarded request time, request in to last byte out.",
+            ("route",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.ttfb = Histogram(
-            PREFIX + "time_to_first_byte_seconds", "Request in to the response head sent to the client.",
-            ("route",), buckets=LATENCY_BUCKETS, registry=registry)
+            PREFIX + "time_to_first_byte_seconds",
+            "Request in to the response head sent to the client.",
+            ("route",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.overhead = Histogram(
             PREFIX + "sidecar_overhead_seconds",
             "Time the sidecar itself spent: request in to upstream request sent (phase=request), "
             "upstream response head to client response head (phase=response).",
-            ("phase",), buckets=OVERHEAD_BUCKETS, registry=registry)
+            ("phase",),
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
         self.upstream_errors = Counter(
-            PREFIX + "upstream_errors_total", "Forwarded requests the engine failed, by kind.",
-            ("kind",), registry=registry)
+            PREFIX + "upstream_errors_total",
+            "Forwarded requests the engine failed, by kind.",
+            ("kind",),
+            registry=registry,
+        )
         self.prompt_tokens = Counter(
-            PREFIX + "prompt_tokens_total", "Prompt tokens the engine reported, by model.",
-            ("model",), registry=registry)
+            PREFIX + "prompt_tokens_total",
+            "Prompt tokens the engine reported, by model.",
+            ("model",),
+            registry=registry,
+        )
         self.cached_tokens = Counter(
-            PREFIX + "cached_tokens_total", "Prompt tokens the engine reported served from its prefix cache.",
-            ("model",), registry=registry)
+            PREFIX + "cached_tokens_total",
+            "Prompt tokens the engine reported served from its prefix cache.",
+            ("model",),
+            registry=registry,
+        )
         self.cached_tokens_unknown = Counter(
             PREFIX + "cached_tokens_unknown_total",
             "Completed 2xx inference responses with no cached-token field.",
-            ("model",), registry=registry)
+            ("model",),
+            registry=registry,
+        )
         self.request_cached_tokens = Histogram(
-            PREFIX + "request_cached_tokens", "Cached prompt tokens per inference request (where reported).",
-            ("model",), buckets=CACHED_TOKEN_BUCKETS, registry=registry)
+            PREFIX + "request_cached_tokens",
+            "Cached prompt tokens per inference request (where reported).",
+            ("model",),
+            buckets=CACHED_TOKEN_BUCKETS,
+            registry=registry,
+        )
         self.verifications = Counter(
-            PREFIX + "cache_verifications_total", "Verdicts of accepted resets (SPEC §5.3).",
-            ("verdict",), registry=registry)
+            PREFIX + "cache_verifications_total",
+            "Verdicts of accepted resets (SPEC §5.3).",
+            ("verdict",),
+            registry=registry,
+        )
         self.resets = Counter(
             PREFIX + "cache_resets_total",
             "Cache resets run against the engine, by engine kind and answer (coalesced calls count once).",
-            ("engine", "answer"), registry=registry)
+            ("engine", "answer"),
+            registry=registry,
+        )
         self.reset_duration = Histogram(
-            PREFIX + "cache_reset_duration_seconds", "Time of one cache reset against the engine, retries included.",
-            buckets=RESET_DURATION_BUCKETS, registry=registry)
+            PREFIX + "cache_reset_duration_seconds",
+            "Time of one cache reset against the engine, retries included.",
+            buckets=RESET_DURATION_BUCKETS,
+            registry=registry,
+        )
         self.reset_attempts = Histogram(
-            PREFIX + "cache_reset_attempts", "Engine reset attempts per cache reset.",
-            buckets=RESET_ATTEMPT_BUCKETS, registry=registry)
+            PREFIX + "cache_reset_attempts",
+            "Engine reset attempts per cache reset.",
+            buckets=RESET_ATTEMPT_BUCKETS,
+            registry=registry,
+        )
 
-        self._requests = {(route, code): self.requests.labels(route, code) for route in ROUTES for code in CODES}
-        self._routes = {route: _RouteSeries(self.request_duration.labels(route), self.ttfb.labels(route))
-                        for route in ROUTES}
+        self._requests = {
+            (route, code): self.requests.labels(route, code) for route in ROUTES for code in CODES
+        }
+        self._routes = {
+            route: _RouteSeries(self.request_duration.labels(route), self.ttfb.labels(route))
+            for route in ROUTES
+        }
         self._overhead_request = self.overhead.labels("request")
         self._overhead_response = self.overhead.labels("response")
         self._upstream_errors = {kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERROR_KINDS}
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
-        self._resets = {(engine, answer): self.resets.labels(engine, answer)
-                        for engine in ENGINE_LABELS for answer in OUTCOMES}
+        self._resets = {
+            (engine, answer): self.resets.labels(engine, answer)
+            for engine in ENGINE_LABELS
+            for answer in OUTCOMES
+        }
         self._models: dict[str, _ModelSeries] = {}
         for model in (*self.models.ids, OTHER):
             self._model_series(model)
@@ -279,8 +344,12 @@ class Metrics:
         if cached is not None and cached >= 0:
             series.cached.inc(cached)
             series.cached_per_request.observe(cached)
-        elif (cached is None and observation.outcome == "ok"
-              and observation.status is not None and 200 <= observation.status < 300):
+        elif (
+            cached is None
+            and observation.outcome == "ok"
+            and observation.status is not None
+            and 200 <= observation.status < 300
+        ):
             series.unknown.inc()
         if verification is not None:
             counter = self._verdicts.get(str(verification.get("verdict")))
@@ -302,11 +371,14 @@ class Metrics:
         """The sidecar's own text, with `upstream_metrics_up` saying what this very scrape merged."""
         # Written per scrape, not kept in the registry: two concurrent scrapes must not see
         # each other's answer.
-        return generate_latest(self.registry) + (
-            f"# HELP {PREFIX}upstream_metrics_up 1 when the engine's /metrics was merged into this scrape, else 0.\n"
-            f"# TYPE {PREFIX}upstream_metrics_up gauge\n"
-            f"{PREFIX}upstream_metrics_up {1.0 if engine_metrics_up else 0.0}\n"
-        ).encode()
+        return (
+            generate_latest(self.registry)
+            + (
+                f"# HELP {PREFIX}upstream_metrics_up 1 when the engine's /metrics was merged into this scrape, else 0.\n"
+                f"# TYPE {PREFIX}upstream_metrics_up gauge\n"
+                f"{PREFIX}upstream_metrics_up {1.0 if engine_metrics_up else 0.0}\n"
+            ).encode()
+        )
 
 
 def _upstream_error_kind(f: Forwarded) -> str | None:
@@ -334,30 +406,49 @@ class _StateCollector(Collector):
         health = app.get(HEALTH)
         engine = app.get(ENGINE)
         evidence = app.get(EVIDENCE)
-        yield GaugeMetricFamily(PREFIX + "inflight_requests", "Forwarded requests admitted and not finished.",
-                                value=admission.inflight if admission is not None else 0)
-        yield GaugeMetricFamily(PREFIX + "draining", "1 while a cache reset holds new requests.",
-                                value=1 if admission is not None and admission.draining else 0)
-        yield GaugeMetricFamily(PREFIX + "upstream_up", "1 when the engine answered its health probe recently.",
-                                value=1 if health is not None and health.upstream_up else 0)
-        info = GaugeMetricFamily(PREFIX + "engine_info", "The engine behind the sidecar (always 1).",
-                                 labels=("kind", "version"))
+        yield GaugeMetricFamily(
+            PREFIX + "inflight_requests",
+            "Forwarded requests admitted and not finished.",
+            value=admission.inflight if admission is not None else 0,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "draining",
+            "1 while a cache reset holds new requests.",
+            value=1 if admission is not None and admission.draining else 0,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "upstream_up",
+            "1 when the engine answered its health probe recently.",
+            value=1 if health is not None and health.upstream_up else 0,
+        )
+        info = GaugeMetricFamily(
+            PREFIX + "engine_info", "The engine behind the sidecar (always 1).", labels=("kind", "version")
+        )
         if engine is not None:
             info.add_metric((engine.info.kind, (engine.info.version or "")[:_VERSION_MAX]), 1)
         else:
             info.add_metric(("unknown", ""), 1)
         yield info
-        records = CounterMetricFamily(PREFIX + "evidence_records_total", "Evidence records written, by event type.",
-                                      labels=("event_type",))
+        records = CounterMetricFamily(
+            PREFIX + "evidence_records_total",
+            "Evidence records written, by event type.",
+            labels=("event_type",),
+        )
         # A copy: the writer's thread adds keys (dict() copies atomically under the GIL).
         written = dict(evidence.records_total) if evidence is not None else {}
         for event_type in sorted(set(EVENT_TYPES) | set(written)):
             records.add_metric((event_type,), written.get(event_type, 0))
         yield records
-        yield CounterMetricFamily(PREFIX + "evidence_write_errors_total", "Evidence writes the disk refused.",
-                                  value=evidence.write_errors_total if evidence is not None else 0)
-        yield CounterMetricFamily(PREFIX + "evidence_dropped_total", "Evidence records that will never be written.",
-                                  value=evidence.dropped_total if evidence is not None else 0)
+        yield CounterMetricFamily(
+            PREFIX + "evidence_write_errors_total",
+            "Evidence writes the disk refused.",
+            value=evidence.write_errors_total if evidence is not None else 0,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "evidence_dropped_total",
+            "Evidence records that will never be written.",
+            value=evidence.dropped_total if evidence is not None else 0,
+        )
 
     def describe(self) -> Iterator[Metric]:
         """Nothing to describe up front (the registry checks names only of families it is told)."""
@@ -406,15 +497,19 @@ async def fetch_engine_metrics(session: aiohttp.ClientSession, base: str, timeou
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Accept": _ENGINE_ACCEPT, "Accept-Encoding": "identity"}
     try:
-        async with session.get(base + "/metrics", headers=headers, timeout=timeout,
-                               allow_redirects=False) as response:
+        async with session.get(
+            base + "/metrics", headers=headers, timeout=timeout, allow_redirects=False
+        ) as response:
             # The pool does not decompress (auto_decompress=False): only identity text can be merged. An
             # OpenAI-compatible server that answers every path with its web UI must not be merged either.
-            if (response.status != 200 or response.content_type not in _EXPOSITION_TYPES
-                    or response.headers.get("Content-Encoding", "identity") != "identity"):
+            if (
+                response.status != 200
+                or response.content_type not in _EXPOSITION_TYPES
+                or response.headers.get("Content-Encoding", "identity") != "identity"
+            ):
                 return None
             body = await _read_limited(response, _ENGINE_METRICS_LIMIT)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError):
+    except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError):
         # RuntimeError: the pool closed under a scrape during shutdown.
         return None
     return engine_exposition(body) if body is not None else None
@@ -424,12 +519,16 @@ async def fetch_model_ids(session: aiohttp.ClientSession, base: str, timeout_s: 
     """The model ids the engine lists at `/v1/models` (OpenAI shape), or None when it cannot say."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
-        async with session.get(base + "/v1/models", headers={"Accept": "application/json"}, timeout=timeout,
-                               allow_redirects=False) as response:
+        async with session.get(
+            base + "/v1/models",
+            headers={"Accept": "application/json"},
+            timeout=timeout,
+            allow_redirects=False,
+        ) as response:
             if response.status != 200:
                 return None
             body = await _read_limited(response, _MODELS_LIMIT)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, RuntimeError):
+    except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError):
         return None
     try:
         data = orjson.loads(body) if body is not None else None
@@ -438,8 +537,13 @@ async def fetch_model_ids(session: aiohttp.ClientSession, base: str, timeout_s: 
     entries = data.get("data") if isinstance(data, dict) else None
     if not isinstance(entries, list):
         return None
-    return [entry["id"] for entry in entries
-            if isinstance(entry, dict) and isinstance(entry.get("id"), str) and 0 < len(entry["id"]) <= _MODEL_ID_MAX]
+    return [
+        entry["id"]
+        for entry in entries
+        if isinstance(entry, dict)
+        and isinstance(entry.get("id"), str)
+        and 0 < len(entry["id"]) <= _MODEL_ID_MAX
+    ]
 
 
 async def refresh_models(app: web.Application) -> None:

@@ -480,7 +480,8 @@ def _last_event_members(usage_event: bytes, finish_event: bytes) -> bytes:
     if close == -1:
         return b""
     moved = [
-        raw for key, raw in _trailing_members(usage_event, objects[-1].value_end, close)
+        raw
+        for key, raw in _trailing_members(usage_event, objects[-1].value_end, close)
         if key + b":" not in finish_event and key + b" :" not in finish_event
     ]
     return b"".join(moved)
@@ -646,8 +647,11 @@ class StreamScanner:
                 break
             event_end = sep + length
             changed = self._event(data, cursor, sep, event_end)
-            if self._strip and (self._held is not None or changed == b"" or (
-                    any(data.find(m, cursor, sep) != -1 for m in _FINISH_MARKERS))):
+            if self._strip and (
+                self._held is not None
+                or changed == b""
+                or (any(data.find(m, cursor, sep) != -1 for m in _FINISH_MARKERS))
+            ):
                 if pieces is None:
                     pieces = [bytes(data[pos:cursor])]
                 piece = changed if changed is not None else bytes(data[cursor:event_end])
@@ -664,7 +668,11 @@ class StreamScanner:
         """Scan one event data[start:event_end] (body up to body_end); return its stripped form or None if unchanged."""
         members: list[_Member] = []
         first = data.find(_USAGE_KEY, start, body_end)
-        if first > start and first == body_end - _NULL_TAIL_LEN + 1 and data.startswith(_NULL_TAIL, first - 1):
+        if (
+            first > start
+            and first == body_end - _NULL_TAIL_LEN + 1
+            and data.startswith(_NULL_TAIL, first - 1)
+        ):
             # The usual content chunk under injection (vLLM, SGLang): `..., "usage":null}` as
             # its only usage member, last. Same result as the general path below, minus its
             # per-event allocations: this runs for every token of every stream.

@@ -36,9 +36,9 @@ from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, METRICS, SETTINGS, W
 from proxy.logs import log_event
 
 __all__ = [
-    "BadInput",
     "RESETS",
     "RESET_RETRY_INTERVAL_SECONDS",
+    "BadInput",
     "ResetParams",
     "ResetService",
     "handle_reset",
@@ -59,6 +59,8 @@ _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 def is_valid_id(value: object) -> bool:
     """A session or case id: 1-128 characters of [A-Za-z0-9._:-]."""
     return isinstance(value, str) and _ID.fullmatch(value) is not None
+
+
 _FIELDS = ("session_id", "case_id", "requested", "warmup_requests", "drain", "retry_seconds", "force")
 _BODY_LIMIT = 64 * 1024
 # An answer lists every engine call, but a long retry window against llama.cpp makes hundreds:
@@ -109,7 +111,7 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
         return value
     if name == "requested":
         if value not in (COLD, UNSPECIFIED):
-            raise BadInput(name, "requested must be \"cold\" or \"unspecified\"")
+            raise BadInput(name, 'requested must be "cold" or "unspecified"')
         return value
     if name in ("drain", "force"):
         if from_query and isinstance(value, str):
@@ -132,8 +134,12 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
             value = float(value.strip())
         except ValueError:
             raise BadInput(name, "retry_seconds must be a number of seconds from 0 to 120") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 <= value <= MAX_RETRY_SECONDS:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= MAX_RETRY_SECONDS
+    ):
         raise BadInput(name, "retry_seconds must be a number of seconds from 0 to 120")
     return float(value)
 
@@ -144,7 +150,9 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
     for source, from_query in ((query, True), (body, False)):
         for name, value in source.items():
             if name not in _FIELDS:
-                raise BadInput(name, f"unknown field {name!r}; known fields: {', '.join(_FIELDS)}", "unknown_field")
+                raise BadInput(
+                    name, f"unknown field {name!r}; known fields: {', '.join(_FIELDS)}", "unknown_field"
+                )
             if value is None and not from_query:
                 continue  # JSON null: as if not given
             values[name] = _parse_field(name, value, from_query)
@@ -180,41 +188,67 @@ async def read_params(request: web.Request, settings: Settings) -> ResetParams:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise BadInput(None, "the body is not valid JSON; send a JSON object or no body", "invalid_json") from None
+            raise BadInput(
+                None, "the body is not valid JSON; send a JSON object or no body", "invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise BadInput(None, "the body must be a JSON object", "invalid_json")
     return parse_params(query, body, settings)
 
 
-async def _attempt(dialect: Dialect, session: aiohttp.ClientSession, base_url: str, *, force: bool,
-                   retry_seconds: float, timeout_s: float) -> Attempt:
+async def _attempt(
+    dialect: Dialect,
+    session: aiohttp.ClientSession,
+    base_url: str,
+    *,
+    force: bool,
+    retry_seconds: float,
+    timeout_s: float,
+) -> Attempt:
     """One attempt; a dialect that raises (a bug) becomes an `error` outcome instead of a crash."""
     try:
-        return await dialect.reset_once(session, base_url, force=force, retry_seconds=retry_seconds,
-                                        timeout_s=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - the sidecar answers, whatever a dialect did
+        return await dialect.reset_once(
+            session, base_url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s
+        )
+    except Exception as exc:
         log.exception("reset dialect failed", extra={"event": "reset_dialect_failed", "kind": dialect.kind})
-        return Attempt(ERROR, error=f"internal error in the {dialect.kind} dialect: {type(exc).__name__}",
-                       url=base_url)
+        return Attempt(
+            ERROR, error=f"internal error in the {dialect.kind} dialect: {type(exc).__name__}", url=base_url
+        )
 
 
-async def retry_reset(dialect: Dialect, session: aiohttp.ClientSession, base_url: str, *, force: bool,
-                      retry_seconds: float, timeout_s: float) -> CacheReset:
+async def retry_reset(
+    dialect: Dialect,
+    session: aiohttp.ClientSession,
+    base_url: str,
+    *,
+    force: bool,
+    retry_seconds: float,
+    timeout_s: float,
+) -> CacheReset:
     """Reset, retrying a refusal every 0.5 s while the window allows; no attempt starts after it (the reference's loop)."""
     at_ns = time.time_ns()
     deadline = time.monotonic() + retry_seconds
     attempts = 1
-    attempt = await _attempt(dialect, session, base_url, force=force, retry_seconds=retry_seconds,
-                             timeout_s=timeout_s)
+    attempt = await _attempt(
+        dialect, session, base_url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s
+    )
     calls: list[EngineCall] = list(attempt.calls)
     while attempt.outcome == REFUSED and deadline - time.monotonic() >= RESET_RETRY_INTERVAL_SECONDS:
         await asyncio.sleep(RESET_RETRY_INTERVAL_SECONDS)
         attempts += 1
-        attempt = await _attempt(dialect, session, base_url, force=force,
-                                 retry_seconds=max(0.0, deadline - time.monotonic()), timeout_s=timeout_s)
+        attempt = await _attempt(
+            dialect,
+            session,
+            base_url,
+            force=force,
+            retry_seconds=max(0.0, deadline - time.monotonic()),
+            timeout_s=timeout_s,
+        )
         calls.extend(attempt.calls)
-    return CacheReset.from_attempts(attempt, at_ns=at_ns, attempts=attempts, calls=tuple(calls),
-                                    answered_at_ns=time.time_ns())
+    return CacheReset.from_attempts(
+        attempt, at_ns=at_ns, attempts=attempts, calls=tuple(calls), answered_at_ns=time.time_ns()
+    )
 
 
 def _calls_json(calls: tuple[EngineCall, ...]) -> tuple[list[dict[str, Any]], int]:
@@ -304,12 +338,23 @@ class ResetService:
                 current = self._running
                 try:
                     await self._run_round(current)
-                except Exception:  # noqa: BLE001 - every caller still gets an answer
-                    log.exception("cache reset failed", extra={"event": "cache_reset_failed",
-                                                               "reset_id": current.reset_id})
-                    _answer_all(current, 500, {"error": {"message": "the sidecar failed while resetting; see its log",
-                                                         "type": "server_error", "code": "reset_failed",
-                                                         "param": None}})
+                except Exception:
+                    log.exception(
+                        "cache reset failed",
+                        extra={"event": "cache_reset_failed", "reset_id": current.reset_id},
+                    )
+                    _answer_all(
+                        current,
+                        500,
+                        {
+                            "error": {
+                                "message": "the sidecar failed while resetting; see its log",
+                                "type": "server_error",
+                                "code": "reset_failed",
+                                "param": None,
+                            }
+                        },
+                    )
                 self._running, self._next = self._next, None
         finally:
             for pending in (self._running, self._next):
@@ -339,13 +384,28 @@ class ResetService:
                 drained = await admission.wait_idle(settings.drain_timeout)
                 drain = {**drained.to_json(), "enabled": True, "inflight_at_end": drained.inflight_at_end}
             else:
-                drain = {"waited_s": 0.0, "inflight_at_start": admission.inflight, "held": 0, "enabled": False}
-            reset = await retry_reset(dialect, session, settings.upstream_base, force=params.force,
-                                      retry_seconds=params.retry_seconds, timeout_s=settings.reset_attempt_timeout)
+                drain = {
+                    "waited_s": 0.0,
+                    "inflight_at_start": admission.inflight,
+                    "held": 0,
+                    "enabled": False,
+                }
+            reset = await retry_reset(
+                dialect,
+                session,
+                settings.upstream_base,
+                force=params.force,
+                retry_seconds=params.retry_seconds,
+                timeout_s=settings.reset_attempt_timeout,
+            )
             if reset.succeeded and witness is not None:
                 # Before the gate opens: requests held by the drain belong to this reset.
-                witness.reset_accepted(reset_id=current.reset_id, session_id=params.session_id,
-                                       case_id=params.case_id, at_ns=reset.answered_at_ns)
+                witness.reset_accepted(
+                    reset_id=current.reset_id,
+                    session_id=params.session_id,
+                    case_id=params.case_id,
+                    at_ns=reset.answered_at_ns,
+                )
         finally:
             if params.drain:
                 admission.release()
@@ -355,7 +415,9 @@ class ResetService:
         """Write each caller's record, tell the witness, log, and hand out the answers."""
         evidence = self._app.get(EVIDENCE)
         witness = self._app.get(WITNESS)
-        answers = [_answer(caller.params, current, outcome, index) for index, caller in enumerate(current.callers)]
+        answers = [
+            _answer(caller.params, current, outcome, index) for index, caller in enumerate(current.callers)
+        ]
         if evidence is not None:
             for _status, body in answers:
                 evidence.write(body["cache_state"])
@@ -367,43 +429,65 @@ class ResetService:
         if metrics is not None:
             # Once per engine reset: coalesced callers count once.
             metrics.reset_answered(outcome.engine.kind, reset.outcome, summary["duration_s"], reset.attempts)
-        log_event(log, logging.INFO if reset.succeeded else logging.WARNING, f"cache reset {reset.outcome}",
-                  event="cache_reset", reset_id=current.reset_id, answer=reset.outcome,
-                  engine_kind=outcome.engine.kind, engine_version=outcome.engine.version, attempts=reset.attempts,
-                  status=reset.status, url=reset.url, error=reset.error, duration_s=summary["duration_s"],
-                  callers=len(current.callers), drain_waited_s=outcome.drain["waited_s"])
-        for caller, answer in zip(current.callers, answers):
+        log_event(
+            log,
+            logging.INFO if reset.succeeded else logging.WARNING,
+            f"cache reset {reset.outcome}",
+            event="cache_reset",
+            reset_id=current.reset_id,
+            answer=reset.outcome,
+            engine_kind=outcome.engine.kind,
+            engine_version=outcome.engine.version,
+            attempts=reset.attempts,
+            status=reset.status,
+            url=reset.url,
+            error=reset.error,
+            duration_s=summary["duration_s"],
+            callers=len(current.callers),
+            drain_waited_s=outcome.drain["waited_s"],
+        )
+        for caller, answer in zip(current.callers, answers, strict=True):
             if not caller.answer.done():
                 caller.answer.set_result(answer)
 
 
-def _answer(params: ResetParams, current: _Round, outcome: _Outcome, index: int) -> tuple[int, dict[str, Any]]:
+def _answer(
+    params: ResetParams, current: _Round, outcome: _Outcome, index: int
+) -> tuple[int, dict[str, Any]]:
     """One caller's answer (SPEC §4) with its own `infer.cache_state` record."""
     reset = outcome.reset
-    record = cache_state_record(session_id=params.session_id, case_id=params.case_id, requested=params.requested,
-                                reset=reset, warmup_requests=params.warmup_requests, reset_id=current.reset_id,
-                                engine=outcome.engine)
+    record = cache_state_record(
+        session_id=params.session_id,
+        case_id=params.case_id,
+        requested=params.requested,
+        reset=reset,
+        warmup_requests=params.warmup_requests,
+        reset_id=current.reset_id,
+        engine=outcome.engine,
+    )
     body: dict[str, Any] = {}
     if reset.outcome != ACCEPTED_UNVERIFIED:
         # Absent, not null, when unconfirmed: a client reading `success` must see no field.
         body["success"] = reset.outcome == ACKNOWLEDGED
     calls, omitted = _calls_json(reset.calls)
-    body.update({
-        "answer": reset.outcome,
-        "reset_id": current.reset_id,
-        "engine": outcome.engine.to_json(),
-        "attempts": reset.attempts,
-        "at_ns": reset.at_ns,
-        "answered_at_ns": reset.answered_at_ns,
-        "status": reset.status,
-        "url": reset.url,
-        "drain": outcome.drain,
-        "calls": calls,
-        "session_id": params.session_id,
-        "case_id": params.case_id,
-        "coalesced": index > 0,
-        "cache_state": record,
-    })
+    body.update(
+        {
+            "answer": reset.outcome,
+            "reset_id": current.reset_id,
+            "engine": outcome.engine.to_json(),
+            "attempts": reset.attempts,
+            "at_ns": reset.at_ns,
+            "answered_at_ns": reset.answered_at_ns,
+            "status": reset.status,
+            "url": reset.url,
+            "drain": outcome.drain,
+            "calls": calls,
+            "session_id": params.session_id,
+            "case_id": params.case_id,
+            "coalesced": index > 0,
+            "cache_state": record,
+        }
+    )
     if omitted:
         body["calls_omitted"] = omitted
     if reset.error:
@@ -438,7 +522,9 @@ def _summary(current: _Round, outcome: _Outcome, first_record: dict[str, Any]) -
         "drain": outcome.drain,
         "session_id": current.params.session_id,
         "case_id": current.params.case_id,
-        "callers": [{"session_id": c.params.session_id, "case_id": c.params.case_id} for c in current.callers],
+        "callers": [
+            {"session_id": c.params.session_id, "case_id": c.params.case_id} for c in current.callers
+        ],
         "cache_state": first_record,
     }
 

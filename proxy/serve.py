@@ -66,8 +66,13 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     log_event(log, logging.INFO, "serving", listen=settings.listen, upstream=redact_url(settings.upstream))
     await stop.wait()
     app[HEALTH].shutting_down = True
-    log_event(log, logging.INFO, "shutting down", shutdown_delay=settings.shutdown_delay,
-              grace_period=settings.grace_period)
+    log_event(
+        log,
+        logging.INFO,
+        "shutting down",
+        shutdown_delay=settings.shutdown_delay,
+        grace_period=settings.grace_period,
+    )
     if settings.shutdown_delay:
         await asyncio.sleep(settings.shutdown_delay)
     # Stops accepting, lets in-flight requests and streams finish up to grace_period, then

@@ -80,7 +80,9 @@ class Witness:
             self._in_flight.add(ordinal)
         return self._sequence.reset_id, ordinal
 
-    def reset_accepted(self, *, reset_id: str, session_id: str | None, case_id: str | None, at_ns: int) -> None:
+    def reset_accepted(
+        self, *, reset_id: str, session_id: str | None, case_id: str | None, at_ns: int
+    ) -> None:
         """Start a new sequence (acknowledged or accepted_unverified resets only).
 
         Coalesced callers share one reset_id: a repeat of the current one keeps

@@ -31,7 +31,12 @@ def slow(dialect: str, **options: Any) -> SimConfig:
 
 def chat(content: str, max_tokens: int = 4, **extra: Any) -> dict[str, Any]:
     """A one-message chat request body."""
-    return {"model": "sim-model", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **extra}
+    return {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        **extra,
+    }
 
 
 def words(n: int, word: str = "alpha") -> str:

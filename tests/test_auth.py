@@ -49,7 +49,10 @@ async def sidecar(tmp_path: Path, host: str = "127.0.0.1", **overrides: Any) -> 
 
 
 async def post_reset(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
-    async with aiohttp.ClientSession() as http, http.post(f"{url}/cache/reset", headers=headers or {}) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{url}/cache/reset", headers=headers or {}) as resp,
+    ):
         return resp.status, await resp.json()
 
 

@@ -36,8 +36,14 @@ async def cli(*args: str, env: dict[str, str] | None = None) -> Run:
     """Run `python -m proxy ARGS` without blocking the event loop that serves the sidecar."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHEWITNESS_")}
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", *args, cwd=REPO, env={**clean, **(env or {})},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        sys.executable,
+        "-m",
+        "proxy",
+        *args,
+        cwd=REPO,
+        env={**clean, **(env or {})},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(process.communicate(), timeout=60)
     assert process.returncode is not None
@@ -141,7 +147,9 @@ async def test_evidence_streams_the_records(tmp_path) -> None:
         run = await cli("evidence", "--url", url, "--session-id", "s1", "--event-type", "infer.cache_state")
     assert run.code == 0, run.stderr
     records = [json.loads(line) for line in run.stdout.splitlines()]
-    assert [(r["event_type"], r["session_id"], r["case_id"]) for r in records] == [("infer.cache_state", "s1", "c1")]
+    assert [(r["event_type"], r["session_id"], r["case_id"]) for r in records] == [
+        ("infer.cache_state", "s1", "c1")
+    ]
 
 
 async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
@@ -149,12 +157,23 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
         assert (await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")).code == 0
         headers = {"X-Session-Id": "s1", "X-Case-Id": "c1"}
         for _ in range(2):
-            async with http.post(f"{url}/v1/chat/completions", json=chat(words(40), 2), headers=headers) as resp:
+            async with http.post(
+                f"{url}/v1/chat/completions", json=chat(words(40), 2), headers=headers
+            ) as resp:
                 assert resp.status == 200
         run = await cli("evidence", "--url", url, "--summary")
     assert run.code == 0, run.stderr
     header, *rows = run.stdout.strip().splitlines()
-    assert header.split() == ["session", "case", "reset", "verdict", "requests", "prompt_tok", "cached_tok", "hit_ratio"]
+    assert header.split() == [
+        "session",
+        "case",
+        "reset",
+        "verdict",
+        "requests",
+        "prompt_tok",
+        "cached_tok",
+        "hit_ratio",
+    ]
     row = [r.split() for r in rows if r.split()[:2] == ["s1", "c1"]]
     assert row and row[0][2] == "acknowledged" and row[0][4] == "2"
 

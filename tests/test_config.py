@@ -37,7 +37,7 @@ def test_flag_beats_env_beats_file_beats_default(tmp_path: Path) -> None:
 
 
 def test_table_form_of_the_file_is_read(tmp_path: Path) -> None:
-    config = write_toml(tmp_path, '[cachewitness]\ndrain = false\nbusy_statuses = [429]\n')
+    config = write_toml(tmp_path, "[cachewitness]\ndrain = false\nbusy_statuses = [429]\n")
     settings = load_settings({}, env={}, config_file=config)
     assert settings.drain is False and settings.busy_statuses == (429,)
 
@@ -79,7 +79,9 @@ def test_token_is_read_from_its_file(tmp_path: Path) -> None:
 def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "proxy", "serve", "--drain-timeout", "soon"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
@@ -95,9 +97,19 @@ def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         done = subprocess.run(
-            [sys.executable, "-m", "proxy", "serve", "--listen", f"127.0.0.1:{port}",
-             "--evidence", str(tmp_path / "ev.jsonl")],
-            capture_output=True, text=True, timeout=60,
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "serve",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--evidence",
+                str(tmp_path / "ev.jsonl"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr

@@ -7,7 +7,9 @@ import sys
 
 
 def test_demo_runs_the_session_and_prints_the_report() -> None:
-    done = subprocess.run([sys.executable, "-m", "proxy", "demo"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "demo"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout
     assert "second: 128 of 129 prompt tokens cached" in out

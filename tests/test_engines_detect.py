@@ -25,7 +25,9 @@ TIMEOUT_S = 5.0
         ("mindnano", "mindnano", None),
     ],
 )
-async def test_each_engine_is_detected_with_its_version(http, dialect: str, kind: str, version: str | None) -> None:
+async def test_each_engine_is_detected_with_its_version(
+    http, dialect: str, kind: str, version: str | None
+) -> None:
     async with sim(fast(dialect)) as engine:
         info = await detect_engine(http, engine.url, TIMEOUT_S)
     assert info.kind == kind
@@ -86,7 +88,9 @@ async def test_engine_state_redetects_when_the_upstream_comes_back(http) -> None
 async def test_undetected_engine_answers_resets_unreachable(http) -> None:
     state = EngineState(Settings(upstream=closed_port_url()))
     await state.detect(http)
-    attempt = await state.dialect.reset_once(http, closed_port_url(), force=False, retry_seconds=0, timeout_s=1)
+    attempt = await state.dialect.reset_once(
+        http, closed_port_url(), force=False, retry_seconds=0, timeout_s=1
+    )
     assert attempt.outcome == UNREACHABLE
     assert attempt.hint and "--engine" in attempt.hint
 

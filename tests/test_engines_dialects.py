@@ -33,13 +33,22 @@ from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 TIMEOUT_S = 10.0
 
 
-async def reset(dialect: Dialect, http: aiohttp.ClientSession, url: str, *, force: bool = False,
-                retry_seconds: float = 0.0, timeout_s: float = TIMEOUT_S) -> Attempt:
+async def reset(
+    dialect: Dialect,
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    force: bool = False,
+    retry_seconds: float = 0.0,
+    timeout_s: float = TIMEOUT_S,
+) -> Attempt:
     return await dialect.reset_once(http, url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s)
 
 
 @asynccontextmanager
-async def running_request(engine: Sim, path: str = "/v1/chat/completions", **body: object) -> AsyncIterator[None]:
+async def running_request(
+    engine: Sim, path: str = "/v1/chat/completions", **body: object
+) -> AsyncIterator[None]:
     """A long generation in flight on the simulator for the duration of the block (cancelled at exit)."""
     task = asyncio.create_task(engine.post_json(path, body or chat(words(8), max_tokens=2000)))
     try:
@@ -52,6 +61,7 @@ async def running_request(engine: Sim, path: str = "/v1/chat/completions", **bod
 
 
 # -- vLLM ----------------------------------------------------------------------------------
+
 
 async def test_vllm_idle_reset_is_acknowledged(http) -> None:
     async with sim(fast("vllm")) as engine:
@@ -90,6 +100,7 @@ async def test_vllm_without_dev_mode_is_unsupported_with_hint(http) -> None:
 
 
 # -- SGLang --------------------------------------------------------------------------------
+
 
 async def test_sglang_idle_flush_is_acknowledged_with_timeout_param(http) -> None:
     async with sim(fast("sglang")) as engine:
@@ -130,15 +141,22 @@ async def test_sglang_missing_admin_key_is_an_error_with_hint(http) -> None:
 
 # -- llama.cpp -----------------------------------------------------------------------------
 
+
 async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
     async with sim(fast("llamacpp", slots=3, slot_save_path=str(tmp_path))) as engine:
         for slot in range(3):
-            await engine.post_json("/completion", {"prompt": words(20, f"s{slot}"), "n_predict": 2, "id_slot": slot})
+            await engine.post_json(
+                "/completion", {"prompt": words(20, f"s{slot}"), "n_predict": 2, "id_slot": slot}
+            )
         assert all((await engine.stats())["slot_tokens"])
         attempt = await reset(LlamacppDialect(), http, engine.url)
         assert attempt.outcome == ACKNOWLEDGED
         assert [call.url.rsplit("/", 1)[1] for call in attempt.calls] == [
-            "props", "0?action=erase", "1?action=erase", "2?action=erase"]
+            "props",
+            "0?action=erase",
+            "1?action=erase",
+            "2?action=erase",
+        ]
         assert attempt.url.endswith("/slots/2?action=erase")
         assert (await engine.stats())["slot_tokens"] == [0, 0, 0]
 
@@ -151,8 +169,10 @@ async def test_llamacpp_answer_always_warns_about_cache_ram(http, tmp_path) -> N
 
 
 async def test_llamacpp_erase_still_waiting_on_a_busy_slot_is_refused(http, tmp_path) -> None:
-    async with sim(slow("llamacpp", slot_save_path=str(tmp_path))) as engine, \
-            running_request(engine, "/completion", prompt=words(8), n_predict=2000, id_slot=0):
+    async with (
+        sim(slow("llamacpp", slot_save_path=str(tmp_path))) as engine,
+        running_request(engine, "/completion", prompt=words(8), n_predict=2000, id_slot=0),
+    ):
         attempt = await reset(LlamacppDialect(), http, engine.url, timeout_s=0.3)
         assert attempt.outcome == REFUSED
         assert attempt.error and "busy slot" in attempt.error
@@ -168,6 +188,7 @@ async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) ->
 
 # -- mindnano ------------------------------------------------------------------------------
 
+
 async def test_mindnano_idle_clear_is_acknowledged(http) -> None:
     async with sim(fast("mindnano")) as engine:
         attempt = await reset(MindnanoDialect(), http, engine.url)
@@ -182,6 +203,7 @@ async def test_mindnano_429_while_busy_is_refused(http) -> None:
 
 
 # -- generic and none ----------------------------------------------------------------------
+
 
 async def test_generic_without_reset_path_is_unsupported_with_hint(http) -> None:
     async with sim(fast("openai")) as engine:
@@ -218,6 +240,7 @@ async def test_none_dialect_is_unsupported_without_calling(http) -> None:
 
 
 # -- transport -----------------------------------------------------------------------------
+
 
 async def test_no_connection_is_unreachable(http) -> None:
     attempt = await reset(VllmDialect(), http, closed_port_url())
@@ -262,7 +285,10 @@ async def test_engine_call_urls_are_redacted(http) -> None:
         ("http://user:pw@engine:8000/x", "http://***@engine:8000/x"),
         ("http://engine/x?api_key=k&token=t&a=1", "http://engine/x?api_key=***&token=***&a=1"),
         ("http://engine/x?Secret=s&PASSWORD=p", "http://engine/x?Secret=***&PASSWORD=***"),
-        ("http://engine/reset_prefix_cache?reset_external=true", "http://engine/reset_prefix_cache?reset_external=true"),
+        (
+            "http://engine/reset_prefix_cache?reset_external=true",
+            "http://engine/reset_prefix_cache?reset_external=true",
+        ),
         ("http://[::1/x?key=1", "http://[::1/x?***"),
     ],
 )

@@ -50,11 +50,15 @@ CACHED_FIELD = {
 
 @pytest.mark.parametrize("dialect", sorted(CACHED_FIELD))
 @pytest.mark.parametrize("stream", [False, True])
-async def test_cached_tokens_observed_zero_then_more(sidecar: SidecarFactory, http, dialect: str, stream: bool) -> None:
+async def test_cached_tokens_observed_zero_then_more(
+    sidecar: SidecarFactory, http, dialect: str, stream: bool
+) -> None:
     async with running_sim(fast(dialect, slot_save_path="/tmp")) as engine:
         proxy = await sidecar(engine)
         for _ in range(2):
-            await post_chat(http, proxy, chat(PROMPT, stream=stream), **{"X-Session-Id": "s", "X-Case-Id": "c"})
+            await post_chat(
+                http, proxy, chat(PROMPT, stream=stream), **{"X-Session-Id": "s", "X-Case-Id": "c"}
+            )
         first, second = await observations(http, proxy)
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] > 0
@@ -70,7 +74,9 @@ async def test_sglang_generate_reads_meta_info(sidecar: SidecarFactory, http) ->
     async with running_sim(fast("sglang")) as engine:
         proxy = await sidecar(engine)
         for _ in range(2):
-            async with http.post(proxy + "/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 4}}) as r:
+            async with http.post(
+                proxy + "/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 4}}
+            ) as r:
                 assert r.status == 200
         first, second = await observations(http, proxy)
     assert first["cached_tokens_source"] == "meta_info.cached_tokens"
@@ -121,11 +127,15 @@ async def test_client_asking_for_usage_gets_it_untouched(sidecar: SidecarFactory
     assert normalise(through) == normalise(direct)
 
 
-async def test_stream_cut_before_usage_is_recorded_and_proxy_keeps_serving(sidecar: SidecarFactory, http) -> None:
+async def test_stream_cut_before_usage_is_recorded_and_proxy_keeps_serving(
+    sidecar: SidecarFactory, http
+) -> None:
     async with running_sim(slow("vllm")) as engine:
         proxy = await sidecar(engine)
         async with aiohttp.ClientSession() as leaving:
-            response = await leaving.post(proxy + "/v1/chat/completions", json=chat(PROMPT, max_tokens=200, stream=True))
+            response = await leaving.post(
+                proxy + "/v1/chat/completions", json=chat(PROMPT, max_tokens=200, stream=True)
+            )
             await response.content.readuntil(b"\n\n")
             response.close()
         loop = asyncio.get_running_loop()

@@ -14,7 +14,13 @@ from proxy.evidence import MAX_LINE_BYTES, EvidenceWriter, read_evidence
 
 def record(n: int, **extra: object) -> dict[str, object]:
     """A small observation-like record."""
-    return {"schema_version": 1, "event_type": "infer.cache_observation", "at_ns": n, "request_id": f"r{n}", **extra}
+    return {
+        "schema_version": 1,
+        "event_type": "infer.cache_observation",
+        "at_ns": n,
+        "request_id": f"r{n}",
+        **extra,
+    }
 
 
 def lines(path: Path) -> list[dict[str, object]]:

@@ -27,7 +27,9 @@ def header_names(described: dict) -> list[str]:
     return [name.lower() for name, _ in described["headers"]]
 
 
-async def test_query_string_reaches_upstream_byte_for_byte(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_query_string_reaches_upstream_byte_for_byte(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
     proxy = await sidecar(upstream)
     raw = "/echo/a%2Fb?x=1&y=%2F%20&z&x=2&empty="
     async with client.get(URL(proxy + raw, encoded=True)) as response:
@@ -35,7 +37,9 @@ async def test_query_string_reaches_upstream_byte_for_byte(sidecar: SidecarFacto
     assert described["raw_path"] == raw
 
 
-async def test_headers_pass_through_and_host_is_rewritten(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_headers_pass_through_and_host_is_rewritten(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
     proxy = await sidecar(upstream)
     headers = {"Authorization": "Bearer client-key", "X-Custom": "Value With Case", "User-Agent": "bench/1"}
     async with client.get(proxy + "/echo", headers=headers) as response:
@@ -50,8 +54,14 @@ async def test_headers_pass_through_and_host_is_rewritten(sidecar: SidecarFactor
 
 async def test_hop_by_hop_request_headers_are_dropped(sidecar: SidecarFactory, upstream: str, client) -> None:
     proxy = await sidecar(upstream)
-    headers = {"Connection": "keep-alive, X-Hop", "X-Hop": "1", "Keep-Alive": "timeout=5",
-               "TE": "trailers", "Proxy-Authorization": "Basic abc", "X-End-To-End": "2"}
+    headers = {
+        "Connection": "keep-alive, X-Hop",
+        "X-Hop": "1",
+        "Keep-Alive": "timeout=5",
+        "TE": "trailers",
+        "Proxy-Authorization": "Basic abc",
+        "X-End-To-End": "2",
+    }
     async with client.get(proxy + "/echo", headers=headers) as response:
         names = header_names(await response.json())
     for dropped in ("x-hop", "keep-alive", "te", "proxy-authorization"):
@@ -59,16 +69,24 @@ async def test_hop_by_hop_request_headers_are_dropped(sidecar: SidecarFactory, u
     assert "x-end-to-end" in names
 
 
-async def test_no_headers_are_added_that_the_client_did_not_send(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_no_headers_are_added_that_the_client_did_not_send(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
     proxy = await sidecar(upstream)
-    async with client.post(proxy + "/echo", data=b"{}", headers={"Content-Type": "application/json"},
-                           skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding")) as response:
+    async with client.post(
+        proxy + "/echo",
+        data=b"{}",
+        headers={"Content-Type": "application/json"},
+        skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding"),
+    ) as response:
         names = header_names(await response.json())
     assert "user-agent" not in names and "accept-encoding" not in names and "accept" not in names
     assert names.count("content-type") == 1
 
 
-async def test_hop_by_hop_response_headers_are_dropped(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_hop_by_hop_response_headers_are_dropped(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/hop") as response:
         assert await response.text() == "ok"
@@ -78,7 +96,9 @@ async def test_hop_by_hop_response_headers_are_dropped(sidecar: SidecarFactory, 
         assert response.headers["Set-Cookie"] == "a=1"
 
 
-async def test_large_bodies_stream_both_ways_unchanged(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_large_bodies_stream_both_ways_unchanged(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
     proxy = await sidecar(upstream)
     payload = os.urandom(24 * 1024 * 1024)
     async with client.post(proxy + "/mirror", data=io.BytesIO(payload)) as response:
@@ -169,8 +189,9 @@ async def test_rewritten_stream_request_carries_its_own_content_length(
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m", "stream": true, "messages": []}'
-    async with client.post(proxy + "/v1/chat/completions", data=body,
-                           headers={"Content-Type": "application/json"}) as response:
+    async with client.post(
+        proxy + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as response:
         described = await response.json()
     seen = {name.lower(): value for name, value in described["headers"]}
     assert '"include_usage":true' in described["body"]
@@ -183,8 +204,9 @@ async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m",  "stream": false, "messages": [], "user": "u"}'
-    async with client.post(proxy + "/v1/chat/completions", data=body,
-                           headers={"Content-Type": "application/json"}) as response:
+    async with client.post(
+        proxy + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as response:
         described = await response.json()
     assert described["body"].encode() == body
 
@@ -194,8 +216,9 @@ async def test_engine_refusing_injected_stream_options_gets_the_clients_own_requ
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m", "stream": true, "prompt": "x"}'
-    async with client.post(proxy + "/v1/completions", data=body,
-                           headers={"Content-Type": "application/json"}) as response:
+    async with client.post(
+        proxy + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    ) as response:
         assert response.status == 200
         assert (await response.read()).endswith(b"data: [DONE]\n\n")
     seen = upstream_app[STATE].seen

@@ -34,7 +34,9 @@ async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, http) -> Non
     await still_serves(http, proxy)
 
 
-async def test_upstream_that_drops_the_connection_is_502(sidecar: SidecarFactory, upstream: str, http) -> None:
+async def test_upstream_that_drops_the_connection_is_502(
+    sidecar: SidecarFactory, upstream: str, http
+) -> None:
     proxy = await sidecar(upstream)
     async with http.get(proxy + "/cut") as response:
         await assert_openai_error(response, 502)
@@ -48,7 +50,9 @@ async def test_upstream_silent_past_read_timeout_is_504(sidecar: SidecarFactory,
     await still_serves(http, proxy)
 
 
-async def test_upstream_cut_mid_body_cuts_the_client_too(sidecar: SidecarFactory, upstream: str, http) -> None:
+async def test_upstream_cut_mid_body_cuts_the_client_too(
+    sidecar: SidecarFactory, upstream: str, http
+) -> None:
     proxy = await sidecar(upstream)
     async with http.get(proxy + "/cut-mid-body") as response:
         assert response.status == 200
@@ -57,7 +61,9 @@ async def test_upstream_cut_mid_body_cuts_the_client_too(sidecar: SidecarFactory
     await still_serves(http, proxy)
 
 
-async def test_declared_body_over_limit_is_413(sidecar: SidecarFactory, upstream: str, upstream_app, http) -> None:
+async def test_declared_body_over_limit_is_413(
+    sidecar: SidecarFactory, upstream: str, upstream_app, http
+) -> None:
     proxy = await sidecar(upstream, max_body_bytes=1000)
     async with http.post(proxy + "/echo", data=b"x" * 1001) as response:
         await assert_openai_error(response, 413)
@@ -83,7 +89,9 @@ async def test_body_at_the_limit_passes(sidecar: SidecarFactory, upstream: str, 
         assert (await response.json())["body_len"] == 1000
 
 
-async def test_malformed_http_gets_400_and_proxy_keeps_serving(sidecar: SidecarFactory, upstream: str, http) -> None:
+async def test_malformed_http_gets_400_and_proxy_keeps_serving(
+    sidecar: SidecarFactory, upstream: str, http
+) -> None:
     proxy = await sidecar(upstream)
     host, port = proxy.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
@@ -142,4 +150,6 @@ async def test_requests_the_sidecar_turns_away_are_counted_but_not_as_engine_err
         if s.name.startswith("cachewitness_")
     }
     assert samples[("cachewitness_requests_total", (("code", "4xx"), ("route", "/v1/chat/completions")))] == 1
-    assert all(value == 0 for (name, _), value in samples.items() if name == "cachewitness_upstream_errors_total")
+    assert all(
+        value == 0 for (name, _), value in samples.items() if name == "cachewitness_upstream_errors_total"
+    )

@@ -38,27 +38,48 @@ YAML_TO_JSON = "import json, sys, yaml; print(json.dumps([d for d in yaml.safe_l
 @pytest.fixture(autouse=True, scope="module")
 def deploy_tools() -> None:
     """Fail (not skip) when the pinned tools are missing: CI installs them first."""
-    missing = [str(p.relative_to(ROOT)) for p in (HELM, TOOLS_PYTHON, KUBERNETES_VALIDATE, HADOLINT) if not p.exists()]
+    missing = [
+        str(p.relative_to(ROOT))
+        for p in (HELM, TOOLS_PYTHON, KUBERNETES_VALIDATE, HADOLINT)
+        if not p.exists()
+    ]
     if missing:
-        pytest.fail(f"deploy tools missing ({', '.join(missing)}): run scripts/install-deploy-tools.sh", pytrace=False)
+        pytest.fail(
+            f"deploy tools missing ({', '.join(missing)}): run scripts/install-deploy-tools.sh", pytrace=False
+        )
 
 
 def helm_template(*args: str) -> subprocess.CompletedProcess[str]:
     """Run `helm template` on the chart with extra arguments; never raises on failure."""
-    command = [str(HELM), "template", "cw", str(CHART), "--namespace", "ns", "--kube-version", "1.33.0", *args]
+    command = [
+        str(HELM),
+        "template",
+        "cw",
+        str(CHART),
+        "--namespace",
+        "ns",
+        "--kube-version",
+        "1.33.0",
+        *args,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
 
 
 def yaml_documents(text: str) -> list[Manifest]:
     """Parse a YAML stream with the tools venv's PyYAML."""
     parsed = subprocess.run(
-        [str(TOOLS_PYTHON), "-c", YAML_TO_JSON], input=text, capture_output=True, text=True, timeout=60, check=True
+        [str(TOOLS_PYTHON), "-c", YAML_TO_JSON],
+        input=text,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     documents: list[Manifest] = json.loads(parsed.stdout)
     return documents
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _render_cached(args: tuple[str, ...]) -> tuple[str, str]:
     """Rendered YAML for these arguments (cached: each render spawns helm)."""
     result = helm_template(*args)
@@ -78,7 +99,11 @@ def render_text(*args: str) -> str:
 
 def only(manifests: list[Manifest], kind: str) -> Manifest:
     """The single manifest of `kind` (excluding helm test hooks)."""
-    found = [m for m in manifests if m["kind"] == kind and "helm.sh/hook" not in m["metadata"].get("annotations", {})]
+    found = [
+        m
+        for m in manifests
+        if m["kind"] == kind and "helm.sh/hook" not in m["metadata"].get("annotations", {})
+    ]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
 
@@ -187,7 +212,11 @@ def test_sidecar_env_is_a_valid_cachewitness_configuration(tmp_path: Path) -> No
     token_file = tmp_path / "admin-token"
     token_file.write_text("t0ken\n", encoding="utf-8")
     settings = load_settings({}, env={**env, "CACHEWITNESS_ADMIN_TOKEN_FILE": str(token_file)})
-    assert (settings.upstream, settings.listen, settings.engine) == ("http://127.0.0.1:8200", "0.0.0.0:8000", "vllm")
+    assert (settings.upstream, settings.listen, settings.engine) == (
+        "http://127.0.0.1:8200",
+        "0.0.0.0:8000",
+        "vllm",
+    )
 
 
 # --- the admin token --------------------------------------------------------------------------
@@ -229,8 +258,15 @@ def test_existing_secret_is_mounted_and_none_is_generated() -> None:
 def test_sidecar_probes_use_health_and_ready_routes() -> None:
     """Startup and liveness on /-/healthy (never gated on the engine), readiness on /-/ready."""
     container = sidecar(render())
-    paths = {kind: container[kind]["httpGet"]["path"] for kind in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert paths == {"startupProbe": "/-/healthy", "readinessProbe": "/-/ready", "livenessProbe": "/-/healthy"}
+    paths = {
+        kind: container[kind]["httpGet"]["path"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+    assert paths == {
+        "startupProbe": "/-/healthy",
+        "readinessProbe": "/-/ready",
+        "livenessProbe": "/-/healthy",
+    }
     assert {container[kind]["httpGet"]["port"] for kind in paths} == {"http"}
 
 
@@ -352,7 +388,9 @@ def test_llamacpp_preset_saves_slots_on_an_emptydir_and_disables_ram_cache() -> 
 
 def test_llamacpp_model_path_uses_model_flag() -> None:
     """llama.cpp: a model starting with / is a file (--model), otherwise a HF repo (--hf-repo)."""
-    argv = engine(render("--set", "engine.preset=llamacpp", "--set", "engine.model=/models/m.gguf"))["command"]
+    argv = engine(render("--set", "engine.preset=llamacpp", "--set", "engine.model=/models/m.gguf"))[
+        "command"
+    ]
     assert flag_value(argv, "--model") == "/models/m.gguf"
     assert "--hf-repo" not in argv
 
@@ -394,7 +432,9 @@ def test_evidence_persistence_renders_and_mounts_a_claim() -> None:
 
 def test_evidence_existing_claim_is_mounted_without_rendering_one() -> None:
     """evidence.persistence.existingClaim: mounted as is, no PVC rendered."""
-    manifests = render("--set", "evidence.persistence.enabled=true", "--set", "evidence.persistence.existingClaim=ev")
+    manifests = render(
+        "--set", "evidence.persistence.enabled=true", "--set", "evidence.persistence.existingClaim=ev"
+    )
     assert "PersistentVolumeClaim" not in kinds(manifests)
     assert _evidence_volume(manifests)["persistentVolumeClaim"]["claimName"] == "ev"
 
@@ -511,7 +551,11 @@ def merge_by_name(base: Any, patch: Any) -> Any:
         for key, value in patch.items():
             merged[key] = merge_by_name(base[key], value) if key in base else value
         return merged
-    if isinstance(base, list) and isinstance(patch, list) and all(isinstance(i, dict) and "name" in i for i in patch):
+    if (
+        isinstance(base, list)
+        and isinstance(patch, list)
+        and all(isinstance(i, dict) and "name" in i for i in patch)
+    ):
         merged_list = list(base)
         for item in patch:
             names = [existing.get("name") for existing in merged_list]
@@ -532,7 +576,11 @@ def test_existing_deployment_patch_adds_a_valid_native_sidecar() -> None:
     (added,) = spec["initContainers"]
     assert added["restartPolicy"] == "Always"
     assert env_values(added)["CACHEWITNESS_UPSTREAM"] == "http://127.0.0.1:8000"
-    assert {v["name"] for v in spec["volumes"]} >= {"models", "cachewitness-admin-token", "cachewitness-evidence"}
+    assert {v["name"] for v in spec["volumes"]} >= {
+        "models",
+        "cachewitness-admin-token",
+        "cachewitness-evidence",
+    }
     for kube_version in KUBE_VERSIONS:
         result = validate(json.dumps(patched), kube_version)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -543,7 +591,9 @@ def test_existing_deployment_patch_adds_a_valid_native_sidecar() -> None:
 
 def test_dockerfile_passes_hadolint() -> None:
     """hadolint finds nothing in the Dockerfile."""
-    result = subprocess.run([str(HADOLINT), str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(HADOLINT), str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -128,7 +128,9 @@ async def engine_serving_metrics(body: bytes, content_type: str) -> AsyncIterato
 # --- families and labels -------------------------------------------------------------------------
 
 
-async def test_every_family_is_present_right_after_start(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
+async def test_every_family_is_present_right_after_start(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     """A scrape before any request already shows every family, labelled ones with zero series."""
     async with running_sim(fast("vllm")) as engine:
         url = await sidecar(engine)
@@ -176,7 +178,9 @@ async def test_forwarded_request_moves_requests_duration_and_ttfb(
     assert after.value("cachewitness_request_duration_seconds_sum", route="/v1/models") > 0
 
 
-async def test_unlisted_path_is_counted_under_route_other(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
+async def test_unlisted_path_is_counted_under_route_other(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     """A request for any other path lands on route="other", never on its own path."""
     async with running_sim(fast("vllm")) as engine:
         url = await sidecar(engine)
@@ -200,7 +204,10 @@ async def test_token_counters_move_by_exactly_the_usage_the_engine_reported(
         first = await post_chat(http, url, chat(PROMPT))
         second = await post_chat(http, url, chat(PROMPT))
         after = await scrape(http, url)
-    cold, warm = first["prompt_tokens_details"]["cached_tokens"], second["prompt_tokens_details"]["cached_tokens"]
+    cold, warm = (
+        first["prompt_tokens_details"]["cached_tokens"],
+        second["prompt_tokens_details"]["cached_tokens"],
+    )
     assert cold == 0 and warm > 0
 
     def delta(name: str) -> float:
@@ -334,7 +341,9 @@ async def test_engine_down_still_serves_the_sidecars_metrics(
     assert all(name.startswith("cachewitness_") for name in result.names())
 
 
-async def test_engine_down_counts_a_connection_error(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
+async def test_engine_down_counts_a_connection_error(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     """A request the engine cannot take: 502, counted as upstream_errors{kind="connection"} and code 5xx."""
     url = await sidecar(closed_port_url())
     async with http.post(url + "/v1/chat/completions", json=chat("hi")) as resp:
@@ -359,7 +368,9 @@ async def test_openmetrics_engine_text_loses_its_eof_and_colliding_families(
         b'cachewitness_requests_total{route="x",code="2xx"} 99\n'
         b"# EOF"
     )
-    async with engine_serving_metrics(body, "application/openmetrics-text; version=1.0.0; charset=utf-8") as engine:
+    async with engine_serving_metrics(
+        body, "application/openmetrics-text; version=1.0.0; charset=utf-8"
+    ) as engine:
         url = await sidecar(engine, engine="none")
         result = await scrape(http, url)
     assert result.value("engine_queue_depth") == 3
@@ -384,7 +395,9 @@ async def test_engine_answering_metrics_with_html_is_not_merged(
 # --- resets, verdicts, evidence ------------------------------------------------------------------
 
 
-async def test_reset_is_counted_by_engine_and_answer(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
+async def test_reset_is_counted_by_engine_and_answer(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     """POST /cache/reset acknowledged by vLLM: one reset, one duration and one attempts observation."""
     async with running_sim(fast("vllm")) as engine:
         url = await sidecar(engine)
@@ -398,7 +411,9 @@ async def test_reset_is_counted_by_engine_and_answer(sidecar: SidecarFactory, ht
     assert result.value("cachewitness_cache_reset_attempts_sum") == 1
 
 
-async def test_reset_answered_counts_and_bounds_its_labels(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+async def test_reset_answered_counts_and_bounds_its_labels(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
     """reset_answered: counted under its engine and answer; unknown words land on "other"."""
     async with running_sim(fast("vllm")) as engine:
         app = build_app(make_settings(engine, tmp_path))
@@ -449,7 +464,9 @@ def dashboard_exprs() -> list[str]:
     """Every PromQL expression in the dashboard (panel targets and query variables)."""
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
-    exprs += [variable["definition"] for variable in dashboard["templating"]["list"] if "definition" in variable]
+    exprs += [
+        variable["definition"] for variable in dashboard["templating"]["list"] if "definition" in variable
+    ]
     return exprs
 
 
@@ -458,7 +475,9 @@ def test_dashboard_has_the_standard_schema_fields() -> None:
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     for key in ("title", "uid", "schemaVersion", "time", "templating", "panels"):
         assert key in dashboard, key
-    assert any(v["type"] == "datasource" and v["name"] == "datasource" for v in dashboard["templating"]["list"])
+    assert any(
+        v["type"] == "datasource" and v["name"] == "datasource" for v in dashboard["templating"]["list"]
+    )
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:

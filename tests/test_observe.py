@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import orjson
@@ -37,8 +38,14 @@ def openai_chat_stream(*, include_usage: bool, pretty: bool = False, crlf: bool 
     ):
         events.append(
             b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
-            b'"choices":[{"index":0,"delta":' + delta + b',"logprobs":null,"finish_reason":' + finish + b"}]"
-            + null_usage + b"}" + sep
+            b'"choices":[{"index":0,"delta":'
+            + delta
+            + b',"logprobs":null,"finish_reason":'
+            + finish
+            + b"}]"
+            + null_usage
+            + b"}"
+            + sep
         )
     if include_usage:
         events.append(
@@ -86,7 +93,8 @@ def vllm_chat_stream(*, include_usage: bool) -> bytes:
     finish = (
         b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[{"index":0,'
         b'"delta":{"content":""},"logprobs":null,"finish_reason":"length","stop_reason":null,"token_ids":null}]'
-        + (b"" if include_usage else fingerprint) + b"}\n\n"
+        + (b"" if include_usage else fingerprint)
+        + b"}\n\n"
     )
     usage = (
         b'data: {"id":"chatcmpl-9","object":"chat.completion.chunk","created":1,"model":"tiny","choices":[],'
@@ -126,7 +134,7 @@ def run(scanner: StreamScanner, chunks: list[bytes]) -> bytes:
 def split_at(data: bytes, cuts: list[int]) -> list[bytes]:
     """data cut at the given offsets."""
     bounds = [0, *sorted(cuts), len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:])]
+    return [data[a:b] for a, b in itertools.pairwise(bounds)]
 
 
 # --- routes -------------------------------------------------------------------------
@@ -164,7 +172,10 @@ def test_include_usage_already_true_is_not_injected() -> None:
 def test_other_stream_options_members_are_kept() -> None:
     body = b'{"stream":true,"stream_options":{"continuous_usage_stats":false,"include_usage":false}}'
     prepared = prepare_request(body, inject_usage=True)
-    assert orjson.loads(prepared.body)["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    assert orjson.loads(prepared.body)["stream_options"] == {
+        "continuous_usage_stats": False,
+        "include_usage": True,
+    }
 
 
 def test_invalid_json_is_untouched() -> None:
@@ -192,19 +203,41 @@ def test_native_and_event_routes_are_not_injected() -> None:
     ("body", "cached", "source", "prompt"),
     [
         (
-            {"usage": {"prompt_tokens": 150, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 128}}},
+            {
+                "usage": {
+                    "prompt_tokens": 150,
+                    "completion_tokens": 3,
+                    "prompt_tokens_details": {"cached_tokens": 128},
+                }
+            },
             128,
             "usage.prompt_tokens_details.cached_tokens",
             150,
         ),
         (
-            {"usage": {"input_tokens": 40, "output_tokens": 2, "input_tokens_details": {"cached_tokens": 32}}},
+            {
+                "usage": {
+                    "input_tokens": 40,
+                    "output_tokens": 2,
+                    "input_tokens_details": {"cached_tokens": 32},
+                }
+            },
             32,
             "usage.input_tokens_details.cached_tokens",
             40,
         ),
-        ({"timings": {"cache_n": 292, "prompt_n": 1, "predicted_n": 4}, "tokens_cached": 297}, 292, "timings.cache_n", 293),
-        ({"meta_info": {"prompt_tokens": 20, "cached_tokens": 16, "completion_tokens": 2}}, 16, "meta_info.cached_tokens", 20),
+        (
+            {"timings": {"cache_n": 292, "prompt_n": 1, "predicted_n": 4}, "tokens_cached": 297},
+            292,
+            "timings.cache_n",
+            293,
+        ),
+        (
+            {"meta_info": {"prompt_tokens": 20, "cached_tokens": 16, "completion_tokens": 2}},
+            16,
+            "meta_info.cached_tokens",
+            20,
+        ),
         (
             {"usage": {"prompt_tokens": 9}, "mindnano_metrics": {"cached_tokens": 8}},
             8,
@@ -226,17 +259,26 @@ def test_each_dialect_cached_field_is_read(body: dict, cached: int, source: str,
 
 def test_prompt_tokens_details_wins_over_timings() -> None:
     body = {"usage": {"prompt_tokens_details": {"cached_tokens": 5}}, "timings": {"cache_n": 6}}
-    assert usage_from_json(orjson.dumps(body)).cached_tokens_source == "usage.prompt_tokens_details.cached_tokens"
+    assert (
+        usage_from_json(orjson.dumps(body)).cached_tokens_source
+        == "usage.prompt_tokens_details.cached_tokens"
+    )
 
 
 def test_timings_win_over_meta_info_and_mindnano() -> None:
-    body = {"timings": {"cache_n": 1}, "meta_info": {"cached_tokens": 2}, "mindnano_metrics": {"cached_tokens": 3}}
+    body = {
+        "timings": {"cache_n": 1},
+        "meta_info": {"cached_tokens": 2},
+        "mindnano_metrics": {"cached_tokens": 3},
+    }
     assert usage_from_json(orjson.dumps(body)).cached_tokens == 1
 
 
 def test_missing_cached_field_is_null_not_zero() -> None:
     usage = usage_from_json(b'{"usage":{"prompt_tokens":12,"completion_tokens":3}}')
-    assert usage == Usage(prompt_tokens=12, completion_tokens=3, cached_tokens=None, cached_tokens_source=None)
+    assert usage == Usage(
+        prompt_tokens=12, completion_tokens=3, cached_tokens=None, cached_tokens_source=None
+    )
 
 
 def test_llamacpp_tokens_cached_is_not_a_hit_count() -> None:
@@ -276,7 +318,11 @@ STRIP_CASES = {
         openai_chat_stream(include_usage=False, pretty=True, crlf=True),
         128,
     ),
-    "vllm_last_event_fingerprint": (vllm_chat_stream(include_usage=True), vllm_chat_stream(include_usage=False), 16),
+    "vllm_last_event_fingerprint": (
+        vllm_chat_stream(include_usage=True),
+        vllm_chat_stream(include_usage=False),
+        16,
+    ),
     "llamacpp_chat_last_event_timings": (
         llamacpp_chat_stream(include_usage=True),
         llamacpp_chat_stream(include_usage=False),
@@ -369,7 +415,15 @@ def test_stream_cut_before_usage_chunk_passes_what_came_and_knows_nothing() -> N
 def test_null_usage_members_kept_when_engine_always_writes_them() -> None:
     injected = openai_chat_stream(include_usage=True)
     out = run(StreamScanner(strip_injected=True, strip_null_usage=False), [injected])
-    assert out == injected[: injected.index(b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[]')] + b"data: [DONE]\n\n"
+    assert (
+        out
+        == injected[
+            : injected.index(
+                b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m","choices":[]'
+            )
+        ]
+        + b"data: [DONE]\n\n"
+    )
 
 
 # --- StreamScanner: stays cheap -----------------------------------------------------
@@ -399,7 +453,9 @@ def test_null_usage_on_every_chunk_decodes_only_the_usage_chunk() -> None:
 def test_cumulative_meta_info_is_decoded_once_at_the_end() -> None:
     # SGLang /generate streams meta_info on every event; the last one counts.
     events = [
-        b'data: {"text":"a' + str(i).encode() + b'","meta_info":{"prompt_tokens":20,"cached_tokens":16,"completion_tokens":'
+        b'data: {"text":"a'
+        + str(i).encode()
+        + b'","meta_info":{"prompt_tokens":20,"cached_tokens":16,"completion_tokens":'
         + str(i).encode()
         + b"}}\n\n"
         for i in range(1, 1001)
@@ -453,5 +509,9 @@ def test_observation_record_has_schema_header_and_every_field() -> None:
     )  # fmt: skip
     record = obs.to_record()
     assert list(record)[:3] == ["schema_version", "event_type", "at_ns"]
-    assert (record["schema_version"], record["event_type"], record["at_ns"]) == (1, "infer.cache_observation", 3)
+    assert (record["schema_version"], record["event_type"], record["at_ns"]) == (
+        1,
+        "infer.cache_observation",
+        3,
+    )
     assert set(record) - {"schema_version", "event_type", "at_ns"} == set(Observation.__dataclass_fields__)

@@ -22,8 +22,17 @@ from tests.conftest import closed_port_url, make_settings, serve_app
 from tests.sim_helpers import WAIT_S, Sim, chat, fast, sim, slow, words
 
 REFERENCE_RECORD_KEYS = {
-    "schema_version", "event_type", "session_id", "case_id", "requested", "reset", "attempted",
-    "acknowledged", "verified", "reason", "run_kind",
+    "schema_version",
+    "event_type",
+    "session_id",
+    "case_id",
+    "requested",
+    "reset",
+    "attempted",
+    "acknowledged",
+    "verified",
+    "reason",
+    "run_kind",
 }
 REFERENCE_RESET_KEYS = {"url", "at_ns", "status", "error", "success", "answer", "attempts", "answered_at_ns"}
 
@@ -45,7 +54,9 @@ class Stack:
 
     async def chat(self, max_tokens: int, content: str = "hello") -> int:
         """A chat completion through the sidecar; its status."""
-        async with self.http.post(f"{self.url}/v1/chat/completions", json=chat(words(8, content), max_tokens)) as r:
+        async with self.http.post(
+            f"{self.url}/v1/chat/completions", json=chat(words(8, content), max_tokens)
+        ) as r:
             await r.read()
             return r.status
 
@@ -70,6 +81,7 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
 
 # -- answers by outcome -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dialect", ["vllm", "sglang", "llamacpp", "mindnano"])
 async def test_idle_engine_reset_is_acknowledged(tmp_path, dialect: str) -> None:
     options = {"slot_save_path": str(tmp_path)} if dialect == "llamacpp" else {}
@@ -91,12 +103,17 @@ async def test_cache_state_record_has_the_reference_shape(tmp_path) -> None:
     assert set(record["reset"]) == REFERENCE_RESET_KEYS
     assert record["event_type"] == "infer.cache_state" and record["schema_version"] == 1
     assert (record["session_id"], record["case_id"], record["requested"]) == ("s1", "c1", "cold")
-    assert record["attempted"] is True and record["acknowledged"] is True and record["verified"] == "unverified"
+    assert (
+        record["attempted"] is True and record["acknowledged"] is True and record["verified"] == "unverified"
+    )
     assert record["reason"] == "the server acknowledged the cache reset, but no engine adapter can confirm it"
     assert record["run_kind"] == "cold_start"
     assert record["reset_id"] == body["reset_id"] and record["engine"] == body["engine"]
     assert record["reset"]["answer"] == "acknowledged" and record["reset"]["success"] is True
-    assert record["reset"]["at_ns"] == body["at_ns"] and record["reset"]["answered_at_ns"] == body["answered_at_ns"]
+    assert (
+        record["reset"]["at_ns"] == body["at_ns"]
+        and record["reset"]["answered_at_ns"] == body["answered_at_ns"]
+    )
 
 
 async def test_accepted_unverified_answer_has_no_success_key(tmp_path) -> None:
@@ -143,9 +160,11 @@ async def test_unreachable_engine_is_502(tmp_path) -> None:
 
 # -- retries ------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(("dialect", "refusal_status"), [("vllm", 200), ("mindnano", 429)])
-async def test_refused_reset_is_retried_until_the_running_request_ends(tmp_path, dialect: str,
-                                                                       refusal_status: int) -> None:
+async def test_refused_reset_is_retried_until_the_running_request_ends(
+    tmp_path, dialect: str, refusal_status: int
+) -> None:
     async with stack(slow(dialect), tmp_path) as s:
         request = asyncio.create_task(s.chat(max_tokens=60))
         await s.engine.wait_stats(lambda st: st["running"] == 1)
@@ -185,7 +204,9 @@ async def test_mindnano_refused_to_the_end_is_409(tmp_path) -> None:
 
 
 async def test_llamacpp_erase_of_a_busy_slot_past_the_attempt_timeout_is_refused(tmp_path) -> None:
-    async with stack(slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path, reset_attempt_timeout=0.3) as s:
+    async with stack(
+        slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path, reset_attempt_timeout=0.3
+    ) as s:
         request = asyncio.create_task(s.chat(max_tokens=5000))
         await s.engine.wait_stats(lambda st: st["running"] == 1)
         status, body = await s.reset({"drain": False, "retry_seconds": 0})
@@ -233,6 +254,7 @@ async def test_sglang_refusal_waits_through_the_timeout_param(tmp_path) -> None:
 
 # -- drain --------------------------------------------------------------------------------
 
+
 async def test_drain_lets_the_first_attempt_succeed_and_held_requests_complete(tmp_path) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
         admission = s.app[ADMISSION]
@@ -253,6 +275,7 @@ async def test_drain_lets_the_first_attempt_succeed_and_held_requests_complete(t
 
 
 # -- coalescing ---------------------------------------------------------------------------
+
 
 async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
@@ -297,6 +320,7 @@ async def test_reset_is_counted_in_metrics_by_engine_and_answer(tmp_path) -> Non
 
 # -- engines through the sidecar ----------------------------------------------------------
 
+
 async def test_sglang_admin_key_goes_to_flush_cache(tmp_path) -> None:
     async with stack(fast("sglang", admin_api_key="k3y"), tmp_path, engine_api_key="k3y") as s:
         status, body = await s.reset()
@@ -306,7 +330,9 @@ async def test_sglang_admin_key_goes_to_flush_cache(tmp_path) -> None:
 async def test_llamacpp_reset_erases_every_slot_and_warns(tmp_path) -> None:
     async with stack(fast("llamacpp", slots=3, slot_save_path=str(tmp_path)), tmp_path) as s:
         for slot in range(3):
-            await s.engine.post_json("/completion", {"prompt": words(20, f"s{slot}"), "n_predict": 2, "id_slot": slot})
+            await s.engine.post_json(
+                "/completion", {"prompt": words(20, f"s{slot}"), "n_predict": 2, "id_slot": slot}
+            )
         status, body = await s.reset()
         stats = await s.engine.stats()
     assert status == 200 and body["answer"] == "acknowledged"
@@ -318,8 +344,9 @@ async def test_llamacpp_reset_erases_every_slot_and_warns(tmp_path) -> None:
 
 
 async def test_generic_engine_with_configured_reset_path(tmp_path) -> None:
-    async with stack(fast("vllm"), tmp_path, engine="generic", reset_path="/reset_prefix_cache",
-                     success_field="success") as s:
+    async with stack(
+        fast("vllm"), tmp_path, engine="generic", reset_path="/reset_prefix_cache", success_field="success"
+    ) as s:
         status, body = await s.reset()
     assert status == 200 and body["answer"] == "acknowledged"
     assert body["engine"]["kind"] == "generic"
@@ -334,6 +361,7 @@ async def test_engine_none_is_unsupported(tmp_path) -> None:
 
 
 # -- input --------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     ("body", "query", "param"),

@@ -18,7 +18,9 @@ from proxy.engines.base import (
 )
 
 
-def folded(outcome: str, *, status: int | None = 200, error: str | None = None, attempts: int = 1) -> CacheReset:
+def folded(
+    outcome: str, *, status: int | None = 200, error: str | None = None, attempts: int = 1
+) -> CacheReset:
     success = {ACKNOWLEDGED: True, ACCEPTED_UNVERIFIED: None}.get(outcome, False)
     last = Attempt(outcome, status=status, success=success, error=error, url="http://engine/r")
     return CacheReset.from_attempts(last, at_ns=1, attempts=attempts, calls=(), answered_at_ns=2)
@@ -35,7 +37,9 @@ def folded(outcome: str, *, status: int | None = 200, error: str | None = None, 
         (ERROR, None, False, 502),
     ],
 )
-def test_answer_words_and_status_by_outcome(outcome: str, answer: str | None, succeeded: bool, http_status: int) -> None:
+def test_answer_words_and_status_by_outcome(
+    outcome: str, answer: str | None, succeeded: bool, http_status: int
+) -> None:
     reset = folded(outcome)
     assert reset.answer == answer
     assert reset.succeeded is succeeded
@@ -53,13 +57,27 @@ def test_failure_error_starts_with_the_outcome(outcome: str) -> None:
 
 def test_reset_block_has_exactly_the_reference_keys() -> None:
     assert list(folded(ACKNOWLEDGED).to_record()) == [
-        "url", "at_ns", "status", "error", "success", "answer", "attempts", "answered_at_ns"]
+        "url",
+        "at_ns",
+        "status",
+        "error",
+        "success",
+        "answer",
+        "attempts",
+        "answered_at_ns",
+    ]
 
 
 @pytest.mark.parametrize(
     ("outcome", "success"),
-    [(ACKNOWLEDGED, True), (ACCEPTED_UNVERIFIED, None), (REFUSED, False),
-     (UNSUPPORTED, None), (UNREACHABLE, None), (ERROR, None)],
+    [
+        (ACKNOWLEDGED, True),
+        (ACCEPTED_UNVERIFIED, None),
+        (REFUSED, False),
+        (UNSUPPORTED, None),
+        (UNREACHABLE, None),
+        (ERROR, None),
+    ],
 )
 def test_reset_block_success_means_what_the_reference_means(outcome: str, success: bool | None) -> None:
     # The reference reads `success` from a 2xx body only: an engine that could not serve
@@ -83,14 +101,21 @@ def test_run_kind(requested: str, warmup: int, outcome: str, expected: str) -> N
 
 
 def test_reason_of_an_unconfirmed_reset_names_the_status() -> None:
-    record = cache_state_record(session_id="s", case_id="c", requested="cold", reset=folded(ACCEPTED_UNVERIFIED),
-                                warmup_requests=0)
+    record = cache_state_record(
+        session_id="s", case_id="c", requested="cold", reset=folded(ACCEPTED_UNVERIFIED), warmup_requests=0
+    )
     assert record["reason"] == (
-        "the cache reset returned HTTP 200 without saying whether it succeeded, and no engine adapter can confirm it")
+        "the cache reset returned HTTP 200 without saying whether it succeeded, and no engine adapter can confirm it"
+    )
     assert record["acknowledged"] is False and record["attempted"] is True
 
 
 def test_reason_of_a_failed_reset_quotes_its_error() -> None:
-    record = cache_state_record(session_id="s", case_id="c", requested="cold",
-                                reset=folded(UNSUPPORTED, status=404, error="HTTP 404"), warmup_requests=0)
+    record = cache_state_record(
+        session_id="s",
+        case_id="c",
+        requested="cold",
+        reset=folded(UNSUPPORTED, status=404, error="HTTP 404"),
+        warmup_requests=0,
+    )
     assert record["reason"] == "the cache reset failed (unsupported: HTTP 404)"

@@ -19,9 +19,19 @@ async def start_sidecar(upstream: str, tmp_path: Path, *extra: str) -> tuple[asy
     port = free_port()
     with open(tmp_path / "sidecar.log", "wb") as log:  # the child keeps its own copy of the fd
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "serve", "--upstream", upstream,
-            "--listen", f"127.0.0.1:{port}", "--evidence", str(tmp_path / "ev.jsonl"),
-            "--health-interval", "0.2", *extra,
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            upstream,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--evidence",
+            str(tmp_path / "ev.jsonl"),
+            "--health-interval",
+            "0.2",
+            *extra,
             stderr=log,
         )
     url = f"http://127.0.0.1:{port}"
@@ -57,7 +67,9 @@ async def test_sigterm_lets_streams_finish_and_exits_0(tmp_path: Path) -> None:
     upstream_app = build_upstream()
     state = upstream_app[STATE]
     async with serve_app(upstream_app) as upstream, aiohttp.ClientSession() as session:
-        process, proxy = await start_sidecar(upstream, tmp_path, "--shutdown-delay", "0.5", "--grace-period", "20")
+        process, proxy = await start_sidecar(
+            upstream, tmp_path, "--shutdown-delay", "0.5", "--grace-period", "20"
+        )
         stream = await session.get(proxy + "/sse/paced?n=3")
         state.gates[0].set()
         assert await stream.content.readuntil(b"\n\n") == b'data: {"i": 0}\n\n'

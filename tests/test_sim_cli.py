@@ -30,16 +30,54 @@ def test_defaults_match_the_spec() -> None:
 
 def test_every_option_reaches_the_config() -> None:
     ns = parse(
-        "--dialect", "llamacpp", "--listen", "0.0.0.0:9", "--decode-rate", "0", "--prefill-rate", "0",
-        "--block-size", "32", "--cache-blocks", "10", "--max-concurrency", "3", "--legacy-empty-body",
-        "--no-dev-mode", "--no-prompt-tokens-details", "--omit-zero-cached", "--admin-api-key", "k",
-        "--slots", "4", "--slot-save-path", "/tmp", "--ram-cache", "--model", "m", "--version", "b1",
+        "--dialect",
+        "llamacpp",
+        "--listen",
+        "0.0.0.0:9",
+        "--decode-rate",
+        "0",
+        "--prefill-rate",
+        "0",
+        "--block-size",
+        "32",
+        "--cache-blocks",
+        "10",
+        "--max-concurrency",
+        "3",
+        "--legacy-empty-body",
+        "--no-dev-mode",
+        "--no-prompt-tokens-details",
+        "--omit-zero-cached",
+        "--admin-api-key",
+        "k",
+        "--slots",
+        "4",
+        "--slot-save-path",
+        "/tmp",
+        "--ram-cache",
+        "--model",
+        "m",
+        "--version",
+        "b1",
     )
     assert parse_listen(ns.listen) == ("0.0.0.0", 9)
     assert sim_config_from_args(ns) == SimConfig(
-        dialect="llamacpp", decode_rate=0, prefill_rate=0, block_size=32, cache_blocks=10, max_concurrency=3,
-        legacy_empty_body=True, dev_mode=False, prompt_tokens_details=False, omit_zero_cached=True,
-        admin_api_key="k", slots=4, slot_save_path="/tmp", ram_cache=True, model="m", version="b1",
+        dialect="llamacpp",
+        decode_rate=0,
+        prefill_rate=0,
+        block_size=32,
+        cache_blocks=10,
+        max_concurrency=3,
+        legacy_empty_body=True,
+        dev_mode=False,
+        prompt_tokens_details=False,
+        omit_zero_cached=True,
+        admin_api_key="k",
+        slots=4,
+        slot_save_path="/tmp",
+        ram_cache=True,
+        model="m",
+        version="b1",
     )
 
 
@@ -87,6 +125,8 @@ def test_sim_command_with_a_bad_option_exits_2_with_one_line(argv: list[str]) ->
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "proxy", "sim", *argv], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "sim", *argv], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

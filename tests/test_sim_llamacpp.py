@@ -73,7 +73,9 @@ async def test_non_integer_slot_id_is_400(tmp_path: Path) -> None:
 
 async def test_erase_of_a_busy_slot_waits_for_its_generation(tmp_path: Path) -> None:
     async with sim(slow("llamacpp", slot_save_path=str(tmp_path))) as s:
-        resp = await s.http.post(s.url + "/v1/chat/completions", json=chat("hi", max_tokens=20, stream=True, id_slot=0))
+        resp = await s.http.post(
+            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=20, stream=True, id_slot=0)
+        )
         await next_event(resp)
         erase = asyncio.create_task(s.post_json("/slots/0?action=erase", {}))
         await s.wait_stats(lambda st: st["waiting"] == 1)  # the erase is deferred
@@ -107,7 +109,9 @@ async def test_without_ram_cache_erasing_every_slot_is_cold(tmp_path: Path) -> N
 
 async def test_requests_beyond_the_slots_are_deferred() -> None:
     async with sim(slow("llamacpp", slots=1)) as s:
-        tasks = [asyncio.create_task(s.post_json("/v1/chat/completions", chat(w, max_tokens=20))) for w in "ab"]
+        tasks = [
+            asyncio.create_task(s.post_json("/v1/chat/completions", chat(w, max_tokens=20))) for w in "ab"
+        ]
         stats = await s.wait_stats(lambda st: st["waiting"] == 1)
         assert stats["running"] == 1
         assert [status for status, _ in await asyncio.gather(*tasks)] == [200, 200]
@@ -163,7 +167,9 @@ async def test_props_slots_and_health() -> None:
         assert props["endpoint_slots"] is True and props["endpoint_metrics"] is True
         async with s.http.get(s.url + "/slots") as resp:
             slots = await resp.json()
-        assert [(x["id"], x["is_processing"], x["n_prompt_tokens"]) for x in slots] == [(i, False, 0) for i in range(3)]
+        assert [(x["id"], x["is_processing"], x["n_prompt_tokens"]) for x in slots] == [
+            (i, False, 0) for i in range(3)
+        ]
         async with s.http.get(s.url + "/health") as resp:
             assert await resp.json() == {"status": "ok"}
 
@@ -172,6 +178,9 @@ async def test_metrics_have_llamacpp_families() -> None:
     async with sim(fast("llamacpp")) as s:
         async with s.http.get(s.url + "/metrics") as resp:
             text = await resp.text()
-        for name in ("llamacpp:prompt_tokens_cached_total", "llamacpp:requests_processing",
-                     "llamacpp:requests_deferred"):
+        for name in (
+            "llamacpp:prompt_tokens_cached_total",
+            "llamacpp:requests_processing",
+            "llamacpp:requests_deferred",
+        ):
             assert name in text

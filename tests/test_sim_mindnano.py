@@ -97,7 +97,9 @@ async def test_response_carries_mindnano_metrics() -> None:
 
 async def test_stream_finish_event_carries_mindnano_metrics() -> None:
     async with sim(fast("mindnano")) as s:
-        async with s.http.post(s.url + "/v1/chat/completions", json=chat("hi", max_tokens=2, stream=True)) as resp:
+        async with s.http.post(
+            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=2, stream=True)
+        ) as resp:
             events = await read_events(resp)
         finish = event_json(events[-2])
         assert finish["choices"][0]["finish_reason"] == "length"

@@ -59,7 +59,9 @@ async def test_output_is_deterministic_printable_ascii() -> None:
 
 async def test_completions_route_answers_text_completion() -> None:
     async with sim(fast("openai")) as s:
-        status, data = await s.post_json("/v1/completions", {"model": "m", "prompt": words(20), "max_tokens": 3})
+        status, data = await s.post_json(
+            "/v1/completions", {"model": "m", "prompt": words(20), "max_tokens": 3}
+        )
         assert status == 200
         assert data["object"] == "text_completion"
         assert data["usage"]["completion_tokens"] == 3
@@ -83,7 +85,9 @@ async def test_models_owned_by_names_the_dialect(dialect: str) -> None:
 
 async def test_stream_without_include_usage_has_no_usage_member() -> None:
     async with sim(fast("openai")) as s:
-        async with s.http.post(s.url + "/v1/chat/completions", json=chat("hi", max_tokens=3, stream=True)) as resp:
+        async with s.http.post(
+            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=3, stream=True)
+        ) as resp:
             assert resp.headers["Content-Type"].startswith("text/event-stream")
             events = await read_events(resp)
         assert events[-1] == b"data: [DONE]"
@@ -124,7 +128,9 @@ async def test_stream_delivers_each_token_while_generation_runs() -> None:
 
 async def test_client_disconnect_aborts_the_sequence() -> None:
     async with sim(slow("openai")) as s:
-        resp = await s.http.post(s.url + "/v1/chat/completions", json=chat("hi", max_tokens=1000, stream=True))
+        resp = await s.http.post(
+            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=1000, stream=True)
+        )
         await next_event(resp)
         resp.close()
         stats = await s.wait_stats(lambda st: st["aborted_total"] == 1)

@@ -32,7 +32,9 @@ async def test_flush_is_refused_with_400_while_a_request_runs() -> None:
 
 async def test_flush_is_refused_while_a_request_waits() -> None:
     async with sim(slow("sglang", max_concurrency=1)) as s:
-        tasks = [asyncio.create_task(s.post_json("/v1/chat/completions", chat(w, max_tokens=20))) for w in "ab"]
+        tasks = [
+            asyncio.create_task(s.post_json("/v1/chat/completions", chat(w, max_tokens=20))) for w in "ab"
+        ]
         await s.wait_stats(lambda st: st["waiting"] == 1)
         assert (await _flush(s))[0] == 400
         await asyncio.gather(*tasks)
@@ -50,7 +52,9 @@ async def test_flush_with_timeout_waits_for_idle_then_succeeds() -> None:
 
 async def test_flush_timeout_expiring_is_400() -> None:
     async with sim(slow("sglang")) as s:
-        resp = await s.http.post(s.url + "/v1/chat/completions", json=chat("hi", max_tokens=100_000, stream=True))
+        resp = await s.http.post(
+            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=100_000, stream=True)
+        )
         await s.wait_stats(lambda st: st["running"] == 1)
         assert await _flush(s, "?timeout=0.05") == (400, "Timed out waiting for idle state.")
         resp.close()
@@ -99,6 +103,11 @@ async def test_metrics_have_sglang_families() -> None:
         await s.cached(chat(words(40)))
         async with s.http.get(s.url + "/metrics") as resp:
             text = await resp.text()
-        for name in ("sglang:cached_tokens_total", "sglang:prompt_tokens_total", "sglang:num_running_reqs",
-                     "sglang:num_queue_reqs", "sglang:cache_hit_rate"):
+        for name in (
+            "sglang:cached_tokens_total",
+            "sglang:prompt_tokens_total",
+            "sglang:num_running_reqs",
+            "sglang:num_queue_reqs",
+            "sglang:cache_hit_rate",
+        ):
             assert name in text

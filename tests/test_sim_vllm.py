@@ -34,7 +34,9 @@ async def test_reset_running_requests_preempts_and_succeeds() -> None:
     async with sim(slow("vllm")) as s:
         resp = await s.http.post(s.url + "/v1/chat/completions", json=chat("hi", max_tokens=20, stream=True))
         await next_event(resp)
-        status, data = await s.post_json("/reset_prefix_cache?reset_running_requests=true&reset_external=true", {})
+        status, data = await s.post_json(
+            "/reset_prefix_cache?reset_running_requests=true&reset_external=true", {}
+        )
         assert (status, data) == (200, {"success": True})
         # Preempted, not failed: the stream still runs to its end.
         body = await resp.read()
@@ -45,14 +47,18 @@ async def test_reset_running_requests_preempts_and_succeeds() -> None:
 
 async def test_stream_options_without_stream_is_400() -> None:
     async with sim(fast("vllm")) as s:
-        status, data = await s.post_json("/v1/chat/completions", chat("hi", stream_options={"include_usage": True}))
+        status, data = await s.post_json(
+            "/v1/chat/completions", chat("hi", stream_options={"include_usage": True})
+        )
         assert status == 400
         assert "stream" in data["error"]["message"]
 
 
 async def test_other_dialects_ignore_stream_options_without_stream() -> None:
     async with sim(fast("sglang")) as s:
-        status, _ = await s.post_json("/v1/chat/completions", chat("hi", stream_options={"include_usage": True}))
+        status, _ = await s.post_json(
+            "/v1/chat/completions", chat("hi", stream_options={"include_usage": True})
+        )
         assert status == 200
 
 

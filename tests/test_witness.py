@@ -21,7 +21,9 @@ def accepted(witness: Witness, reset_id: str = "x1") -> Witness:
     return witness
 
 
-def finished(witness: Witness, reset_and_ordinal: tuple[str | None, int | None], **fields: object) -> dict | None:
+def finished(
+    witness: Witness, reset_and_ordinal: tuple[str | None, int | None], **fields: object
+) -> dict | None:
     """Observe a request that began with the given (reset_id, ordinal)."""
     reset_id, ordinal = reset_and_ordinal
     obs = replace(BASE, reset_id=reset_id, ordinal_since_reset=ordinal, request_id=f"r{ordinal}", **fields)
@@ -70,7 +72,10 @@ def test_later_ordinal_waits_for_an_earlier_one_in_flight() -> None:
     assert finished(witness, second, cached_tokens=50) is None
     assert witness.state()["verdict"] == "unverified"
     verification = finished(witness, first, cached_tokens=0)
-    assert verification is not None and (verification["verdict"], verification["request_id"]) == ("consistent", "r1")
+    assert verification is not None and (verification["verdict"], verification["request_id"]) == (
+        "consistent",
+        "r1",
+    )
 
 
 def test_later_ordinal_decides_once_the_earlier_one_fails() -> None:
@@ -78,7 +83,10 @@ def test_later_ordinal_decides_once_the_earlier_one_fails() -> None:
     first, second = witness.begin_request(), witness.begin_request()
     assert finished(witness, second, cached_tokens=50) is None
     verification = finished(witness, first, outcome="client_disconnected", cached_tokens=None)
-    assert verification is not None and (verification["verdict"], verification["request_id"]) == ("contradicted", "r2")
+    assert verification is not None and (verification["verdict"], verification["request_id"]) == (
+        "contradicted",
+        "r2",
+    )
 
 
 def test_failed_first_request_is_skipped() -> None:
@@ -115,7 +123,10 @@ def test_second_reset_starts_a_fresh_sequence_and_ignores_late_old_requests() ->
     new = witness.begin_request()
     assert new == ("x2", 1)
     verification = finished(witness, new, cached_tokens=64)
-    assert verification is not None and (verification["reset_id"], verification["verdict"]) == ("x2", "contradicted")
+    assert verification is not None and (verification["reset_id"], verification["verdict"]) == (
+        "x2",
+        "contradicted",
+    )
 
 
 def test_coalesced_callers_share_one_sequence() -> None:
@@ -150,4 +161,7 @@ def test_lowest_candidate_wins_after_many_later_requests() -> None:
     for _ in range(10_000):
         assert finished(witness, witness.begin_request(), cached_tokens=7) is None
     verification = finished(witness, first, outcome="upstream_error", status=None, cached_tokens=None)
-    assert verification is not None and (verification["request_id"], verification["cached_tokens"]) == ("r2", 7)
+    assert verification is not None and (verification["request_id"], verification["cached_tokens"]) == (
+        "r2",
+        7,
+    )

@@ -67,7 +67,9 @@ async def mirror(request: web.Request) -> web.StreamResponse:
 
 async def gzipped(request: web.Request) -> web.Response:
     """A gzip-encoded body the proxy must not decompress."""
-    return web.Response(body=GZIPPED, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+    return web.Response(
+        body=GZIPPED, headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}
+    )
 
 
 async def redirect(request: web.Request) -> web.Response:
@@ -79,8 +81,13 @@ async def hop_headers(request: web.Request) -> web.Response:
     """Hop-by-hop response headers the proxy must drop."""
     return web.Response(
         text="ok",
-        headers={"Connection": "X-Private", "X-Private": "secret-hop", "Keep-Alive": "timeout=5",
-                 "X-Kept": "1", "Set-Cookie": "a=1"},
+        headers={
+            "Connection": "X-Private",
+            "X-Private": "secret-hop",
+            "Keep-Alive": "timeout=5",
+            "X-Kept": "1",
+            "Set-Cookie": "a=1",
+        },
     )
 
 
@@ -92,7 +99,7 @@ async def paced_sse(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     for index in range(count):
         await state.gates[index].wait()
-        await response.write(f"data: {{\"i\": {index}}}\n\n".encode())
+        await response.write(f'data: {{"i": {index}}}\n\n'.encode())
         state.sent[index].set()
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -105,7 +112,7 @@ async def fast_sse(request: web.Request) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     for index in range(count):
-        await response.write(f"data: {{\"i\": {index}}}\n\n".encode())
+        await response.write(f'data: {{"i": {index}}}\n\n'.encode())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

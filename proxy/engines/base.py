@@ -9,7 +9,6 @@ and `error`, which the reference words cannot say (its `answer` is then null).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from abc import ABC, abstractmethod
@@ -23,23 +22,23 @@ from proxy.redact import redact_url
 __all__ = [
     "ACCEPTED_UNVERIFIED",
     "ACKNOWLEDGED",
-    "Attempt",
     "BODY_EXCERPT_BYTES",
-    "CacheReset",
     "COLD",
-    "Dialect",
-    "EngineCall",
-    "EngineInfo",
     "ERROR",
     "HTTP_STATUS",
     "OUTCOMES",
     "REFERENCE_ANSWERS",
     "REFUSED",
-    "Reply",
     "UNREACHABLE",
     "UNSPECIFIED",
     "UNSUPPORTED",
     "UNVERIFIED",
+    "Attempt",
+    "CacheReset",
+    "Dialect",
+    "EngineCall",
+    "EngineInfo",
+    "Reply",
     "cache_state_record",
     "engine_call",
     "failed_attempt",
@@ -205,8 +204,9 @@ class CacheReset:
         }
 
     @classmethod
-    def from_attempts(cls, last: Attempt, *, at_ns: int, attempts: int, calls: tuple[EngineCall, ...],
-                      answered_at_ns: int) -> CacheReset:
+    def from_attempts(
+        cls, last: Attempt, *, at_ns: int, attempts: int, calls: tuple[EngineCall, ...], answered_at_ns: int
+    ) -> CacheReset:
         """Fold the last attempt into the reset's outcome, with the error worded per SPEC §5.4."""
         error = last.error
         if last.outcome == REFUSED:
@@ -338,15 +338,21 @@ async def engine_call(
             body = await response.content.read(_BODY_READ_LIMIT)
             call = EngineCall(method, recorded, response.status, _excerpt(body), time.monotonic() - started)
             return Reply(call, body)
-    except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+    except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
         connect = isinstance(exc, aiohttp.ConnectionTimeoutError)
         what = "connect timeout" if connect else f"no answer within {timeout_s:g} s"
         call = EngineCall(method, recorded, None, "", time.monotonic() - started, f"timeout: {what}")
         # A connect timeout is an unreachable engine; a read timeout may be a busy llama.cpp slot.
         return Reply(call, timed_out=not connect)
     except (aiohttp.ClientError, OSError) as exc:
-        call = EngineCall(method, recorded, None, "", time.monotonic() - started,
-                          f"{type(exc).__name__}: {_redacted_error(exc, url, recorded)}")
+        call = EngineCall(
+            method,
+            recorded,
+            None,
+            "",
+            time.monotonic() - started,
+            f"{type(exc).__name__}: {_redacted_error(exc, url, recorded)}",
+        )
         return Reply(call)
 
 
@@ -381,6 +387,6 @@ class Dialect(ABC):
 
 def unsupported(url: str, error: str, hint: str, calls: tuple[EngineCall, ...] = ()) -> Attempt:
     """An attempt the engine cannot serve, with how to switch the reset on."""
-    return Attempt(UNSUPPORTED, error=error, url=url, calls=calls, hint=hint,
-                   status=calls[-1].status if calls else None)
-
+    return Attempt(
+        UNSUPPORTED, error=error, url=url, calls=calls, hint=hint, status=calls[-1].status if calls else None
+    )

@@ -21,7 +21,9 @@ class _Unreachable(Exception):
 class _Prober:
     """GETs JSON from the upstream, each probe bounded by the timeout."""
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, api_key: str | None) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, base_url: str, timeout_s: float, api_key: str | None
+    ) -> None:
         """Probe `base_url` through `session`, each call bounded by `timeout_s`."""
         self._session = session
         self._base_url = base_url.rstrip("/")
@@ -115,7 +117,9 @@ async def probe_version(
     return info.version if info is not None else None
 
 
-UNDETECTED_HINT = "the upstream did not answer engine detection; check --upstream, or name the engine with --engine"
+UNDETECTED_HINT = (
+    "the upstream did not answer engine detection; check --upstream, or name the engine with --engine"
+)
 
 
 class UndetectedDialect(Dialect):
@@ -133,5 +137,9 @@ class UndetectedDialect(Dialect):
         timeout_s: float,
     ) -> Attempt:
         """No call: the engine's kind, and so its reset route, is not known."""
-        return Attempt(UNREACHABLE, error="the upstream did not answer engine detection", url=base_url,
-                       hint=UNDETECTED_HINT)
+        return Attempt(
+            UNREACHABLE,
+            error="the upstream did not answer engine detection",
+            url=base_url,
+            hint=UNDETECTED_HINT,
+        )

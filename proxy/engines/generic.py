@@ -17,7 +17,7 @@ from proxy.engines.base import (
     unsupported,
 )
 
-__all__ = ["GenericDialect", "NO_PATH_HINT"]
+__all__ = ["NO_PATH_HINT", "GenericDialect"]
 
 NO_PATH_HINT = (
     "this engine has no known prefix-cache reset; if it has one, tell the sidecar with reset_path "
@@ -65,7 +65,9 @@ class GenericDialect(Dialect):
         if status is None:
             return failed_attempt(reply, url)
         if status in self._busy:
-            return Attempt(REFUSED, status=status, success=False, error=f"HTTP {status} (busy)", url=url, calls=calls)
+            return Attempt(
+                REFUSED, status=status, success=False, error=f"HTTP {status} (busy)", url=url, calls=calls
+            )
         if status in (404, 405, 501):
             hint = f"the engine does not serve {self._method} {self._path}: check reset_path and reset_method"
             return unsupported(url, f"HTTP {status}", hint, calls)
@@ -77,6 +79,12 @@ class GenericDialect(Dialect):
         if success is True:
             return Attempt(ACKNOWLEDGED, status=status, success=True, url=url, calls=calls)
         if success is False:
-            return Attempt(REFUSED, status=status, success=False, error=f"{self._field or 'success'} not true",
-                           url=url, calls=calls)
+            return Attempt(
+                REFUSED,
+                status=status,
+                success=False,
+                error=f"{self._field or 'success'} not true",
+                url=url,
+                calls=calls,
+            )
         return Attempt(ACCEPTED_UNVERIFIED, status=status, url=url, calls=calls)

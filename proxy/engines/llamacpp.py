@@ -23,7 +23,7 @@ from proxy.engines.base import (
     unsupported,
 )
 
-__all__ = ["LlamacppDialect", "RAM_CACHE_WARNING"]
+__all__ = ["RAM_CACHE_WARNING", "LlamacppDialect"]
 
 SLOT_SAVE_HINT = (
     "llama-server serves slot actions only with --slot-save-path DIR: restart it with "
@@ -62,15 +62,18 @@ class LlamacppDialect(Dialect):
         slots = payload.get("total_slots") if isinstance(payload, dict) else None
         if props.status != 200 or not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
             error = f"GET /props answered HTTP {props.status} without a usable total_slots"
-            return _with_warning(Attempt(ERROR, status=props.status, error=error, url=props.call.url,
-                                         calls=(props.call,)))
+            return _with_warning(
+                Attempt(ERROR, status=props.status, error=error, url=props.call.url, calls=(props.call,))
+            )
         left = max(0.001, timeout_s - (time.monotonic() - started))
         # Slot erases run together: a busy slot's erase blocks until its generation ends, and
         # the others should not queue behind it.
-        replies = await asyncio.gather(*(
-            engine_call(session, "POST", f"{base_url}/slots/{slot}?action=erase", timeout_s=left)
-            for slot in range(slots)
-        ))
+        replies = await asyncio.gather(
+            *(
+                engine_call(session, "POST", f"{base_url}/slots/{slot}?action=erase", timeout_s=left)
+                for slot in range(slots)
+            )
+        )
         return _with_warning(_fold(props, list(replies), left))
 
 

@@ -41,10 +41,20 @@ class MindnanoDialect(Dialect):
         if 200 <= status < 300:
             return Attempt(ACKNOWLEDGED, status=status, success=True, url=reply.call.url, calls=calls)
         if status == 429:
-            return Attempt(REFUSED, status=status, success=False, error="HTTP 429 (a request is running)",
-                           url=reply.call.url, calls=calls)
+            return Attempt(
+                REFUSED,
+                status=status,
+                success=False,
+                error="HTTP 429 (a request is running)",
+                url=reply.call.url,
+                calls=calls,
+            )
         if status == 404:
-            return unsupported(reply.call.url, "HTTP 404: /v1/cache/clear is not served",
-                               "this engine has no /v1/cache/clear; check --engine and the upstream URL", calls)
+            return unsupported(
+                reply.call.url,
+                "HTTP 404: /v1/cache/clear is not served",
+                "this engine has no /v1/cache/clear; check --engine and the upstream URL",
+                calls,
+            )
         outcome, error = outcome_for_status(status)
         return Attempt(outcome, status=status, error=error, url=reply.call.url, calls=calls)

@@ -56,13 +56,29 @@ class SglangDialect(Dialect):
             return Attempt(ACKNOWLEDGED, status=status, success=True, url=reply.call.url, calls=calls)
         if status == 400:
             # 0.4.6–0.5.9 say "Cache flushed" even on a 400: the status decides, the body is evidence.
-            return Attempt(REFUSED, status=status, success=False, error="HTTP 400 (engine busy)",
-                           url=reply.call.url, calls=calls)
+            return Attempt(
+                REFUSED,
+                status=status,
+                success=False,
+                error="HTTP 400 (engine busy)",
+                url=reply.call.url,
+                calls=calls,
+            )
         if status in (401, 403):
-            return Attempt(ERROR, status=status, error=f"HTTP {status}: the engine refused the sidecar's key",
-                           url=reply.call.url, calls=calls, hint=AUTH_HINT)
+            return Attempt(
+                ERROR,
+                status=status,
+                error=f"HTTP {status}: the engine refused the sidecar's key",
+                url=reply.call.url,
+                calls=calls,
+                hint=AUTH_HINT,
+            )
         if status == 404:
-            return unsupported(reply.call.url, "HTTP 404: /flush_cache is not served",
-                               "this SGLang has no /flush_cache; check --engine and the upstream URL", calls)
+            return unsupported(
+                reply.call.url,
+                "HTTP 404: /flush_cache is not served",
+                "this SGLang has no /flush_cache; check --engine and the upstream URL",
+                calls,
+            )
         outcome, error = outcome_for_status(status)
         return Attempt(outcome, status=status, error=error, url=reply.call.url, calls=calls)

@@ -54,7 +54,9 @@ class VllmDialect(Dialect):
         if status is None:
             return failed_attempt(reply, reply.call.url)
         if status == 404:
-            return unsupported(reply.call.url, "HTTP 404: /reset_prefix_cache is not served", DEV_MODE_HINT, calls)
+            return unsupported(
+                reply.call.url, "HTTP 404: /reset_prefix_cache is not served", DEV_MODE_HINT, calls
+            )
         if not 200 <= status < 300:
             outcome, error = outcome_for_status(status)
             if force and status == 500:
@@ -65,7 +67,9 @@ class VllmDialect(Dialect):
             return Attempt(ACKNOWLEDGED, status=status, success=True, url=reply.call.url, calls=calls)
         if success is False:
             # 0.26+: false "while blocks are still held ... callers may retry".
-            return Attempt(REFUSED, status=status, success=False, error="success false",
-                           url=reply.call.url, calls=calls)
-        return Attempt(ACCEPTED_UNVERIFIED, status=status, url=reply.call.url, calls=calls,
-                       warning=LEGACY_WARNING)
+            return Attempt(
+                REFUSED, status=status, success=False, error="success false", url=reply.call.url, calls=calls
+            )
+        return Attempt(
+            ACCEPTED_UNVERIFIED, status=status, url=reply.call.url, calls=calls, warning=LEGACY_WARNING
+        )

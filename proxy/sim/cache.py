@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["PrefixCache", "NamespacedPrefixCache", "cacheable_prefix_len"]
+__all__ = ["NamespacedPrefixCache", "PrefixCache", "cacheable_prefix_len"]
 
 
 def cacheable_prefix_len(n_tokens: int, block_size: int) -> int:
@@ -28,7 +28,7 @@ class PrefixCache:
     equal whole prefixes (as vLLM's `hash_block_tokens`). Only full blocks are cached.
     """
 
-    __slots__ = ("block_size", "capacity", "_blocks")
+    __slots__ = ("_blocks", "block_size", "capacity")
 
     def __init__(self, block_size: int = 16, capacity_blocks: int = 4096) -> None:
         """Make an empty cache of `capacity_blocks` blocks of `block_size` tokens."""
@@ -102,7 +102,7 @@ class NamespacedPrefixCache:
     Capacity is per namespace; the default namespace is "".
     """
 
-    __slots__ = ("block_size", "capacity", "_caches")
+    __slots__ = ("_caches", "block_size", "capacity")
 
     def __init__(self, block_size: int = 16, capacity_blocks: int = 4096) -> None:
         """Make an empty set of caches sharing a block size and per-namespace capacity."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-__all__ = ["DIALECTS", "SimConfig", "add_sim_arguments", "sim_config_from_args", "parse_listen"]
+__all__ = ["DIALECTS", "SimConfig", "add_sim_arguments", "parse_listen", "sim_config_from_args"]
 
 DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "openai")
 
@@ -80,33 +80,64 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     d = SimConfig()
     parser.add_argument("--dialect", choices=DIALECTS, default=d.dialect, help="engine to speak like")
     # Kept as the raw "HOST:PORT" string (callers split it, e.g. with parse_listen).
-    parser.add_argument("--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default 127.0.0.1:8000")
+    parser.add_argument(
+        "--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default 127.0.0.1:8000"
+    )
     parser.add_argument("--model", default=d.model, help="served model name")
     parser.add_argument("--version", dest="engine_version", default=None, help="engine version to report")
-    parser.add_argument("--decode-rate", type=float, default=d.decode_rate, metavar="TOKENS_PER_S",
-                        help="decode speed per sequence; 0 = unthrottled")
-    parser.add_argument("--prefill-rate", type=float, default=d.prefill_rate, metavar="TOKENS_PER_S",
-                        help="prefill speed for uncached prompt tokens; 0 = instant")
+    parser.add_argument(
+        "--decode-rate",
+        type=float,
+        default=d.decode_rate,
+        metavar="TOKENS_PER_S",
+        help="decode speed per sequence; 0 = unthrottled",
+    )
+    parser.add_argument(
+        "--prefill-rate",
+        type=float,
+        default=d.prefill_rate,
+        metavar="TOKENS_PER_S",
+        help="prefill speed for uncached prompt tokens; 0 = instant",
+    )
     parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--cache-blocks", type=int, default=d.cache_blocks, help="prefix-cache capacity in blocks")
-    parser.add_argument("--max-concurrency", type=int, default=d.max_concurrency,
-                        help="running requests at once (0 = unlimited); extra ones wait")
+    parser.add_argument(
+        "--cache-blocks", type=int, default=d.cache_blocks, help="prefix-cache capacity in blocks"
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=d.max_concurrency,
+        help="running requests at once (0 = unlimited); extra ones wait",
+    )
     vllm = parser.add_argument_group("vllm dialect")
-    vllm.add_argument("--legacy-empty-body", action="store_true",
-                      help="vLLM < 0.26: /reset_prefix_cache answers 200 with an empty body")
-    vllm.add_argument("--no-dev-mode", action="store_true",
-                      help="no VLLM_SERVER_DEV_MODE: /reset_prefix_cache is 404")
-    vllm.add_argument("--no-prompt-tokens-details", action="store_true",
-                      help="no --enable-prompt-tokens-details: usage has no cached-token field")
-    vllm.add_argument("--omit-zero-cached", action="store_true",
-                      help="vLLM <= 0.14: cached_tokens omitted when 0")
+    vllm.add_argument(
+        "--legacy-empty-body",
+        action="store_true",
+        help="vLLM < 0.26: /reset_prefix_cache answers 200 with an empty body",
+    )
+    vllm.add_argument(
+        "--no-dev-mode", action="store_true", help="no VLLM_SERVER_DEV_MODE: /reset_prefix_cache is 404"
+    )
+    vllm.add_argument(
+        "--no-prompt-tokens-details",
+        action="store_true",
+        help="no --enable-prompt-tokens-details: usage has no cached-token field",
+    )
+    vllm.add_argument(
+        "--omit-zero-cached", action="store_true", help="vLLM <= 0.14: cached_tokens omitted when 0"
+    )
     sglang = parser.add_argument_group("sglang dialect")
     sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
     llama = parser.add_argument_group("llamacpp dialect")
     llama.add_argument("--slots", type=int, default=d.slots, help="number of slots (-np)")
-    llama.add_argument("--slot-save-path", default=None, metavar="DIR", help="enables POST /slots/{id}?action=")
-    llama.add_argument("--ram-cache", action="store_true",
-                       help="host-RAM prompt cache that survives slot erase (llama-server --cache-ram)")
+    llama.add_argument(
+        "--slot-save-path", default=None, metavar="DIR", help="enables POST /slots/{id}?action="
+    )
+    llama.add_argument(
+        "--ram-cache",
+        action="store_true",
+        help="host-RAM prompt cache that survives slot erase (llama-server --cache-ram)",
+    )
 
 
 def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:

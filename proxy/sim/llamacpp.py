@@ -257,7 +257,10 @@ class LlamacppDialect(Dialect):
         """GET /props: detection reads `build_info` and `total_slots`."""
         return json_body(
             {
-                "default_generation_settings": {"n_ctx": N_CTX, "params": {"n_predict": -1, "cache_prompt": True}},
+                "default_generation_settings": {
+                    "n_ctx": N_CTX,
+                    "params": {"n_predict": -1, "cache_prompt": True},
+                },
                 "total_slots": len(self.slots),
                 "model_path": self.config.model,
                 "chat_template": "chatml",
@@ -306,7 +309,13 @@ class LlamacppDialect(Dialect):
             if isinstance(body, web.Response):
                 return body
             filename = body.get("filename", "")
-            if not isinstance(filename, str) or not filename or "/" in filename or "\\" in filename or filename.startswith("."):
+            if (
+                not isinstance(filename, str)
+                or not filename
+                or "/" in filename
+                or "\\" in filename
+                or filename.startswith(".")
+            ):
                 return _llama_error(400, "Invalid filename")
         # A busy slot's action is deferred until its generation ends: the call blocks.
         await self._take(slot)
@@ -323,17 +332,33 @@ class LlamacppDialect(Dialect):
                 data = json.dumps(slot.tokens).encode()
                 await asyncio.to_thread(_write_file, path, data)
                 ms = (time.perf_counter() - started) * 1000.0
-                return json_body({"id_slot": slot.id, "filename": filename, "n_saved": len(slot.tokens),
-                                  "n_written": len(data), "timings": {"save_ms": ms}})
+                return json_body(
+                    {
+                        "id_slot": slot.id,
+                        "filename": filename,
+                        "n_saved": len(slot.tokens),
+                        "n_written": len(data),
+                        "timings": {"save_ms": ms},
+                    }
+                )
             try:
                 data = await asyncio.to_thread(_read_file, path)
                 tokens = json.loads(data)
             except (OSError, ValueError):
-                return _llama_error(400, "Unable to restore slot, no available space in KV cache or invalid slot save file")
+                return _llama_error(
+                    400, "Unable to restore slot, no available space in KV cache or invalid slot save file"
+                )
             slot.tokens = [str(t) for t in tokens]
             ms = (time.perf_counter() - started) * 1000.0
-            return json_body({"id_slot": slot.id, "filename": filename, "n_restored": len(slot.tokens),
-                              "n_read": len(data), "timings": {"restore_ms": ms}})
+            return json_body(
+                {
+                    "id_slot": slot.id,
+                    "filename": filename,
+                    "n_restored": len(slot.tokens),
+                    "n_read": len(data),
+                    "timings": {"restore_ms": ms},
+                }
+            )
         finally:
             self._give(slot)
 
@@ -350,7 +375,9 @@ class LlamacppDialect(Dialect):
         if isinstance(n_predict, bool) or not isinstance(n_predict, int):
             return _llama_error(400, "n_predict must be an integer")
         # -1 is "until EOS or context end" upstream; the sim has no EOS, so use the default.
-        seq = Sequence(prompt=prompt, max_tokens=self.config.default_max_tokens if n_predict < 0 else n_predict)
+        seq = Sequence(
+            prompt=prompt, max_tokens=self.config.default_max_tokens if n_predict < 0 else n_predict
+        )
         bad = self.parse_options(body, seq)
         if bad is not None:
             return bad
@@ -380,9 +407,18 @@ class LlamacppDialect(Dialect):
             resp = await sse_response(request)
             async with aclosing(self.engine.decode(seq)) as tokens:
                 async for token in tokens:
-                    await send_event(resp, {"index": 0, "content": token, "tokens": [], "stop": False,
-                                            "id_slot": seq.slot, "tokens_predicted": seq.completion_tokens,
-                                            "tokens_evaluated": seq.prompt_tokens})
+                    await send_event(
+                        resp,
+                        {
+                            "index": 0,
+                            "content": token,
+                            "tokens": [],
+                            "stop": False,
+                            "id_slot": seq.slot,
+                            "tokens_predicted": seq.completion_tokens,
+                            "tokens_evaluated": seq.prompt_tokens,
+                        },
+                    )
             # The native stream ends with the stop event; no `[DONE]` (that is the OAI routes').
             await send_event(resp, final())
             await resp.write_eof()
@@ -393,7 +429,9 @@ class LlamacppDialect(Dialect):
         engine = self.engine
         prompt = CounterMetricFamily("llamacpp:prompt_tokens", "Number of prompt tokens processed.")
         prompt.add_metric([], engine.prompt_tokens_total)
-        cached = CounterMetricFamily("llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from cache.")
+        cached = CounterMetricFamily(
+            "llamacpp:prompt_tokens_cached", "Number of prompt tokens reused from cache."
+        )
         cached.add_metric([], engine.cached_tokens_total)
         predicted = CounterMetricFamily("llamacpp:tokens_predicted", "Number of generation tokens processed.")
         predicted.add_metric([], engine.generation_tokens_total)

@@ -52,8 +52,11 @@ async def _serve(config: SimConfig, host: str, port: int) -> int:
         except OSError as exc:
             print(f"cachewitness sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
             return 2
-        print(f"cachewitness sim: {config.dialect} engine on http://{host}:{port} (model {config.model})",
-              file=sys.stderr, flush=True)
+        print(
+            f"cachewitness sim: {config.dialect} engine on http://{host}:{port} (model {config.model})",
+            file=sys.stderr,
+            flush=True,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -29,7 +29,7 @@ from proxy.sim.wire import (
     sse_response,
 )
 
-__all__ = ["build_sim_app", "SIM_ENGINE"]
+__all__ = ["SIM_ENGINE", "build_sim_app"]
 
 SIM_ENGINE = web.AppKey("sim_engine", Engine)
 
@@ -81,9 +81,15 @@ class OpenAIRoutes:
         stream_options = body.get("stream_options")
         if stream_options is not None and not stream and self.dialect.rejects_stream_options_without_stream:
             return error_response(400, "Stream options can only be defined when `stream=True`.")
-        include_usage = stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        include_usage = (
+            stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
+        )
         try:
-            prompt = chat_prompt_tokens(body.get("messages")) if chat else completion_prompt_tokens(body.get("prompt"))
+            prompt = (
+                chat_prompt_tokens(body.get("messages"))
+                if chat
+                else completion_prompt_tokens(body.get("prompt"))
+            )
         except PromptError as exc:
             return error_response(400, str(exc))
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -144,10 +150,21 @@ class OpenAIRoutes:
                 delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
                 if piece is not None:
                     delta["content"] = piece
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice: dict[str, Any] = {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": finish,
+                }
             else:
                 choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            data: dict[str, Any] = {"id": ident, "object": obj, "created": created, "model": model, "choices": [choice]}
+            data: dict[str, Any] = {
+                "id": ident,
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
             if null_usage:
                 data["usage"] = None
             return data
@@ -250,7 +267,8 @@ def build_sim_app(config: SimConfig) -> web.Application:
         async def metrics(request: web.Request) -> web.Response:
             """GET /metrics in Prometheus text format 0.0.4."""
             return web.Response(
-                body=generate_latest(registry), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
+                body=generate_latest(registry),
+                headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
             )
 
         app.router.add_get("/metrics", metrics)

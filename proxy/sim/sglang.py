@@ -139,13 +139,16 @@ class SglangDialect(Dialect):
             if body.get("stream") is not True:
                 await self.engine.generate(seq)
                 return web.Response(
-                    body=orjson.dumps({"text": seq.text, "meta_info": meta(True)}), content_type="application/json"
+                    body=orjson.dumps({"text": seq.text, "meta_info": meta(True)}),
+                    content_type="application/json",
                 )
             resp = await sse_response(request)
             async with aclosing(self.engine.decode(seq)) as tokens:
                 async for _ in tokens:
                     # SGLang's native stream carries the cumulative text in each event.
-                    await send_event(resp, {"text": seq.text, "meta_info": meta(seq.completion_tokens == seq.max_tokens)})
+                    await send_event(
+                        resp, {"text": seq.text, "meta_info": meta(seq.completion_tokens == seq.max_tokens)}
+                    )
             if seq.max_tokens == 0:
                 await send_event(resp, {"text": "", "meta_info": meta(True)})
             await resp.write(DONE)
@@ -155,18 +158,29 @@ class SglangDialect(Dialect):
     def metric_families(self) -> list[Metric]:
         """sglang: families of --enable-metrics."""
         engine, model = self.engine, self.config.model
-        cached = CounterMetricFamily("sglang:cached_tokens", "Number of cached prompt tokens.", labels=["model_name"])
+        cached = CounterMetricFamily(
+            "sglang:cached_tokens", "Number of cached prompt tokens.", labels=["model_name"]
+        )
         cached.add_metric([model], engine.cached_tokens_total)
-        prompt = CounterMetricFamily("sglang:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"])
+        prompt = CounterMetricFamily(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
+        )
         prompt.add_metric([model], engine.prompt_tokens_total)
-        gen = CounterMetricFamily("sglang:generation_tokens", "Number of generation tokens processed.",
-                                  labels=["model_name"])
+        gen = CounterMetricFamily(
+            "sglang:generation_tokens", "Number of generation tokens processed.", labels=["model_name"]
+        )
         gen.add_metric([model], engine.generation_tokens_total)
-        running = GaugeMetricFamily("sglang:num_running_reqs", "The number of running requests.", labels=["model_name"])
+        running = GaugeMetricFamily(
+            "sglang:num_running_reqs", "The number of running requests.", labels=["model_name"]
+        )
         running.add_metric([model], len(engine.running))
-        queue = GaugeMetricFamily("sglang:num_queue_reqs", "The number of requests in the waiting queue.",
-                                  labels=["model_name"])
+        queue = GaugeMetricFamily(
+            "sglang:num_queue_reqs", "The number of requests in the waiting queue.", labels=["model_name"]
+        )
         queue.add_metric([model], engine.waiting)
         rate = GaugeMetricFamily("sglang:cache_hit_rate", "The prefix cache hit rate.", labels=["model_name"])
-        rate.add_metric([model], engine.cached_tokens_total / engine.prompt_tokens_total if engine.prompt_tokens_total else 0.0)
+        rate.add_metric(
+            [model],
+            engine.cached_tokens_total / engine.prompt_tokens_total if engine.prompt_tokens_total else 0.0,
+        )
         return [cached, prompt, gen, running, queue, rate]

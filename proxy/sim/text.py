@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["tokenize", "chat_prompt_tokens", "completion_prompt_tokens", "output_tokens", "PromptError"]
+__all__ = ["PromptError", "chat_prompt_tokens", "completion_prompt_tokens", "output_tokens", "tokenize"]
 
 # Words and single punctuation marks: cheap (one C-level regex pass) and stable.
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")

@@ -78,29 +78,45 @@ class VllmDialect(Dialect):
         """vllm: families read by dashboards (names of vLLM 0.25+)."""
         engine, model = self.engine, self.config.model
         queries = CounterMetricFamily(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of number of queried tokens.",
             labels=["model_name"],
         )
         queries.add_metric([model], engine.prompt_tokens_total)
         hits = CounterMetricFamily(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels=["model_name"]
+            "vllm:prefix_cache_hits",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            labels=["model_name"],
         )
         hits.add_metric([model], engine.cached_tokens_total)
         cached = CounterMetricFamily(
-            "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local prefix cache).", labels=["model_name"]
+            "vllm:prompt_tokens_cached",
+            "Number of cached prompt tokens (local prefix cache).",
+            labels=["model_name"],
         )
         cached.add_metric([model], engine.cached_tokens_total)
-        prompt = CounterMetricFamily("vllm:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"])
+        prompt = CounterMetricFamily(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
+        )
         prompt.add_metric([model], engine.prompt_tokens_total)
-        gen = CounterMetricFamily("vllm:generation_tokens", "Number of generation tokens processed.", labels=["model_name"])
+        gen = CounterMetricFamily(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels=["model_name"]
+        )
         gen.add_metric([model], engine.generation_tokens_total)
-        running = GaugeMetricFamily("vllm:num_requests_running", "Number of requests in model execution batches.",
-                                    labels=["model_name"])
+        running = GaugeMetricFamily(
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            labels=["model_name"],
+        )
         running.add_metric([model], len(engine.running))
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-                                    labels=["model_name"])
+        waiting = GaugeMetricFamily(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=["model_name"]
+        )
         waiting.add_metric([model], engine.waiting)
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                                  labels=["model_name"])
-        usage.add_metric([model], self.cache.blocks() / self.config.cache_blocks if self.config.cache_blocks else 0.0)
+        usage = GaugeMetricFamily(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"]
+        )
+        usage.add_metric(
+            [model], self.cache.blocks() / self.config.cache_blocks if self.config.cache_blocks else 0.0
+        )
         return [queries, hits, cached, prompt, gen, running, waiting, usage]

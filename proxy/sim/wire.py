@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-__all__ = ["DONE", "json_body", "error_response", "read_json", "sse_response", "send_event"]
+__all__ = ["DONE", "error_response", "json_body", "read_json", "send_event", "sse_response"]
 
 DONE = b"data: [DONE]\n\n"
 _JSON = "application/json"

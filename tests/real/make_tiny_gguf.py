@@ -28,15 +28,24 @@ CHATML = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
-MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"),
-          ("a", "n"), ("Ġ", "a"), ("o", "n"), ("r", "e"), ("Ġ", "s")]
+MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("e", "r"),
+    ("a", "n"),
+    ("Ġ", "a"),
+    ("o", "n"),
+    ("r", "e"),
+    ("Ġ", "s"),
+]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def byte_symbols() -> dict[int, str]:
     """GPT-2's byte → printable-unicode map that byte-level BPE vocabularies use."""
-    visible = (list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD))
-               + list(range(0xAE, 0x100)))
+    visible = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     symbols = {b: chr(b) for b in visible}
     extra = 0
     for b in range(256):
@@ -46,8 +55,9 @@ def byte_symbols() -> dict[int, str]:
     return symbols
 
 
-def write_model(out: Path, hidden: int, layers: int, heads: int, kv_heads: int,
-                ff: int, ctx: int, seed: int) -> int:
+def write_model(
+    out: Path, hidden: int, layers: int, heads: int, kv_heads: int, ff: int, ctx: int, seed: int
+) -> int:
     """Write the GGUF to `out`; return the vocabulary size."""
     rng = np.random.default_rng(seed)
     symbols = byte_symbols()
@@ -67,7 +77,7 @@ def write_model(out: Path, hidden: int, layers: int, heads: int, kv_heads: int,
     allowed = np.zeros(n_vocab, dtype=bool)
     allowed[0x20:0x7F] = True
     allowed[0x0A] = True
-    allowed[256:256 + len(MERGES)] = True      # every merge is printable ASCII
+    allowed[256 : 256 + len(MERGES)] = True  # every merge is printable ASCII
 
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(out), "llama")
@@ -100,23 +110,23 @@ def write_model(out: Path, hidden: int, layers: int, heads: int, kv_heads: int,
         return (rng.standard_normal((rows, cols)) * std).astype(np.float32)
 
     emb = mat(n_vocab, hidden, 0.5)
-    emb[:, 0] = 1.0                            # the constant channel
+    emb[:, 0] = 1.0  # the constant channel
     w.add_tensor("token_embd.weight", emb)
     norm = np.ones(hidden, dtype=np.float32)
-    norm[0] = 0.0                              # layers never see the constant channel
+    norm[0] = 0.0  # layers never see the constant channel
     for i in range(layers):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", norm)
-        w.add_tensor(p + "attn_q.weight", mat(heads * head_dim, hidden, hidden ** -0.5))
-        w.add_tensor(p + "attn_k.weight", mat(kv_heads * head_dim, hidden, hidden ** -0.5))
-        w.add_tensor(p + "attn_v.weight", mat(kv_heads * head_dim, hidden, hidden ** -0.5))
+        w.add_tensor(p + "attn_q.weight", mat(heads * head_dim, hidden, hidden**-0.5))
+        w.add_tensor(p + "attn_k.weight", mat(kv_heads * head_dim, hidden, hidden**-0.5))
+        w.add_tensor(p + "attn_v.weight", mat(kv_heads * head_dim, hidden, hidden**-0.5))
         attn_out = mat(hidden, heads * head_dim, (heads * head_dim) ** -0.5)
-        attn_out[0, :] = 0.0                   # never write the constant channel
+        attn_out[0, :] = 0.0  # never write the constant channel
         w.add_tensor(p + "attn_output.weight", attn_out)
         w.add_tensor(p + "ffn_norm.weight", norm)
-        w.add_tensor(p + "ffn_gate.weight", mat(ff, hidden, hidden ** -0.5))
-        w.add_tensor(p + "ffn_up.weight", mat(ff, hidden, hidden ** -0.5))
-        down = mat(hidden, ff, ff ** -0.5)
+        w.add_tensor(p + "ffn_gate.weight", mat(ff, hidden, hidden**-0.5))
+        w.add_tensor(p + "ffn_up.weight", mat(ff, hidden, hidden**-0.5))
+        down = mat(hidden, ff, ff**-0.5)
         down[0, :] = 0.0
         w.add_tensor(p + "ffn_down.weight", down)
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
@@ -147,7 +157,7 @@ def main() -> None:
     a = ap.parse_args()
     tmp = a.out.with_name(a.out.name + ".tmp")
     n_vocab = write_model(tmp, a.hidden, a.layers, a.heads, a.kv_heads, a.ff, a.ctx, a.seed)
-    tmp.replace(a.out)                         # a half-written model is never picked up
+    tmp.replace(a.out)  # a half-written model is never picked up
     print(f"wrote {a.out}: vocab={n_vocab} hidden={a.hidden} layers={a.layers}")
 
 

@@ -29,8 +29,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -39,11 +40,19 @@ def write_model(out: Path, seed: int) -> int:
     """Save tokenizer and model under `out`; return the vocabulary size."""
     fast = build_tokenizer()
     fast.save_pretrained(str(out))
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256,
-                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                      max_position_embeddings=4096, bos_token_id=fast.bos_token_id,
-                      eos_token_id=fast.eos_token_id, tie_word_embeddings=False,
-                      torch_dtype="float32")
+    cfg = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=4096,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(str(out), safe_serialization=True)
     return len(fast)
@@ -59,7 +68,7 @@ def main() -> None:
     n_vocab = write_model(tmp, a.seed)
     if a.out.exists():
         raise SystemExit(f"{a.out} already exists")
-    tmp.rename(a.out)                          # a half-written model is never picked up
+    tmp.rename(a.out)  # a half-written model is never picked up
     print(f"wrote {a.out}: vocab={n_vocab}")
 
 

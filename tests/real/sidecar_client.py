@@ -18,8 +18,7 @@ T = TypeVar("T")
 # Evidence is flushed asynchronously (SPEC §5: within 1 s); wait a little longer.
 EVIDENCE_WAIT_S = 5.0
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=120)
-FILLER = ("Benchmarks start cold or they measure the cache. "
-          "A sidecar writes down what it saw. ")
+FILLER = "Benchmarks start cold or they measure the cache. A sidecar writes down what it saw. "
 
 
 def new_case() -> tuple[str, str]:
@@ -54,21 +53,29 @@ class Stream:
     done: bool
 
 
-async def complete(s: aiohttp.ClientSession, base: str, body: JSON,
-                   headers: dict[str, str] | None = None) -> JSON:
+async def complete(
+    s: aiohttp.ClientSession, base: str, body: JSON, headers: dict[str, str] | None = None
+) -> JSON:
     """POST /v1/completions (non-streaming) and return the JSON answer (raises on non-200)."""
-    async with s.post(f"{base}/v1/completions", json=body, headers=headers or {},
-                      timeout=REQUEST_TIMEOUT) as resp:
+    async with s.post(
+        f"{base}/v1/completions", json=body, headers=headers or {}, timeout=REQUEST_TIMEOUT
+    ) as resp:
         text = await resp.text()
         assert resp.status == 200, f"{resp.status}: {text[:500]}"
         return json.loads(text)
 
 
-async def stream(s: aiohttp.ClientSession, base: str, body: JSON,
-                 headers: dict[str, str] | None = None, path: str = "/v1/completions") -> Stream:
+async def stream(
+    s: aiohttp.ClientSession,
+    base: str,
+    body: JSON,
+    headers: dict[str, str] | None = None,
+    path: str = "/v1/completions",
+) -> Stream:
     """POST a streaming request and read every SSE data event to the end."""
-    async with s.post(f"{base}{path}", json={**body, "stream": True}, headers=headers or {},
-                      timeout=REQUEST_TIMEOUT) as resp:
+    async with s.post(
+        f"{base}{path}", json={**body, "stream": True}, headers=headers or {}, timeout=REQUEST_TIMEOUT
+    ) as resp:
         raw = await resp.read()
         assert resp.status == 200, f"{resp.status}: {raw[:500]!r}"
     events: list[JSON] = []

@@ -79,7 +79,10 @@ async def test_repeated_prompt_is_cold_after_reset_then_cached(llama: Pair) -> N
         records = await observations(s, llama.url, case_id, 2)
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert [r["cached_tokens"] for r in records] == [0, second["usage"]["prompt_tokens_details"]["cached_tokens"]]
+    assert [r["cached_tokens"] for r in records] == [
+        0,
+        second["usage"]["prompt_tokens_details"]["cached_tokens"],
+    ]
     assert [r["ordinal_since_reset"] for r in records] == [1, 2]
     assert {r["reset_id"] for r in records} == {answer["reset_id"]}
     assert all(r["session_id"] == session_id and r["stream"] is False for r in records)
@@ -90,8 +93,12 @@ CHAT = "/v1/chat/completions"
 
 def _chat(max_tokens: int = 8) -> dict:
     """A chat request with a fresh long prompt."""
-    return {"model": MODEL, "messages": [{"role": "user", "content": long_prompt()}],
-            "max_tokens": max_tokens, "temperature": 0}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": long_prompt()}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 async def test_streamed_repeat_is_cold_then_cached(llama: Pair) -> None:
@@ -118,7 +125,7 @@ async def test_stream_reaches_the_client_without_the_injected_usage(llama: Pair)
     async with aiohttp.ClientSession() as s:
         direct = await stream(s, llama.engine_url, _chat(), path=CHAT)
         seen = await stream(s, llama.url, _chat(), path=CHAT)
-    assert not any("usage" in e for e in direct.events)     # llama.cpp sends no usage unasked
+    assert not any("usage" in e for e in direct.events)  # llama.cpp sends no usage unasked
     assert seen.done
     assert all(e.get("choices") for e in seen.events), "a usage-only chunk reached the client"
     assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
@@ -129,7 +136,7 @@ async def test_erase_with_cache_ram_off_is_verified_consistent(llama: Pair) -> N
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
     async with aiohttp.ClientSession() as s:
-        await complete(s, llama.url, body)        # warm the cache with this prompt
+        await complete(s, llama.url, body)  # warm the cache with this prompt
         status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
         assert status == 200 and answer["answer"] == "acknowledged", answer
         await complete(s, llama.url, body, tags(session_id, case_id))
@@ -146,7 +153,7 @@ async def test_erase_with_default_ram_cache_is_contradicted(llama_ram_cache: Pai
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
     async with aiohttp.ClientSession() as s:
-        await complete(s, pair.url, body)         # the prompt now lives in a slot...
+        await complete(s, pair.url, body)  # the prompt now lives in a slot...
         # ...and a different prompt on the same slot moves it into the RAM cache.
         await complete(s, pair.url, {**body, "prompt": long_prompt()})
         status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
@@ -171,17 +178,23 @@ async def test_reset_without_slot_save_path_is_unsupported_with_hint(llama_witho
 
 async def test_client_disconnect_mid_stream_frees_the_slot(llama: Pair) -> None:
     """A client that drops a stream makes the sidecar abort it: the slot goes idle, cut short."""
-    body = {"model": MODEL, "prompt": "Tell a very long story.", "max_tokens": LONG_GENERATION,
-            "temperature": 0, "stream": True, "id_slot": 0}
+    body = {
+        "model": MODEL,
+        "prompt": "Tell a very long story.",
+        "max_tokens": LONG_GENERATION,
+        "temperature": 0,
+        "stream": True,
+        "id_slot": 0,
+    }
     async with aiohttp.ClientSession() as s:
         async with aiohttp.ClientSession() as client:
             resp = await client.post(f"{llama.url}/v1/completions", json=body)
             assert resp.status == 200
-            for _ in range(5):                      # a few chunks: the slot is decoding
+            for _ in range(5):  # a few chunks: the slot is decoding
                 assert await resp.content.readline()
             busy = await _slots(s, llama)
             assert busy[0]["is_processing"] is True
-            resp.close()                            # drop the connection mid-stream
+            resp.close()  # drop the connection mid-stream
 
         async def slot_idle() -> dict | None:
             """Slot 0 once it stopped processing."""
@@ -209,6 +222,6 @@ async def test_busy_slot_erase_still_acknowledged_after_drain(llama: Pair) -> No
         done = await generation
         record = await cache_state_record(s, llama.url, case_id)
     assert status == 200 and answer["answer"] == "acknowledged", answer
-    assert done["usage"]["completion_tokens"] == 1500     # the drain let it finish
+    assert done["usage"]["completion_tokens"] == 1500  # the drain let it finish
     assert answer["drain"]["inflight_at_start"] >= 1
     assert record["reset"]["answer"] == "acknowledged"

@@ -46,8 +46,9 @@ async def _running(s: aiohttp.ClientSession, pair: Pair) -> float | None:
     return await metric_value(s, f"{pair.engine_url}/metrics", "vllm:num_requests_running")
 
 
-async def _generation_in_flight(s: aiohttp.ClientSession, pair: Pair, max_tokens: int,
-                                headers: dict[str, str]) -> asyncio.Task[int]:
+async def _generation_in_flight(
+    s: aiohttp.ClientSession, pair: Pair, max_tokens: int, headers: dict[str, str]
+) -> asyncio.Task[int]:
     """Start a streamed generation through the sidecar; return once its first chunk arrived.
 
     The first chunk is the event that proves vLLM runs the request (its
@@ -58,8 +59,9 @@ async def _generation_in_flight(s: aiohttp.ClientSession, pair: Pair, max_tokens
 
     async def read_all() -> int:
         """Read the stream to its end, signalling the first data event."""
-        async with s.post(f"{pair.url}/v1/completions", headers=headers,
-                          json={**_long_body(max_tokens), "stream": True}) as resp:
+        async with s.post(
+            f"{pair.url}/v1/completions", headers=headers, json={**_long_body(max_tokens), "stream": True}
+        ) as resp:
             async for line in resp.content:
                 if line.startswith(b"data:"):
                     first_chunk.set()
@@ -75,8 +77,14 @@ async def _generation_in_flight(s: aiohttp.ClientSession, pair: Pair, max_tokens
 
 def _long_body(max_tokens: int) -> JSON:
     """A generation that runs exactly `max_tokens` (EOS ignored: the random model may emit it)."""
-    return {"model": MODEL, "prompt": long_prompt(200), "max_tokens": max_tokens,
-            "min_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    return {
+        "model": MODEL,
+        "prompt": long_prompt(200),
+        "max_tokens": max_tokens,
+        "min_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
 
 
 async def test_auto_detects_vllm_and_its_version(vllm: Pair) -> None:
@@ -98,7 +106,7 @@ async def test_reset_in_dev_mode_is_acknowledged_from_the_body(vllm: Pair) -> No
     assert answer["attempts"] == 1
     (call,) = answer["calls"]
     assert "/reset_prefix_cache" in json.dumps(call) and "reset_external=true" in json.dumps(call)
-    assert "success" in json.dumps(call) and "true" in json.dumps(call), call   # the body excerpt
+    assert "success" in json.dumps(call) and "true" in json.dumps(call), call  # the body excerpt
 
 
 async def test_repeated_prompt_is_cold_after_reset_then_cached(vllm: Pair) -> None:
@@ -115,7 +123,7 @@ async def test_repeated_prompt_is_cold_after_reset_then_cached(vllm: Pair) -> No
         state = await cache_state(s, vllm.url)
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert cached > 0                                 # block-granular: a multiple of the block size
+    assert cached > 0  # block-granular: a multiple of the block size
     assert [r["cached_tokens"] for r in records] == [0, cached]
     assert [r["cached_tokens_source"] for r in records] == ["usage.prompt_tokens_details.cached_tokens"] * 2
     assert [r["ordinal_since_reset"] for r in records] == [1, 2]
@@ -135,7 +143,7 @@ async def test_streamed_repeat_is_cold_then_cached(vllm: Pair) -> None:
         records = await observations(s, vllm.url, case_id, 2)
     assert first.done and second.done
     assert all(r["usage_injected"] is True and r["stream"] is True for r in records), records
-    assert [r["cached_tokens"] for r in records][0] == 0
+    assert records[0]["cached_tokens"] == 0
     assert records[1]["cached_tokens"] > 0
     assert [r["ordinal_since_reset"] for r in records] == [1, 2]
 
@@ -146,7 +154,7 @@ async def test_stream_reaches_the_client_without_the_injected_usage(vllm: Pair) 
     async with aiohttp.ClientSession() as s:
         direct = await stream(s, vllm.engine_url, body)
         seen = await stream(s, vllm.url, {**body, "prompt": long_prompt()})
-    assert not any("usage" in e for e in direct.events)     # vLLM sends no usage unasked
+    assert not any("usage" in e for e in direct.events)  # vLLM sends no usage unasked
     assert seen.done
     assert all(e.get("choices") for e in seen.events), "the usage-only chunk reached the client"
     assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
@@ -157,16 +165,17 @@ async def test_reset_without_drain_is_refused_then_retried_until_acknowledged(vl
     session_id, case_id = new_case()
     async with aiohttp.ClientSession() as s:
         generation = await _generation_in_flight(s, vllm, IN_FLIGHT_TOKENS, tags(session_id, case_id))
-        status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id,
-                                     drain=False, retry_seconds=60)
+        status, answer = await reset(
+            s, vllm.url, session_id=session_id, case_id=case_id, drain=False, retry_seconds=60
+        )
         assert await generation == 200
         (observed,) = await observations(s, vllm.url, case_id, 1)
         record = await cache_state_record(s, vllm.url, case_id)
     assert status == 200 and answer["answer"] == "acknowledged", answer
     assert answer["attempts"] > 1
     refusals = [c for c in answer["calls"] if "success" in json.dumps(c) and "false" in json.dumps(c)]
-    assert refusals, answer["calls"]                  # vLLM's own {"success": false} is kept
-    assert observed["completion_tokens"] == IN_FLIGHT_TOKENS    # nothing was preempted
+    assert refusals, answer["calls"]  # vLLM's own {"success": false} is kept
+    assert observed["completion_tokens"] == IN_FLIGHT_TOKENS  # nothing was preempted
     assert record["reset"]["attempts"] == answer["attempts"] and record["reset"]["answer"] == "acknowledged"
 
 
@@ -191,13 +200,14 @@ async def test_client_disconnect_mid_stream_frees_the_engine(vllm: Pair) -> None
     async with aiohttp.ClientSession() as s:
         before = await metric_value(s, f"{vllm.engine_url}/metrics", "vllm:generation_tokens_total") or 0.0
         async with aiohttp.ClientSession() as client:
-            resp = await client.post(f"{vllm.url}/v1/completions",
-                                     json={**_long_body(LONG_GENERATION), "stream": True})
+            resp = await client.post(
+                f"{vllm.url}/v1/completions", json={**_long_body(LONG_GENERATION), "stream": True}
+            )
             assert resp.status == 200
-            for _ in range(5):                      # a few chunks: the request is decoding
+            for _ in range(5):  # a few chunks: the request is decoding
                 assert await resp.content.readline()
             assert (await _running(s, vllm) or 0) >= 1
-            resp.close()                            # drop the connection mid-stream
+            resp.close()  # drop the connection mid-stream
 
         async def idle() -> bool | None:
             """True once vLLM runs no request."""

@@ -24,8 +24,13 @@ def _generate(python: Path, script: Path, out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     log = logs_dir() / f"{out.name}.log"
     with log.open("wb") as sink:
-        done = subprocess.run([str(python), str(script), str(out)], stdout=sink,
-                              stderr=subprocess.STDOUT, timeout=GENERATE_TIMEOUT_S, check=False)
+        done = subprocess.run(
+            [str(python), str(script), str(out)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            timeout=GENERATE_TIMEOUT_S,
+            check=False,
+        )
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"{script.name} failed ({done.returncode}); see {log}")
     return out

@@ -32,6 +32,7 @@ from proxy.config import Settings
 from proxy.engines.base import OUTCOMES
 from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, HEALTH, METRICS, SETTINGS
 from proxy.observe import OBSERVED_PATHS
+from proxy.shared_fetch import SharedFetch
 
 if TYPE_CHECKING:
     from proxy.observe import Observation
@@ -41,6 +42,7 @@ __all__ = [
     "CODES",
     "CONTENT_TYPE",
     "ENGINE_LABELS",
+    "ENGINE_TEXT",
     "OTHER",
     "ROUTES",
     "UPSTREAM_ERROR_KINDS",
@@ -111,6 +113,10 @@ _VERSION_MAX = 64
 # path starts a background retry at most this often.
 MODELS_REFRESH_S = 60.0
 MODELS_RETRY_S = 5.0
+# Concurrent scrapes share one engine fetch, and its text serves scrapes for this long after it
+# (several Prometheus replicas and dashboards must not multiply the engine's /metrics work).
+ENGINE_METRICS_MAX_AGE_S = 1.0
+ENGINE_TEXT = web.AppKey("engine_text", SharedFetch)
 
 
 class ModelLabels:
@@ -563,11 +569,10 @@ async def handle_metrics(request: web.Request) -> web.Response:
     """GET /metrics: the sidecar's exposition, then the engine's own when it has one."""
     app = request.app
     metrics = app[METRICS]
-    settings = app[SETTINGS]
     session = app.get(CLIENT)
     engine_text: bytes | None = None
     if session is not None and not session.closed:
-        fetch = fetch_engine_metrics(session, settings.upstream_base, settings.upstream_metrics_timeout)
+        fetch = app[ENGINE_TEXT].get()
         if metrics.models.due(time.monotonic(), retry_s=0.0):
             engine_text, _ = await asyncio.gather(fetch, refresh_models(app))
         else:
@@ -584,6 +589,16 @@ def setup_metrics(app: web.Application) -> Metrics:
     metrics = Metrics(app[SETTINGS])
     metrics.registry.register(_StateCollector(app))
     app[METRICS] = metrics
+
+    async def fetch_engine_text() -> bytes | None:
+        """The engine's /metrics through the app's upstream pool (None while it is closed)."""
+        session, settings = app.get(CLIENT), app[SETTINGS]
+        if session is None or session.closed:
+            return None
+        return await fetch_engine_metrics(session, settings.upstream_base, settings.upstream_metrics_timeout)
+
+    shared_text: SharedFetch[bytes | None] = SharedFetch(fetch_engine_text, ENGINE_METRICS_MAX_AGE_S)
+    app[ENGINE_TEXT] = shared_text
     app.router.add_get("/metrics", handle_metrics)
     pending: set[asyncio.Task[None]] = set()
     stopping: list[bool] = []
@@ -604,6 +619,7 @@ def setup_metrics(app: web.Application) -> Metrics:
     async def stop_learning(app: web.Application) -> None:
         """Cancel a background fetch before the pool closes (and start none after)."""
         stopping.append(True)
+        await shared_text.close()
         for task in list(pending):
             task.cancel()
         if pending:

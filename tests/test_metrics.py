@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -16,8 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import build_app
 from proxy.keys import EVIDENCE, METRICS
+from proxy.metrics import ENGINE_METRICS_MAX_AGE_S
 from proxy.sim import SimConfig, build_sim_app, running_sim
 from tests.conftest import SidecarFactory, closed_port_url, make_settings, serve_app
+from tests.sim_helpers import sim as sim_client
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
@@ -314,6 +317,33 @@ async def test_merged_exposition_parses_with_the_engines_families(
     assert f"{dialect}:prompt_tokens_total" in result.names()
     types = result.type_lines()
     assert len(types) == len(set(types))
+
+
+async def test_concurrent_scrapes_share_one_engine_fetch(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """N scrapes at once cost the engine one /metrics fetch, counted at the simulator."""
+    async with sim_client(fast("vllm")) as engine:
+        url = await sidecar(engine.url)
+        scrapes = await asyncio.gather(*(scrape(http, url) for _ in range(50)))
+        stats = await engine.stats()
+    assert [s.value("cachewitness_upstream_metrics_up") for s in scrapes] == [1] * 50
+    assert all("vllm:prompt_tokens_total" in s.names() for s in scrapes)
+    assert stats["metrics_scrapes_total"] == 1
+
+
+async def test_engine_text_is_fetched_again_once_older_than_a_second(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """A scrape after the reuse window asks the engine again (reuse is bounded, not forever)."""
+    async with sim_client(fast("vllm")) as engine:
+        url = await sidecar(engine.url)
+        await scrape(http, url)
+        await scrape(http, url)
+        assert (await engine.stats())["metrics_scrapes_total"] == 1
+        await asyncio.sleep(ENGINE_METRICS_MAX_AGE_S + 0.1)  # the window itself is what is tested
+        await scrape(http, url)
+        assert (await engine.stats())["metrics_scrapes_total"] == 2
 
 
 @pytest.mark.parametrize("dialect", ["openai", "mindnano"])

@@ -93,6 +93,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
+        self.metrics_scrapes_total = 0  # GET /metrics answered (the sidecar shares its fetches)
         self.started_at = time.time()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -128,6 +129,7 @@ class Engine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "cached_tokens_total": self.cached_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
+            "metrics_scrapes_total": self.metrics_scrapes_total,
             **self.dialect.stats(),
         }
 

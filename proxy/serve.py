@@ -16,7 +16,7 @@ from proxy.keys import HEALTH
 from proxy.logs import log_event
 from proxy.redact import redact_url
 
-__all__ = ["ListenError", "run", "serve"]
+__all__ = ["ListenError", "make_runner", "make_site", "run", "serve"]
 
 log = logging.getLogger("cachewitness.serve")
 
@@ -35,6 +35,22 @@ def _install_uvloop() -> str:
     return "uvloop"
 
 
+def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
+    """The runner `serve` uses; tests build theirs here so transport behaviour is production's."""
+    return web.AppRunner(
+        app,
+        handle_signals=False,
+        handler_cancellation=True,  # a client that leaves cancels its handler → upstream closed
+        access_log=None,
+        shutdown_timeout=settings.grace_period,
+    )
+
+
+def make_site(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
+    """The listening site `serve` uses (port 0 picks a free one)."""
+    return web.TCPSite(runner, host, port, backlog=1024)
+
+
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
 
@@ -46,15 +62,9 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     app = build_app(settings)
-    runner = web.AppRunner(
-        app,
-        handle_signals=False,
-        handler_cancellation=True,  # a client that leaves cancels its handler → upstream closed
-        access_log=None,
-        shutdown_timeout=settings.grace_period,
-    )
+    runner = make_runner(app, settings)
     await runner.setup()
-    site = web.TCPSite(runner, settings.listen_host, settings.listen_port, backlog=1024)
+    site = make_site(runner, settings.listen_host, settings.listen_port)
     try:
         await site.start()
     except OSError as exc:

@@ -15,14 +15,25 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import Settings
+from proxy.keys import SETTINGS
+from proxy.serve import make_runner, make_site
 
 
 @asynccontextmanager
 async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Serve `app` on a free port of `host` (handler cancellation on, like production)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
+    """Serve `app` on a free port of `host`.
+
+    A sidecar app (one `build_app` made) is served by the very runner `cachewitness serve`
+    uses, so transport behaviour under test (disconnects, shutdown) is production's; any
+    other app (a test upstream, a simulator) by a plain runner that, like the engines'
+    servers, notices a client that leaves (handler cancellation on).
+    """
+    if SETTINGS in app:
+        runner = make_runner(app, app[SETTINGS])
+    else:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
-    site = web.TCPSite(runner, host, 0)
+    site = make_site(runner, host, 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
@@ -72,6 +83,7 @@ def make_settings(upstream: str, tmp_path: Path, **overrides: Any) -> Settings:
         listen="127.0.0.1:0",
         evidence=str(tmp_path / "evidence" / "cachewitness.jsonl"),
         health_interval=0.2,
+        grace_period=5.0,  # bounds a test's teardown when a stream is still open
     )
     return dataclasses.replace(base, **overrides)
 

@@ -76,6 +76,19 @@ async def test_wrong_token_is_401(tmp_path) -> None:
     assert status == 401 and body["error"]["code"] == "invalid_admin_token"
 
 
+async def test_a_strict_prefix_of_the_token_is_401(tmp_path) -> None:
+    # A comparison that stops at the shorter string would let this through.
+    async with sidecar(tmp_path, admin_token=TOKEN) as url:
+        status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN[:5]}"})
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+
+
+async def test_the_token_with_a_suffix_is_401(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN) as url:
+        status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN}x"})
+    assert status == 401 and body["error"]["code"] == "invalid_admin_token"
+
+
 async def test_right_token_is_let_in(tmp_path) -> None:
     async with sidecar(tmp_path, admin_token=TOKEN) as url:
         status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN}"})
@@ -107,6 +120,19 @@ async def test_non_loopback_client_without_token_is_403_with_how_to(tmp_path, re
     assert status == 403
     assert "--admin-token-file" in body["error"]["message"] and "--admin-open" in body["error"]["message"]
     assert "CACHEWITNESS_ADMIN_TOKEN" in body["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "header", ["X-Forwarded-For", "X-Real-IP", "Forwarded", "X-Forwarded-Host", "X-Client-IP"]
+)
+async def test_non_loopback_client_claiming_loopback_in_a_header_is_still_403(
+    tmp_path, remote_host: str, header: str
+) -> None:
+    # Forwarded headers are the client's to write: only the TCP peer's address decides.
+    value = "for=127.0.0.1" if header == "Forwarded" else "127.0.0.1"
+    async with sidecar(tmp_path, host=remote_host) as url:
+        status, body = await post_reset(url, {header: value})
+    assert status == 403 and body["error"]["code"] == "admin_loopback_only"
 
 
 async def test_admin_open_lets_non_loopback_clients_in(tmp_path, remote_host: str) -> None:

@@ -178,3 +178,50 @@ async def test_reader_streams_a_file_larger_than_its_read_chunk(tmp_path: Path) 
     assert path.stat().st_size > 1_000_000
     got = await collect(path, keep=5, session_id="s")
     assert [orjson.loads(x)["at_ns"] for x in got] == list(range(1, 20_000, 2))
+
+
+class FsyncSpy:
+    """Wraps `os.fsync` (the stdlib's, not ours): which files, by inode, were synced at what size."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import os
+
+        self.synced: dict[int, int] = {}  # inode -> size when synced
+        real = os.fsync
+
+        def spy(fd: int) -> None:
+            real(fd)
+            info = os.fstat(fd)
+            self.synced[info.st_ino] = info.st_size
+
+        monkeypatch.setattr(os, "fsync", spy)
+
+    def covers(self, path: Path) -> bool:
+        """True when `path` was fsynced with everything it now holds."""
+        info = path.stat()
+        return self.synced.get(info.st_ino) == info.st_size
+
+
+async def test_close_fsyncs_the_file_with_every_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = FsyncSpy(monkeypatch)
+    path = tmp_path / "ev" / "cachewitness.jsonl"
+    writer = EvidenceWriter(path)
+    await writer.start()
+    for n in range(20):
+        writer.write(record(n))
+    await writer.close()
+    assert len(lines(path)) == 20
+    assert spy.covers(path), spy.synced
+
+
+async def test_rotation_fsyncs_each_file_it_rotates_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = FsyncSpy(monkeypatch)
+    path = tmp_path / "ev" / "cachewitness.jsonl"
+    writer = EvidenceWriter(path, max_bytes=1000, keep=3)
+    for n in range(40):
+        writer.write(record(n, pad="x" * 40))
+        await writer.flush()
+    rotated = [path.with_name(path.name + f".{index}") for index in (1, 2, 3)]
+    assert all(p.exists() for p in rotated)
+    assert all(spy.covers(p) for p in rotated), spy.synced
+    await writer.close()

@@ -202,7 +202,9 @@ class FsyncSpy:
         return self.synced.get(info.st_ino) == info.st_size
 
 
-async def test_close_fsyncs_the_file_with_every_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_close_fsyncs_the_file_with_every_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spy = FsyncSpy(monkeypatch)
     path = tmp_path / "ev" / "cachewitness.jsonl"
     writer = EvidenceWriter(path)
@@ -214,7 +216,9 @@ async def test_close_fsyncs_the_file_with_every_record(tmp_path: Path, monkeypat
     assert spy.covers(path), spy.synced
 
 
-async def test_rotation_fsyncs_each_file_it_rotates_away(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_rotation_fsyncs_each_file_it_rotates_away(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     spy = FsyncSpy(monkeypatch)
     path = tmp_path / "ev" / "cachewitness.jsonl"
     writer = EvidenceWriter(path, max_bytes=1000, keep=3)

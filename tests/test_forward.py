@@ -211,14 +211,14 @@ async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
     assert described["body"].encode() == body
 
 
+@pytest.mark.parametrize("refusal", ["422", "400"])
 async def test_engine_refusing_injected_stream_options_gets_the_clients_own_request(
-    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client
+    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client, refusal: str
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m", "stream": true, "prompt": "x"}'
-    async with client.post(
-        proxy + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
-    ) as response:
+    headers = {"Content-Type": "application/json", "X-Refuse-With": refusal}
+    async with client.post(proxy + "/v1/completions", data=body, headers=headers) as response:
         assert response.status == 200
         assert (await response.read()).endswith(b"data: [DONE]\n\n")
     seen = upstream_app[STATE].seen

@@ -42,10 +42,17 @@ async def echo(request: web.Request) -> web.Response:
 
 
 async def strict_openai(request: web.Request) -> web.StreamResponse:
-    """An engine with strict validation: `stream_options` is an unknown field (422), else a stream."""
+    """An engine with strict validation: `stream_options` is an unknown field, else a stream.
+
+    It refuses the way FastAPI does (422) or, with `X-Refuse-With: 400`, the way engines with
+    their own validation do (a plain 400 in OpenAI's error shape).
+    """
     body = await request.read()
     request.app[STATE].seen.append({"body": body.decode()})
     if b"stream_options" in body:
+        if request.headers.get("X-Refuse-With") == "400":
+            error = {"message": "Unrecognized request argument supplied: stream_options", "code": 400}
+            return web.json_response({"error": {**error, "type": "invalid_request_error"}}, status=400)
         return web.json_response({"detail": "extra fields not permitted: stream_options"}, status=422)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)

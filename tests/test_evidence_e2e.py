@@ -265,3 +265,16 @@ async def test_evidence_filter_with_a_trailing_newline_is_400(sidecar: SidecarFa
         async with http.get(proxy + "/cache/evidence", params={"case_id": "a\n"}) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "case_id"
+
+
+async def test_a_1000_character_session_id_is_recorded_cut_to_128(sidecar: SidecarFactory, http) -> None:
+    long_session, long_case = "s" * 127 + "-" * 873, "c" * 128 + "x" * 872
+    async with running_sim(fast("vllm")) as engine:
+        proxy = await sidecar(engine)
+        await post_chat(http, proxy, chat(PROMPT), **{"X-Session-Id": long_session, "X-Case-Id": long_case})
+        (record,) = await observations(http, proxy)
+        # The cut id is a valid filter, and finds the record.
+        found = await evidence(http, proxy, session_id=long_session[:128])
+    assert record["session_id"] == long_session[:128] and len(record["session_id"]) == 128
+    assert record["case_id"] == long_case[:128]
+    assert [r["request_id"] for r in found] == [record["request_id"]]

@@ -19,10 +19,11 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m proxy demo
 
-## make lint: ruff's lint rules and formatting (pinned in pyproject's test extra)
+## make lint: ruff's lint rules and formatting, mypy --strict on proxy/ (all pinned in pyproject's test extra)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 ## make test: everything CI runs — unit/integration suite, deployment checks, real engines
 test: lint

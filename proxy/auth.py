@@ -7,6 +7,7 @@ import ipaddress
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from proxy.config import Settings
 from proxy.errors import error_response
@@ -53,11 +54,12 @@ def _bearer(request: web.Request) -> str | None:
     return token.strip()
 
 
-def admin_middleware(settings: Settings) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def admin_middleware(settings: Settings) -> Middleware:
     """A middleware guarding paths under `/cache/`: bearer token if one is set, else loopback only (unless admin_open)."""
     expected = settings.admin_token.encode("utf-8") if settings.admin_token else None
     admin_open = settings.admin_open
 
+    @web.middleware
     @web.middleware
     async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Let admin calls through only when they may be made; everything else passes untouched."""

@@ -17,7 +17,7 @@ _BOOL_OPTIONS = frozenset({"evidence_stdout", "admin_open", "drain", "inject_usa
 _NOT_FLAGS = frozenset({"admin_token", "engine_api_key"})
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the sidecar in front of an engine",
@@ -57,7 +57,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     return run(settings)
 
 
-def _add_sim(sub: argparse._SubParsersAction) -> None:
+def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from proxy.sim import add_sim_arguments
 
     parser = sub.add_parser("sim", help="run the engine simulator (vllm, sglang, llamacpp, mindnano, openai)")
@@ -78,7 +78,7 @@ def _run_sim(ns: argparse.Namespace) -> int:
     return run_sim(config, host, port)
 
 
-def _add_client_commands(sub: argparse._SubParsersAction) -> None:
+def _add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from proxy.client import (
         add_evidence_arguments,
         add_reset_arguments,
@@ -94,7 +94,7 @@ def _add_client_commands(sub: argparse._SubParsersAction) -> None:
     evidence.set_defaults(run=run_evidence)
 
 
-def _add_demo(sub: argparse._SubParsersAction) -> None:
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "demo", help="simulator + sidecar on free loopback ports, a scripted session, a report"
     )

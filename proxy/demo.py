@@ -75,7 +75,7 @@ class Session:
         async with self.http.post(
             self.base + "/cache/reset", json={"session_id": SESSION, "case_id": case, **options}
         ) as response:
-            answer = await response.json()
+            answer: dict[str, Any] = await response.json()
             answer["http_status"] = response.status
             return answer
 

@@ -585,7 +585,7 @@ def setup_metrics(app: web.Application) -> Metrics:
     """Create the app's Metrics, register `GET /metrics`, and learn the engine's model ids at start."""
     # `*_created` series double every counter and histogram for nothing a dashboard uses
     # (vLLM turns them off the same way); process-wide, and the sidecar owns its process.
-    disable_created_metrics()
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
     metrics = Metrics(app[SETTINGS])
     metrics.registry.register(_StateCollector(app))
     app[METRICS] = metrics

@@ -404,7 +404,7 @@ class ResetService:
                     reset_id=current.reset_id,
                     session_id=params.session_id,
                     case_id=params.case_id,
-                    at_ns=reset.answered_at_ns,
+                    at_ns=reset.answered_at_ns or reset.at_ns,
                 )
         finally:
             if params.drain:

@@ -13,6 +13,7 @@ from aiohttp import web
 from proxy.admission import Admission
 from proxy.auth import admin_middleware
 from proxy.cache_views import handle_evidence, handle_state
+from proxy.cluster import setup_cluster
 from proxy.config import Settings
 from proxy.engine_state import EngineState
 from proxy.evidence import EvidenceWriter
@@ -114,6 +115,7 @@ def build_app(settings: Settings) -> web.Application:
     # last streams finishing at shutdown still get written.
     app.cleanup_ctx.append(_evidence_log)
     app.cleanup_ctx.append(_upstream_pool)
+    setup_cluster(app)
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
     app.router.add_post("/cache/reset", handle_reset)

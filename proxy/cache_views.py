@@ -6,6 +6,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from proxy.cluster_views import cluster_evidence, cluster_state
 from proxy.errors import error_response
 from proxy.evidence import read_evidence
 from proxy.keys import ADMISSION, ENGINE, EVIDENCE, HEALTH, SETTINGS, WITNESS
@@ -14,13 +15,27 @@ from proxy.reset import is_valid_id
 __all__ = ["handle_evidence", "handle_state"]
 
 _EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
-_FILTERS = ("session_id", "case_id", "event_type", "since_ns")
+_FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope")
+_SCOPES = ("pod", "cluster")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024
 
 
+def _scope(request: web.Request) -> str | web.Response:
+    """`?scope=pod` (default) or `?scope=cluster`; a 400 for anything else."""
+    scope = request.query.get("scope", "pod")
+    if scope not in _SCOPES:
+        return _bad_filter("scope", 'scope must be "pod" or "cluster"')
+    return scope
+
+
 async def handle_state(request: web.Request) -> web.Response:
-    """The last reset, its verdict, counters since it, and the engine behind us."""
+    """The last reset, its verdict, counters since it, and the engine behind us (every pod's with scope=cluster)."""
+    scope = _scope(request)
+    if isinstance(scope, web.Response):
+        return scope
+    if scope == "cluster":
+        return await cluster_state(request)
     app = request.app
     state = app[WITNESS].state()
     state["engine"] = app[ENGINE].info.to_json()
@@ -39,6 +54,7 @@ async def handle_state(request: web.Request) -> web.Response:
 
 
 def _bad_filter(param: str, message: str) -> web.Response:
+    """400 naming the filter at fault."""
     return error_response(400, message, type_="invalid_request_error", code="invalid_filter", param=param)
 
 
@@ -60,6 +76,11 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
             since_ns = int(query["since_ns"])
         except ValueError:
             return _bad_filter("since_ns", "since_ns must be an integer (nanoseconds since the epoch)")
+    scope = _scope(request)
+    if isinstance(scope, web.Response):
+        return scope
+    if scope == "cluster":
+        return await cluster_evidence(request, {k: v for k, v in query.items() if k != "scope"})
     app = request.app
     evidence = app[EVIDENCE]
     # Records of requests that just finished may still sit in the batch: write them first.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -57,6 +59,10 @@ class Settings:
     metrics_max_models: int = 20
     upstream_metrics_timeout: float = 2.0
     log_level: str = "info"
+    # Cluster scope (proxy/peers.py): a static list of sidecars, or a headless Service name.
+    peers: tuple[str, ...] = ()
+    peers_dns: str | None = None
+    peers_dns_server: str | None = None
 
     @property
     def listen_host(self) -> str:
@@ -144,6 +150,34 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host.strip("[]"), port
 
 
+def _peer_list(text: str) -> tuple[str, ...]:
+    peers = _names(text)
+    for peer in peers:
+        if parse_listen(peer)[1] == 0:
+            raise ValueError(text)
+    return peers
+
+
+_DNS_NAME = re.compile(
+    r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?"
+)
+
+
+def _dns_name(text: str) -> str:
+    name, _, port = text.partition(":")
+    if not _DNS_NAME.fullmatch(name) or (port and not 0 < int(port) <= 65535):
+        raise ValueError(text)
+    return text
+
+
+def _nameserver(text: str) -> str:
+    host, port = (parse_listen(text)) if text.startswith("[") or text.count(":") == 1 else (text, 53)
+    ipaddress.ip_address(host)
+    if not 0 < port <= 65535:
+        raise ValueError(text)
+    return text
+
+
 def _listen(text: str) -> str:
     parse_listen(text)
     return text
@@ -210,6 +244,24 @@ OPTIONS: tuple[Option, ...] = (
         "upstream_metrics_timeout", _positive_float, "seconds to fetch the engine's /metrics", "seconds > 0"
     ),
     Option("log_level", _choice(LOG_LEVELS), "log level", "one of " + "|".join(LOG_LEVELS)),
+    Option(
+        "peers",
+        _peer_list,
+        "sidecars a scope=cluster call reaches, this one included",
+        "comma-separated HOST:PORT such as 10.0.0.5:8000,10.0.0.6:8000",
+    ),
+    Option(
+        "peers_dns",
+        _dns_name,
+        "headless Service name resolved to the peers on every cluster call",
+        "a DNS name, optionally NAME:PORT (default port: the listen port)",
+    ),
+    Option(
+        "peers_dns_server",
+        _nameserver,
+        "nameserver for peers_dns (default: the system's)",
+        "an IP address, optionally IP:PORT such as 10.96.0.10:53",
+    ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 
@@ -279,6 +331,8 @@ def _finish(settings: Settings) -> Settings:
         raise ConfigError("config: health_interval must be > 0 seconds")
     if settings.reset_attempt_timeout <= 0:
         raise ConfigError("config: reset_attempt_timeout must be > 0 seconds")
+    if settings.peers and settings.peers_dns:
+        raise ConfigError("config: set peers (a static list) or peers_dns (a headless Service), not both")
     token = settings.admin_token
     if settings.admin_token_file:
         try:

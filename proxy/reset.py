@@ -36,6 +36,8 @@ from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, METRICS, SETTINGS, W
 from proxy.logs import log_event
 
 __all__ = [
+    "CLUSTER",
+    "POD",
     "RESETS",
     "RESET_RETRY_INTERVAL_SECONDS",
     "BadInput",
@@ -61,7 +63,20 @@ def is_valid_id(value: object) -> bool:
     return isinstance(value, str) and _ID.fullmatch(value) is not None
 
 
-_FIELDS = ("session_id", "case_id", "requested", "warmup_requests", "drain", "retry_seconds", "force")
+_FIELDS = (
+    "session_id",
+    "case_id",
+    "requested",
+    "warmup_requests",
+    "drain",
+    "retry_seconds",
+    "force",
+    "scope",
+    "parent_reset_id",
+)
+# `scope`: this pod's engine, or every peer's (proxy/cluster.py).
+POD = "pod"
+CLUSTER = "cluster"
 _BODY_LIMIT = 64 * 1024
 # An answer lists every engine call, but a long retry window against llama.cpp makes hundreds:
 # keep the first and the last ones and say how many were left out.
@@ -91,6 +106,9 @@ class ResetParams:
     drain: bool = True
     retry_seconds: float = 10.0
     force: bool = False
+    scope: str = POD
+    # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
+    parent_reset_id: str | None = None
 
 
 def _text_bool(name: str, text: str) -> bool:
@@ -105,9 +123,13 @@ def _text_bool(name: str, text: str) -> bool:
 
 def _parse_field(name: str, value: Any, from_query: bool) -> Any:
     """One field's value, checked; query values arrive as text, JSON values must have their JSON type."""
-    if name in ("session_id", "case_id"):
+    if name in ("session_id", "case_id", "parent_reset_id"):
         if not is_valid_id(value):
             raise BadInput(name, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+        return value
+    if name == "scope":
+        if value not in (POD, CLUSTER):
+            raise BadInput(name, 'scope must be "pod" or "cluster"')
         return value
     if name == "requested":
         if value not in (COLD, UNSPECIFIED):
@@ -156,6 +178,10 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
             if value is None and not from_query:
                 continue  # JSON null: as if not given
             values[name] = _parse_field(name, value, from_query)
+    if values.get("scope") == CLUSTER and values.get("parent_reset_id") is not None:
+        raise BadInput(
+            "parent_reset_id", "a cluster reset cannot be part of another one: leave out parent_reset_id"
+        )
     return ResetParams(**values)
 
 
@@ -465,6 +491,8 @@ def _answer(
         reset_id=current.reset_id,
         engine=outcome.engine,
     )
+    if params.parent_reset_id is not None:
+        record["parent_reset_id"] = params.parent_reset_id
     body: dict[str, Any] = {}
     if reset.outcome != ACCEPTED_UNVERIFIED:
         # Absent, not null, when unconfirmed: a client reading `success` must see no field.
@@ -485,6 +513,7 @@ def _answer(
             "session_id": params.session_id,
             "case_id": params.case_id,
             "coalesced": index > 0,
+            "parent_reset_id": params.parent_reset_id,
             "cache_state": record,
         }
     )
@@ -556,5 +585,10 @@ async def handle_reset(request: web.Request) -> web.Response:
         params = await read_params(request, request.app[SETTINGS])
     except BadInput as bad:
         return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
+    if params.scope == CLUSTER:
+        # Imported here: the cluster fan-out builds on this module's parameters.
+        from proxy.cluster import cluster_reset
+
+        return await cluster_reset(request, params)
     status, body = await request.app[RESETS].reset(params)
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

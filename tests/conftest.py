@@ -20,8 +20,8 @@ from proxy.serve import make_runner, make_site
 
 
 @asynccontextmanager
-async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncIterator[str]:
-    """Serve `app` on a free port of `host`.
+async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0) -> AsyncIterator[str]:
+    """Serve `app` on `host` and `port` (0: a free one).
 
     A sidecar app (one `build_app` made) is served by the very runner `cachewitness serve`
     uses, so transport behaviour under test (disconnects, shutdown) is production's; any
@@ -33,7 +33,7 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1") -> AsyncItera
     else:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
     await runner.setup()
-    site = make_site(runner, host, 0)
+    site = make_site(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:

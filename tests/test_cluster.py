@@ -1,0 +1,379 @@
+"""Cluster scope (issue 15): one reset URL for every pod, with a real DNS server doing the membership.
+
+Each pod is a simulator and a sidecar; the sidecars listen on 127.0.0.1, .2, .3 … on one
+port, and a dnslib server answers the headless-Service name with their addresses.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.app import build_app
+from proxy.keys import EVIDENCE
+from proxy.sim import SimConfig
+from tests.conftest import make_settings, serve_app
+from tests.dns_server import DnsServer, dns_server
+from tests.sim_helpers import Sim, chat, fast, sim, slow, words
+
+SERVICE = "cw-peers.ns.svc.cluster.test"
+TOKEN = "cluster-test-token"
+
+
+def shared_port(hosts: list[str]) -> int:
+    """A TCP port free on every one of `hosts` (bounded tries)."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind((hosts[0], 0))
+            port = first.getsockname()[1]
+            others = [socket.socket() for _ in hosts[1:]]
+            try:
+                for sock, host in zip(others, hosts[1:], strict=True):
+                    sock.bind((host, port))
+                return port
+            except OSError:
+                continue
+            finally:
+                for sock in others:
+                    sock.close()
+    raise AssertionError("no port is free on every loopback address")
+
+
+@dataclass
+class Pod:
+    """One pod: its engine, its sidecar, the sidecar's app and evidence file."""
+
+    host: str
+    engine: Sim
+    url: str
+    app: web.Application
+    evidence: Path
+
+    @property
+    def address(self) -> str:
+        """The name a cluster answer gives this pod."""
+        return self.url.removeprefix("http://")
+
+    def records(self) -> list[dict[str, Any]]:
+        """This pod's own evidence records (flushed by the reads that precede)."""
+        if not self.evidence.exists():
+            return []
+        return [orjson.loads(line) for line in self.evidence.read_bytes().splitlines() if line.strip()]
+
+
+@dataclass
+class Cluster:
+    """The pods, the DNS server, the shared port and a client."""
+
+    pods: list[Pod]
+    dns: DnsServer
+    port: int
+    http: aiohttp.ClientSession
+    token: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        """The admin token, when the pods have one."""
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def reset(
+        self, body: dict[str, Any] | None = None, query: str = "?scope=cluster", via: int = 0
+    ) -> tuple[int, dict[str, Any]]:
+        """POST /cache/reset on one pod (the first by default); status and JSON body."""
+        data = orjson.dumps(body) if body is not None else None
+        url = f"{self.pods[via].url}/cache/reset{query}"
+        async with self.http.post(url, data=data, headers=self.headers()) as resp:
+            return resp.status, await resp.json()
+
+    async def get(self, path: str, via: int = 0) -> tuple[int, bytes]:
+        """GET a path from one pod; status and raw body."""
+        async with self.http.get(f"{self.pods[via].url}{path}", headers=self.headers()) as resp:
+            return resp.status, await resp.read()
+
+    def serve(self, hosts: list[str]) -> None:
+        """The headless Service now resolves to these pod addresses."""
+        self.dns.set(SERVICE, hosts)
+
+
+@asynccontextmanager
+async def cluster(
+    tmp_path: Path, configs: list[SimConfig], token: str | None = None, **overrides: Any
+) -> AsyncIterator[Cluster]:
+    """One pod per config on 127.0.0.(i+1), every sidecar finding the others through the DNS server."""
+    hosts = [f"127.0.0.{index + 1}" for index in range(len(configs))]
+    port = shared_port(hosts)
+    async with AsyncExitStack() as stack:
+        dns = await stack.enter_async_context(dns_server())
+        dns.set(SERVICE, hosts)
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        pods: list[Pod] = []
+        for index, (host, config) in enumerate(zip(hosts, configs, strict=True)):
+            engine = await stack.enter_async_context(sim(config))
+            evidence = tmp_path / f"pod{index}" / "cachewitness.jsonl"
+            settings = make_settings(
+                engine.url,
+                tmp_path,
+                evidence=str(evidence),
+                peers_dns=f"{SERVICE}:{port}",
+                peers_dns_server=dns.address,
+                admin_token=token,
+                **overrides,
+            )
+            app = build_app(settings)
+            url = await stack.enter_async_context(serve_app(app, host, port))
+            pods.append(Pod(host, engine, url, app, evidence))
+        yield Cluster(pods, dns, port, http, token)
+
+
+async def warm(pod: Pod, prompt: str) -> int:
+    """Send `prompt` twice straight to the pod's engine; the second one's cached tokens."""
+    await pod.engine.cached(chat(prompt))
+    return await pod.engine.cached(chat(prompt))
+
+
+PROMPT = words(64, "shared")
+
+
+async def test_cluster_reset_resets_every_engine(tmp_path: Path) -> None:
+    """One call on one pod: all three engines reset (their own counters and caches say so), one 200."""
+    async with cluster(tmp_path, [fast("vllm")] * 3) as c:
+        for pod in c.pods:
+            assert await warm(pod, PROMPT) > 0
+        status, body = await c.reset({"scope": "cluster", "session_id": "s1", "case_id": "c1"}, query="")
+        assert status == 200, body
+        assert (body["answer"], body["success"], body["scope"]) == ("acknowledged", True, "cluster")
+        assert sorted(p["pod"] for p in body["pods"]) == sorted(pod.address for pod in c.pods)
+        assert {p["answer"] for p in body["pods"]} == {"acknowledged"}
+        for pod in c.pods:
+            assert (await pod.engine.stats())["resets_total"] == 1
+            assert await pod.engine.cached(chat(PROMPT)) == 0
+
+
+async def test_each_pod_records_the_cluster_reset_as_its_parent(tmp_path: Path) -> None:
+    """Every pod's own infer.cache_state carries parent_reset_id; the receiving pod adds a scope=cluster record."""
+    async with cluster(tmp_path, [fast("vllm")] * 3) as c:
+        status, body = await c.reset({"session_id": "s1", "case_id": "c1"}, query="?scope=cluster")
+        assert status == 200, body
+        cluster_id = body["reset_id"]
+        pod_ids = {p["pod"]: p["reset_id"] for p in body["pods"]}
+        for pod in c.pods:
+            await pod.app[EVIDENCE].flush()
+            own = [r for r in pod.records() if r.get("parent_reset_id") == cluster_id]
+            assert len(own) == 1, pod.records()
+            assert own[0]["reset_id"] == pod_ids[pod.address]
+            assert (own[0]["session_id"], own[0]["case_id"]) == ("s1", "c1")
+        (summary,) = [r for r in c.pods[0].records() if r.get("scope") == "cluster"]
+        assert summary["event_type"] == "infer.cache_state"
+        assert summary["reset_id"] == cluster_id
+        assert summary["acknowledged"] is True
+        assert summary["reset"]["answer"] == "acknowledged"
+        assert [p["pod"] for p in summary["pods"]] == [p["pod"] for p in body["pods"]]
+        assert not [r for pod in c.pods[1:] for r in pod.records() if r.get("scope") == "cluster"]
+
+
+async def test_one_pod_down_is_a_partial_502_naming_it(tmp_path: Path) -> None:
+    """DNS lists a fourth address nobody serves: 502 partial, that pod unreachable, the others reset."""
+    async with cluster(tmp_path, [fast("vllm")] * 3) as c:
+        c.serve([pod.host for pod in c.pods] + ["127.0.0.4"])
+        status, body = await c.reset()
+        assert status == 502, body
+        assert (body["answer"], body["success"]) == ("partial", False)
+        by_pod = {p["pod"]: p for p in body["pods"]}
+        down = by_pod[f"127.0.0.4:{c.port}"]
+        assert down["answer"] == "unreachable" and down["status"] is None and down["error"]
+        assert f"127.0.0.4:{c.port}" in body["detail"]
+        assert all(by_pod[pod.address]["answer"] == "acknowledged" for pod in c.pods)
+        for pod in c.pods:
+            assert (await pod.engine.stats())["resets_total"] == 1
+
+
+async def test_one_engine_refusing_is_a_409_naming_its_pod(tmp_path: Path) -> None:
+    """vLLM refuses while a request runs: with no retry window that pod is refused, the answer 409."""
+    async with cluster(tmp_path, [fast("vllm"), slow("vllm"), fast("vllm")]) as c:
+        busy = c.pods[1]
+        # Straight to the engine, so the sidecar's drain cannot wait it out.
+        stream = await busy.engine.http.post(
+            busy.engine.url + "/v1/chat/completions", json=chat("busy", max_tokens=2000, stream=True)
+        )
+        try:
+            await busy.engine.wait_stats(lambda s: s["running"] == 1)
+            status, body = await c.reset({"scope": "cluster", "retry_seconds": 0, "drain": False}, query="")
+        finally:
+            stream.close()
+        assert status == 409, body
+        assert (body["answer"], body["success"]) == ("refused", False)
+        by_pod = {p["pod"]: p["answer"] for p in body["pods"]}
+        assert by_pod == {
+            c.pods[0].address: "acknowledged",
+            busy.address: "refused",
+            c.pods[2].address: "acknowledged",
+        }
+
+
+async def test_dns_answer_change_is_seen_by_the_next_call(tmp_path: Path) -> None:
+    """Membership is resolved on every call: a pod added to the Service is in the next reset, a removed one is not."""
+    async with cluster(tmp_path, [fast("vllm")] * 3) as c:
+        c.serve([c.pods[0].host, c.pods[1].host])
+        status, first = await c.reset()
+        assert status == 200, first
+        assert sorted(p["pod"] for p in first["pods"]) == sorted(pod.address for pod in c.pods[:2])
+        c.serve([c.pods[1].host, c.pods[2].host])
+        status, second = await c.reset()
+        assert status == 200, second
+        assert sorted(p["pod"] for p in second["pods"]) == sorted(pod.address for pod in c.pods[1:])
+        assert [(await pod.engine.stats())["resets_total"] for pod in c.pods] == [1, 2, 1]
+
+
+async def test_empty_peer_set_is_a_502_with_a_hint(tmp_path: Path) -> None:
+    """A Service with no ready pod (no A records) or no such name: 502, never a silent success."""
+    async with cluster(tmp_path, [fast("vllm")]) as c:
+        c.serve([])
+        status, body = await c.reset()
+        assert status == 502, body
+        assert (body["answer"], body["success"], body["pods"]) == ("error", False, [])
+        assert SERVICE in body["detail"] and body["hint"]
+        c.dns.records.clear()
+        status, body = await c.reset()
+        assert status == 502, body
+        assert "DNS lookup" in body["detail"] and body["hint"]
+        assert (await c.pods[0].engine.stats())["resets_total"] == 0
+
+
+async def test_no_peers_configured_is_a_502_with_a_hint(tmp_path: Path) -> None:
+    """A sidecar with neither peers nor peers_dns says how to set them."""
+    async with sim(fast("vllm")) as engine:
+        app = build_app(make_settings(engine.url, tmp_path))
+        async with serve_app(app) as url, aiohttp.ClientSession() as http:
+            async with http.post(f"{url}/cache/reset?scope=cluster") as resp:
+                body = await resp.json()
+                assert resp.status == 502, body
+            assert "peers_dns" in body["hint"]
+            assert (await engine.stats())["resets_total"] == 0
+
+
+async def test_static_peers_list_reaches_every_pod(tmp_path: Path) -> None:
+    """`peers = host:port,...` without DNS: every listed sidecar resets."""
+    async with AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(sim(fast("sglang"))) for _ in range(2)]
+        ports = [shared_port(["127.0.0.1"]) for _ in engines]
+        peers = tuple(f"127.0.0.1:{port}" for port in ports)
+        urls = []
+        for index, (engine, port) in enumerate(zip(engines, ports, strict=True)):
+            settings = make_settings(
+                engine.url, tmp_path / f"pod{index}", evidence=str(tmp_path / f"e{index}.jsonl"), peers=peers
+            )
+            urls.append(await stack.enter_async_context(serve_app(build_app(settings), port=port)))
+        async with aiohttp.ClientSession() as http, http.post(f"{urls[1]}/cache/reset?scope=cluster") as resp:
+            body = await resp.json()
+        assert resp.status == 200, body
+        assert [p["pod"] for p in body["pods"]] == list(peers)
+        assert [(await engine.stats())["resets_total"] for engine in engines] == [1, 1]
+
+
+async def test_admin_token_is_forwarded_to_every_pod(tmp_path: Path) -> None:
+    """Pods with an admin token: the fan-out carries it, so every pod resets."""
+    async with cluster(tmp_path, [fast("vllm")] * 3, token=TOKEN) as c:
+        status, body = await c.reset()
+        assert status == 200, body
+        assert {p["answer"] for p in body["pods"]} == {"acknowledged"}
+
+
+async def test_a_pod_with_another_token_is_named_in_a_partial(tmp_path: Path) -> None:
+    """A pod that refuses the token did not reset: 502 partial naming it with its 401."""
+    async with cluster(tmp_path, [fast("vllm")] * 2, token=TOKEN) as c:
+        stranger_engine = c.pods[1].engine
+        settings = make_settings(
+            stranger_engine.url, tmp_path / "x", evidence=str(tmp_path / "x.jsonl"), admin_token="other"
+        )
+        async with serve_app(build_app(settings), "127.0.0.3", c.port):
+            c.serve([c.pods[0].host, "127.0.0.3"])
+            status, body = await c.reset()
+        assert status == 502, body
+        stranger = next(p for p in body["pods"] if p["pod"] == f"127.0.0.3:{c.port}")
+        assert (stranger["answer"], stranger["status"]) == ("error", 401)
+
+
+async def test_bad_scope_is_a_400_naming_it(tmp_path: Path) -> None:
+    """scope is pod or cluster; a cluster reset cannot name a parent."""
+    async with cluster(tmp_path, [fast("vllm")]) as c:
+        status, body = await c.reset(query="?scope=everything")
+        assert (status, body["error"]["param"]) == (400, "scope")
+        status, body = await c.reset({"scope": "cluster", "parent_reset_id": "abc"}, query="")
+        assert (status, body["error"]["param"]) == (400, "parent_reset_id")
+        status, raw = await c.get("/cache/evidence?scope=all")
+        assert status == 400 and orjson.loads(raw)["error"]["param"] == "scope"
+
+
+async def chat_on(pod: Pod, http: aiohttp.ClientSession, session_id: str, text: str) -> None:
+    """One chat request through the pod's sidecar, tagged with a session."""
+    async with http.post(
+        f"{pod.url}/v1/chat/completions", json=chat(text), headers={"X-Session-Id": session_id}
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+
+
+def evidence_lines(raw: bytes) -> list[dict[str, Any]]:
+    """Decode JSON lines."""
+    return [orjson.loads(line) for line in raw.splitlines() if line.strip()]
+
+
+async def test_merged_evidence_holds_every_pods_records_in_time_order(tmp_path: Path) -> None:
+    """GET /cache/evidence?scope=cluster&session_id=S: each pod's reset and requests, tagged, by at_ns."""
+    async with cluster(tmp_path, [fast("vllm")] * 3) as c:
+        status, body = await c.reset({"scope": "cluster", "session_id": "sess-1"}, query="")
+        assert status == 200, body
+        for index, pod in enumerate(c.pods):
+            await chat_on(pod, c.http, "sess-1", f"hello {index}")
+        await chat_on(c.pods[0], c.http, "other-session", "not this one")
+        status, raw = await c.get("/cache/evidence?scope=cluster&session_id=sess-1", via=2)
+        assert status == 200
+        *records, trailer = evidence_lines(raw)
+        assert trailer["event_type"] == "cachewitness.cluster_read"
+        assert sorted(trailer["pods_read"]) == sorted(pod.address for pod in c.pods)
+        assert trailer["unreadable"] == []
+        for pod in c.pods:
+            mine = [r for r in records if r["pod"] == pod.address]
+            types = sorted(r["event_type"] for r in mine)
+            assert types.count("infer.cache_observation") == 1, mine
+            assert any(r.get("parent_reset_id") == body["reset_id"] for r in mine)
+        assert all(r["session_id"] == "sess-1" for r in records)
+        assert [r["at_ns"] for r in records] == sorted(r["at_ns"] for r in records)
+        # The receiving pod's cluster record is in its own evidence too.
+        assert any(r.get("scope") == "cluster" and r["pod"] == c.pods[0].address for r in records)
+
+
+async def test_merged_evidence_names_a_pod_that_cannot_be_read(tmp_path: Path) -> None:
+    """A pod down is named in the trailing line; the others' records still come."""
+    async with cluster(tmp_path, [fast("vllm")] * 2) as c:
+        await chat_on(c.pods[1], c.http, "sess-2", "hi")
+        c.serve([c.pods[0].host, c.pods[1].host, "127.0.0.4"])
+        status, raw = await c.get("/cache/evidence?scope=cluster&session_id=sess-2")
+        assert status == 200
+        *records, trailer = evidence_lines(raw)
+        assert [r["pod"] for r in records] == [c.pods[1].address]
+        (missing,) = trailer["unreadable"]
+        assert missing["pod"] == f"127.0.0.4:{c.port}" and missing["error"]
+
+
+async def test_merged_state_lists_every_pod_and_names_the_unreadable(tmp_path: Path) -> None:
+    """GET /cache/state?scope=cluster: each pod's state under its name; a pod down in `unreadable`."""
+    async with cluster(tmp_path, [fast("vllm")] * 2) as c:
+        status, body = await c.reset()
+        assert status == 200, body
+        c.serve([c.pods[0].host, c.pods[1].host, "127.0.0.4"])
+        status, raw = await c.get("/cache/state?scope=cluster")
+        assert status == 200
+        state = orjson.loads(raw)
+        assert state["scope"] == "cluster"
+        by_pod = {p["pod"]: p["state"] for p in state["pods"]}
+        pod_ids = {p["pod"]: p["reset_id"] for p in body["pods"]}
+        assert {pod: s["reset_id"] for pod, s in by_pod.items()} == pod_ids
+        assert [u["pod"] for u in state["unreadable"]] == [f"127.0.0.4:{c.port}"]

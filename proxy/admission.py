@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["Admission", "DrainResult"]
+__all__ = ["Admission", "DrainResult", "Hold"]
 
 
 @dataclass(frozen=True)
@@ -27,22 +27,36 @@ class DrainResult:
         }
 
 
+@dataclass(eq=False)
+class Hold:
+    """One holder's claim on the gate (a reset round): its own deadline for the requests it holds."""
+
+    deadline: float  # monotonic time after which a request held by this hold gives up
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """A request waiting at the closed gate; `admitted` resolves True when the gate lets it in."""
+
+    deadline: float
+    admitted: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
 class Admission:
     """Counts forwarded requests in flight and holds new ones while a reset drains.
 
-    Forwarding calls `admit()` before it contacts the upstream and `leave()` when
-    the exchange is over. A reset calls `hold(budget)`, then `wait_idle()`, does its
-    work, and `release()`s the gate so held requests go on. A held request waits
-    at most the budget of the hold it met (the reset's worst case), then gives up.
+    Forwarding calls `admit()` before it contacts the upstream and `leave()` when the
+    exchange is over. A reset calls `hold(budget)`, then `wait_idle()`, does its work,
+    and `release(hold)`s the gate. Opening the gate admits every waiting request at
+    once, counted in flight before any of them runs: a reset that closes the gate
+    again right after (a coalesced round) drains them too, instead of meeting them
+    at the engine. A held request waits at most the budget of the holds it met.
     """
 
     def __init__(self) -> None:
         self._inflight = 0
-        self._held = 0
-        self._holds = 0
-        self._budget_s = 0.0
-        self._open = asyncio.Event()
-        self._open.set()
+        self._holds: list[Hold] = []
+        self._waiting: list[_Ticket] = []
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -54,26 +68,40 @@ class Admission:
     @property
     def held(self) -> int:
         """Requests waiting at the gate right now."""
-        return self._held
+        return len(self._waiting)
 
     @property
     def draining(self) -> bool:
         """True while a reset holds the gate."""
-        return self._holds > 0
+        return bool(self._holds)
 
     async def admit(self) -> bool:
-        """Enter, waiting while the gate is held; False when the hold's budget ran out."""
-        if not self._open.is_set():
-            self._held += 1
-            try:
-                await asyncio.wait_for(self._open.wait(), timeout=self._budget_s)
-            except TimeoutError:
-                return False
-            finally:
-                self._held -= 1
+        """Enter, waiting while the gate is held; False when the holds' budget ran out."""
+        if not self._holds:
+            self._enter()
+            return True
+        ticket = _Ticket(deadline=max(hold.deadline for hold in self._holds))
+        self._waiting.append(ticket)
+        try:
+            timeout = max(0.0, ticket.deadline - time.monotonic())
+            return await asyncio.wait_for(asyncio.shield(ticket.admitted), timeout=timeout)
+        except TimeoutError:
+            # The gate may have opened in the same turn the wait ran out: then we are in.
+            return ticket.admitted.done() and ticket.admitted.result()
+        except asyncio.CancelledError:
+            if ticket.admitted.done() and ticket.admitted.result():
+                self.leave()  # admitted, then the client left before its exchange began
+            raise
+        finally:
+            if not ticket.admitted.done():
+                ticket.admitted.set_result(False)
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+
+    def _enter(self) -> None:
+        """Count one request in flight."""
         self._inflight += 1
         self._idle.clear()
-        return True
 
     def leave(self) -> None:
         """A request admitted by `admit()` has finished."""
@@ -81,17 +109,24 @@ class Admission:
         if self._inflight == 0:
             self._idle.set()
 
-    def hold(self, budget_s: float) -> None:
-        """Close the gate: new requests wait in `admit()`, each for at most `budget_s`."""
-        self._holds += 1
-        self._budget_s = budget_s
-        self._open.clear()
+    def hold(self, budget_s: float) -> Hold:
+        """Close the gate: new requests wait in `admit()`, for at most `budget_s` from now."""
+        hold = Hold(deadline=time.monotonic() + budget_s)
+        self._holds.append(hold)
+        return hold
 
-    def release(self) -> None:
-        """Open the gate again once every holder released it."""
-        self._holds = max(0, self._holds - 1)
-        if self._holds == 0:
-            self._open.set()
+    def release(self, hold: Hold) -> None:
+        """Drop `hold`; once no hold is left, admit every waiting request at once."""
+        if hold in self._holds:
+            self._holds.remove(hold)
+        if self._holds:
+            return
+        waiting, self._waiting = self._waiting, []
+        for ticket in waiting:
+            if not ticket.admitted.done():
+                # Counted now, not when the request's task next runs: see the class docstring.
+                self._enter()
+                ticket.admitted.set_result(True)
 
     async def wait_idle(self, timeout_s: float) -> DrainResult:
         """Wait until nothing is in flight, at most `timeout_s`."""
@@ -106,5 +141,5 @@ class Admission:
             waited_s=time.monotonic() - start,
             inflight_at_start=at_start,
             inflight_at_end=self._inflight,
-            held=self._held,
+            held=self.held,
         )

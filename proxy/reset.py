@@ -9,7 +9,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -25,6 +25,7 @@ from proxy.engines.base import (
     REFUSED,
     UNSPECIFIED,
     Attempt,
+    AttemptPlan,
     CacheReset,
     Dialect,
     EngineCall,
@@ -222,24 +223,16 @@ async def read_params(request: web.Request, settings: Settings) -> ResetParams:
     return parse_params(query, body, settings)
 
 
-async def _attempt(
-    dialect: Dialect,
-    session: aiohttp.ClientSession,
-    base_url: str,
-    *,
-    force: bool,
-    retry_seconds: float,
-    timeout_s: float,
-) -> Attempt:
+async def _attempt(dialect: Dialect, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
     """One attempt; a dialect that raises (a bug) becomes an `error` outcome instead of a crash."""
     try:
-        return await dialect.reset_once(
-            session, base_url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s
-        )
+        return await dialect.reset_once(session, plan)
     except Exception as exc:
         log.exception("reset dialect failed", extra={"event": "reset_dialect_failed", "kind": dialect.kind})
         return Attempt(
-            ERROR, error=f"internal error in the {dialect.kind} dialect: {type(exc).__name__}", url=base_url
+            ERROR,
+            error=f"internal error in the {dialect.kind} dialect: {type(exc).__name__}",
+            url=plan.base_url,
         )
 
 
@@ -252,25 +245,22 @@ async def retry_reset(
     retry_seconds: float,
     timeout_s: float,
 ) -> CacheReset:
-    """Reset, retrying a refusal every 0.5 s while the window allows; no attempt starts after it (the reference's loop)."""
+    """Reset, retrying a refusal every 0.5 s while the window allows; no attempt starts after it (the reference's loop).
+
+    Each attempt is told what is left of the window (`AttemptPlan.retry_seconds`): an engine
+    that blocks instead of refusing (llama.cpp) bounds its wait by it.
+    """
     at_ns = time.time_ns()
     deadline = time.monotonic() + retry_seconds
     attempts = 1
-    attempt = await _attempt(
-        dialect, session, base_url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s
-    )
+    plan = AttemptPlan(base_url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s)
+    attempt = await _attempt(dialect, session, plan)
     calls: list[EngineCall] = list(attempt.calls)
     while attempt.outcome == REFUSED and deadline - time.monotonic() >= RESET_RETRY_INTERVAL_SECONDS:
         await asyncio.sleep(RESET_RETRY_INTERVAL_SECONDS)
         attempts += 1
-        attempt = await _attempt(
-            dialect,
-            session,
-            base_url,
-            force=force,
-            retry_seconds=max(0.0, deadline - time.monotonic()),
-            timeout_s=timeout_s,
-        )
+        plan = replace(plan, retry_seconds=max(0.0, deadline - time.monotonic()))
+        attempt = await _attempt(dialect, session, plan)
         calls.extend(attempt.calls)
     return CacheReset.from_attempts(
         attempt, at_ns=at_ns, attempts=attempts, calls=tuple(calls), answered_at_ns=time.time_ns()
@@ -401,10 +391,13 @@ class ResetService:
         # Detection first: traffic is not held while an unreachable upstream is probed.
         await engine.ensure_detected(session)
         info, dialect = engine.info, engine.dialect
-        if params.drain:
-            # A held request waits out the whole reset at worst: the drain, the retry window,
-            # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
+        # A held request waits out the whole reset at worst: the drain, the retry window,
+        # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
+        hold = (
             admission.hold(settings.drain_timeout + 2 * params.retry_seconds + settings.reset_attempt_timeout)
+            if params.drain
+            else None
+        )
         try:
             if params.drain:
                 drained = await admission.wait_idle(settings.drain_timeout)
@@ -433,8 +426,8 @@ class ResetService:
                     at_ns=reset.answered_at_ns or reset.at_ns,
                 )
         finally:
-            if params.drain:
-                admission.release()
+            if hold is not None:
+                admission.release(hold)
         self._finish(current, _Outcome(reset, info, drain))
 
     def _finish(self, current: _Round, outcome: _Outcome) -> None:

@@ -7,11 +7,12 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.engine_state import EngineState
-from proxy.engines.base import UNREACHABLE
+from proxy.engines.base import UNREACHABLE, AttemptPlan
 from proxy.engines.detect import detect_engine, probe_version
 from proxy.sim import build_sim_app
-from tests.conftest import closed_port_url
+from tests.conftest import closed_port_url, serve_app
 from tests.sim_helpers import fast, sim
+from tests.upstream import in_two_pieces
 
 TIMEOUT_S = 5.0
 
@@ -33,6 +34,14 @@ async def test_each_engine_is_detected_with_its_version(
     assert info.kind == kind
     if version is not None:
         assert info.version == version
+
+
+async def test_detection_reads_an_answer_that_arrives_in_two_pieces(http) -> None:
+    app = web.Application()
+    app.router.add_get("/server_info", in_two_pieces({"version": "0.5.10", "padding": "x" * 500}))
+    async with serve_app(app) as url:
+        info = await detect_engine(http, url, TIMEOUT_S)
+    assert (info.kind, info.version) == ("sglang", "0.5.10")
 
 
 async def test_plain_openai_engine_is_generic(http) -> None:
@@ -88,9 +97,7 @@ async def test_engine_state_redetects_when_the_upstream_comes_back(http) -> None
 async def test_undetected_engine_answers_resets_unreachable(http) -> None:
     state = EngineState(Settings(upstream=closed_port_url()))
     await state.detect(http)
-    attempt = await state.dialect.reset_once(
-        http, closed_port_url(), force=False, retry_seconds=0, timeout_s=1
-    )
+    attempt = await state.dialect.reset_once(http, AttemptPlan(closed_port_url(), timeout_s=1))
     assert attempt.outcome == UNREACHABLE
     assert attempt.hint and "--engine" in attempt.hint
 

@@ -18,6 +18,7 @@ from proxy.engines.base import (
     UNREACHABLE,
     UNSUPPORTED,
     Attempt,
+    AttemptPlan,
     Dialect,
 )
 from proxy.engines.generic import GenericDialect
@@ -27,8 +28,10 @@ from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.redact import redact_url
+from proxy.reset import retry_reset
 from tests.conftest import closed_port_url, serve_app
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
+from tests.upstream import in_two_pieces
 
 TIMEOUT_S = 10.0
 
@@ -42,7 +45,8 @@ async def reset(
     retry_seconds: float = 0.0,
     timeout_s: float = TIMEOUT_S,
 ) -> Attempt:
-    return await dialect.reset_once(http, url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s)
+    plan = AttemptPlan(url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s)
+    return await dialect.reset_once(http, plan)
 
 
 @asynccontextmanager
@@ -153,6 +157,7 @@ async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
         assert attempt.outcome == ACKNOWLEDGED
         assert [call.url.rsplit("/", 1)[1] for call in attempt.calls] == [
             "props",
+            "slots",
             "0?action=erase",
             "1?action=erase",
             "2?action=erase",
@@ -168,14 +173,66 @@ async def test_llamacpp_answer_always_warns_about_cache_ram(http, tmp_path) -> N
         assert attempt.warning and "--cache-ram 0" in attempt.warning
 
 
-async def test_llamacpp_erase_still_waiting_on_a_busy_slot_is_refused(http, tmp_path) -> None:
+async def test_llamacpp_generating_slot_is_refused_without_an_erase(http, tmp_path) -> None:
+    """A busy slot's erase would block until its generation ends: /slots says so first."""
     async with (
         sim(slow("llamacpp", slot_save_path=str(tmp_path))) as engine,
         running_request(engine, "/completion", prompt=words(8), n_predict=2000, id_slot=0),
     ):
-        attempt = await reset(LlamacppDialect(), http, engine.url, timeout_s=0.3)
-        assert attempt.outcome == REFUSED
-        assert attempt.error and "busy slot" in attempt.error
+        attempt = await reset(LlamacppDialect(), http, engine.url, retry_seconds=2.0)
+    assert attempt.outcome == REFUSED
+    assert attempt.error and attempt.error.startswith("slot 0 generating")
+    assert [call.url.rsplit("/", 1)[1] for call in attempt.calls] == ["props", "slots"]
+
+
+def erase_that_blocks() -> web.Application:
+    """A llama-server whose /slots says idle but whose erase blocks (a slot turned busy in between)."""
+
+    async def props(request: web.Request) -> web.Response:
+        return web.json_response({"total_slots": 1})
+
+    async def slots(request: web.Request) -> web.Response:
+        return web.json_response([{"id": 0, "is_processing": False}])
+
+    async def erase(request: web.Request) -> web.Response:
+        await asyncio.Event().wait()  # until the sidecar gives up and hangs up
+        return web.json_response({"id_slot": 0, "n_erased": 0})
+
+    app = web.Application()
+    app.router.add_get("/props", props)
+    app.router.add_get("/slots", slots)
+    app.router.add_post("/slots/{id}", erase)
+    return app
+
+
+async def test_llamacpp_erase_is_bounded_by_the_retry_window_and_refused(http) -> None:
+    async with serve_app(erase_that_blocks()) as url:
+        attempt = await reset(LlamacppDialect(), http, url, retry_seconds=1.0, timeout_s=TIMEOUT_S)
+    assert attempt.outcome == REFUSED
+    assert attempt.error and "still waited on a busy slot" in attempt.error
+    assert attempt.calls[-1].elapsed_s < TIMEOUT_S / 2  # the window, not the attempt timeout
+
+
+async def test_llamacpp_erase_that_times_out_is_retried_while_the_window_lasts(http) -> None:
+    """An attempt timeout shorter than the window: each timed-out erase is a refusal, retried."""
+    async with serve_app(erase_that_blocks()) as url:
+        reset_ = await retry_reset(
+            LlamacppDialect(), http, url, force=False, retry_seconds=2.0, timeout_s=0.6
+        )
+    assert reset_.outcome == REFUSED and reset_.attempts >= 2
+    erases = [call for call in reset_.calls if "action=erase" in call.url]
+    assert len(erases) == reset_.attempts and all(call.error for call in erases)
+
+
+async def test_llamacpp_answers_that_arrive_in_two_pieces_are_read_whole(http) -> None:
+    app = web.Application()
+    app.router.add_get("/props", in_two_pieces({"total_slots": 2, "build_info": "b1-" + "x" * 200}))
+    app.router.add_get("/slots", in_two_pieces([{"id": i, "is_processing": False} for i in range(2)]))
+    app.router.add_post("/slots/{id}", in_two_pieces({"id_slot": 0, "n_erased": 12}))
+    async with serve_app(app) as url:
+        attempt = await reset(LlamacppDialect(), http, url)
+    assert attempt.outcome == ACKNOWLEDGED, attempt.error
+    assert len(attempt.calls) == 4
 
 
 async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) -> None:

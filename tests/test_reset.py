@@ -34,6 +34,8 @@ REFERENCE_RECORD_KEYS = {
     "reason",
     "run_kind",
 }
+# A chat this long is still generating when any test's reset is done (100 tokens/s).
+LONG_CHAT_TOKENS = 1000
 REFERENCE_RESET_KEYS = {"url", "at_ns", "status", "error", "success", "answer", "attempts", "answered_at_ns"}
 
 
@@ -77,6 +79,22 @@ async def wait_until(predicate: Callable[[], bool]) -> None:
     while not predicate():
         assert loop.time() < deadline, "the state was never reached"
         await asyncio.sleep(0.005)
+
+
+async def reset_while_generating(
+    s: Stack, body: dict[str, Any], max_tokens: int
+) -> tuple[int, dict[str, Any]]:
+    """Reset while one chat generates; the chat then runs to its end, or is cut if it is a long one."""
+    request = asyncio.create_task(s.chat(max_tokens=max_tokens))
+    await s.engine.wait_stats(lambda st: st["running"] == 1)
+    answer = await s.reset(body)
+    if max_tokens > LONG_CHAT_TOKENS:
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    else:
+        assert await request == 200
+    return answer
 
 
 # -- answers by outcome -------------------------------------------------------------------
@@ -166,10 +184,7 @@ async def test_refused_reset_is_retried_until_the_running_request_ends(
     tmp_path, dialect: str, refusal_status: int
 ) -> None:
     async with stack(slow(dialect), tmp_path) as s:
-        request = asyncio.create_task(s.chat(max_tokens=60))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "retry_seconds": 30})
-        assert await request == 200
+        status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 30}, max_tokens=60)
     assert status == 200 and body["answer"] == "acknowledged"
     assert body["attempts"] > 1
     assert body["drain"]["enabled"] is False
@@ -178,43 +193,35 @@ async def test_refused_reset_is_retried_until_the_running_request_ends(
     assert body["calls"][-1]["status"] == 200
 
 
-@pytest.mark.parametrize("dialect", ["sglang", "llamacpp"])
-async def test_engine_that_waits_for_idle_acknowledges_on_the_first_attempt(tmp_path, dialect: str) -> None:
-    options = {"slot_save_path": str(tmp_path)} if dialect == "llamacpp" else {}
-    async with stack(slow(dialect, **options), tmp_path) as s:
-        request = asyncio.create_task(s.chat(max_tokens=60))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "retry_seconds": 30})
-        assert await request == 200
+async def test_sglang_waits_for_idle_and_acknowledges_on_the_first_attempt(tmp_path) -> None:
+    async with stack(slow("sglang"), tmp_path) as s:
+        status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 30}, max_tokens=60)
     assert status == 200 and body["answer"] == "acknowledged"
     assert body["attempts"] == 1
 
 
 async def test_mindnano_refused_to_the_end_is_409(tmp_path) -> None:
     async with stack(slow("mindnano"), tmp_path) as s:
-        request = asyncio.create_task(s.chat(max_tokens=5000))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "retry_seconds": 1})
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
+        status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 1}, max_tokens=5000)
     assert status == 409 and body["answer"] == "refused"
     assert 2 <= body["attempts"] <= 3
     assert all(call["status"] == 429 for call in body["calls"])
 
 
-async def test_llamacpp_erase_of_a_busy_slot_past_the_attempt_timeout_is_refused(tmp_path) -> None:
-    async with stack(
-        slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path, reset_attempt_timeout=0.3
-    ) as s:
-        request = asyncio.create_task(s.chat(max_tokens=5000))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "retry_seconds": 0})
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-    assert status == 409 and body["answer"] == "refused" and body["attempts"] == 1
+async def test_llamacpp_busy_slot_is_refused_and_retried_until_it_is_idle(tmp_path) -> None:
+    async with stack(slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path) as s:
+        status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 30}, max_tokens=60)
+    assert status == 200 and body["answer"] == "acknowledged"
+    assert body["attempts"] > 1
+    assert [call["url"].rsplit("/", 1)[1] for call in body["calls"][:2]] == ["props", "slots"]
+
+
+async def test_llamacpp_busy_slot_past_the_retry_window_is_refused(tmp_path) -> None:
+    async with stack(slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path) as s:
+        status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 1}, max_tokens=5000)
+    assert status == 409 and body["answer"] == "refused" and body["attempts"] >= 2
     assert "busy slot" in body["cache_state"]["reset"]["error"]
+    assert not [call for call in body["calls"] if "action=erase" in call["url"]]
     assert "--cache-ram 0" in body["warning"]
 
 
@@ -230,12 +237,9 @@ async def test_reset_refused_to_the_end_is_409_and_stops_at_the_deadline(
     tmp_path, retry_seconds: float
 ) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
-        request = asyncio.create_task(s.chat(max_tokens=5000))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "retry_seconds": retry_seconds})
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
+        status, body = await reset_while_generating(
+            s, {"drain": False, "retry_seconds": retry_seconds}, max_tokens=5000
+        )
     assert status == 409
     assert body["success"] is False and body["answer"] == "refused"
     assert body["attempts"] == ATTEMPTS_IN_WINDOW[retry_seconds]
@@ -249,12 +253,9 @@ async def test_reset_refused_to_the_end_is_409_and_stops_at_the_deadline(
 
 async def test_sglang_refusal_waits_through_the_timeout_param(tmp_path) -> None:
     async with stack(slow("sglang"), tmp_path) as s:
-        request = asyncio.create_task(s.chat(max_tokens=5000))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "retry_seconds": 0.5})
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
+        status, body = await reset_while_generating(
+            s, {"drain": False, "retry_seconds": 0.5}, max_tokens=5000
+        )
     assert status == 409 and body["answer"] == "refused"
     assert body["calls"][0]["url"].endswith("/flush_cache?timeout=0.5")
     assert body["calls"][0]["status"] == 400
@@ -307,6 +308,30 @@ async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path) -> N
     assert [a["cache_state"]["session_id"] for a in (a1, a2, a3)] == ["s1", "s2", "s3"]
     assert [a["cache_state"]["case_id"] for a in (a1, a2, a3)] == ["c1", "c2", "c3"]
     assert a3["coalesced"] is True and a1["coalesced"] is False
+
+
+async def test_coalesced_round_drains_the_requests_the_round_before_it_let_in(tmp_path) -> None:
+    """Round A releases a held request; round B, right behind it, waits for that request (SPEC §4 step 1)."""
+    async with stack(slow("vllm"), tmp_path) as s:
+        admission, service = s.app[ADMISSION], s.app[RESETS]
+        running = asyncio.create_task(s.chat(max_tokens=5000))
+        await s.engine.wait_stats(lambda st: st["running"] == 1)
+        round_a = asyncio.create_task(s.reset({"retry_seconds": 0, "case_id": "a"}))
+        await wait_until(lambda: admission.draining)
+        held = asyncio.create_task(s.chat(max_tokens=30, content="held"))
+        await wait_until(lambda: admission.held == 1)
+        round_b = asyncio.create_task(s.reset({"retry_seconds": 0, "case_id": "b"}))
+        await wait_until(lambda: service.waiting == 1)
+        running.cancel()  # round A's drain ends: A resets, then lets the held request in
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        (status_a, a), (status_b, b) = await round_a, await round_b
+        assert await held == 200
+    # vLLM refuses while the held request runs: B acknowledged at once means B waited for it.
+    assert (status_a, a["answer"], a["attempts"]) == (200, "acknowledged", 1)
+    assert (status_b, b["answer"], b["attempts"]) == (200, "acknowledged", 1), b
+    assert a["drain"]["held"] == 1
+    assert b["drain"]["inflight_at_start"] == 1 and b["drain"]["waited_s"] > 0
 
 
 async def test_every_caller_gets_its_own_evidence_record(tmp_path) -> None:
@@ -415,9 +440,8 @@ async def test_query_parameters_are_accepted(tmp_path) -> None:
 
 async def test_force_reaches_vllm_as_reset_running_requests(tmp_path) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
-        request = asyncio.create_task(s.chat(max_tokens=60))
-        await s.engine.wait_stats(lambda st: st["running"] == 1)
-        status, body = await s.reset({"drain": False, "force": True, "retry_seconds": 0})
-        assert await request == 200
+        status, body = await reset_while_generating(
+            s, {"drain": False, "force": True, "retry_seconds": 0}, max_tokens=60
+        )
     assert status == 200 and body["attempts"] == 1
     assert "reset_running_requests=true" in body["calls"][0]["url"]

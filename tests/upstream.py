@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hashlib
+import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -203,3 +205,23 @@ def build_upstream() -> web.Application:
     app.router.add_get("/big", big)
     app.router.add_get("/health", health)
     return app
+
+
+def in_two_pieces(
+    payload: object, pause_s: float = 0.2
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A handler that sends `payload` as JSON in two writes with a pause between (one answer, two reads)."""
+    body = json.dumps(payload).encode()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(
+            headers={"Content-Type": "application/json", "Content-Length": str(len(body))}
+        )
+        await response.prepare(request)
+        await response.write(body[: len(body) // 2])
+        await asyncio.sleep(pause_s)  # the pause is the behaviour under test
+        await response.write(body[len(body) // 2 :])
+        await response.write_eof()
+        return response
+
+    return handler

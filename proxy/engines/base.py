@@ -34,6 +34,7 @@ __all__ = [
     "UNSUPPORTED",
     "UNVERIFIED",
     "Attempt",
+    "AttemptPlan",
     "CacheReset",
     "Dialect",
     "EngineCall",
@@ -315,6 +316,19 @@ def _excerpt(body: bytes) -> str:
     return text + ("…" if len(body) > BODY_EXCERPT_BYTES else "")
 
 
+async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The whole answer up to `limit` bytes: `read(n)` alone returns only what has arrived so far."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit:  # bounded: each turn reads at least one byte, or the answer ended
+        chunk = await content.read(limit - size)
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
 async def engine_call(
     session: aiohttp.ClientSession,
     method: str,
@@ -335,7 +349,7 @@ async def engine_call(
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             allow_redirects=False,
         ) as response:
-            body = await response.content.read(_BODY_READ_LIMIT)
+            body = await _read_bounded(response.content, _BODY_READ_LIMIT)
             call = EngineCall(method, recorded, response.status, _excerpt(body), time.monotonic() - started)
             return Reply(call, body)
     except (TimeoutError, aiohttp.ServerTimeoutError) as exc:
@@ -366,6 +380,16 @@ def failed_attempt(reply: Reply, url: str) -> Attempt:
     return Attempt(UNREACHABLE, error=reply.call.error, url=url, calls=(reply.call,))
 
 
+@dataclass(frozen=True)
+class AttemptPlan:
+    """What one reset attempt is asked to do, and in how much time."""
+
+    base_url: str
+    force: bool = False
+    retry_seconds: float = 0.0  # what is left of the retry window when the attempt starts
+    timeout_s: float = 30.0  # the longest one engine call may take (reset_attempt_timeout)
+
+
 class Dialect(ABC):
     """How one engine kind is reset; dialects are leaves that know nothing of the proxy."""
 
@@ -373,16 +397,8 @@ class Dialect(ABC):
     health_path: str = "/health"
 
     @abstractmethod
-    async def reset_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        *,
-        force: bool,
-        retry_seconds: float,
-        timeout_s: float,
-    ) -> Attempt:
-        """One reset attempt; never raises. `retry_seconds` is what is left of the retry window."""
+    async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
+        """One reset attempt; never raises."""
 
 
 def unsupported(url: str, error: str, hint: str, calls: tuple[EngineCall, ...] = ()) -> Attempt:

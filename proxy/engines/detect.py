@@ -6,7 +6,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.base import UNREACHABLE, Attempt, Dialect, EngineInfo, engine_call
+from proxy.engines.base import UNREACHABLE, Attempt, AttemptPlan, Dialect, EngineInfo, engine_call
 
 __all__ = ["UNKNOWN", "UndetectedDialect", "detect_engine", "probe_version"]
 
@@ -127,19 +127,11 @@ class UndetectedDialect(Dialect):
 
     kind = UNKNOWN
 
-    async def reset_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        *,
-        force: bool,
-        retry_seconds: float,
-        timeout_s: float,
-    ) -> Attempt:
+    async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """No call: the engine's kind, and so its reset route, is not known."""
         return Attempt(
             UNREACHABLE,
             error="the upstream did not answer engine detection",
-            url=base_url,
+            url=plan.base_url,
             hint=UNDETECTED_HINT,
         )

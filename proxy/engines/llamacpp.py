@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import replace
+from typing import Any
 
 import aiohttp
 
@@ -15,6 +16,7 @@ from proxy.engines.base import (
     REFUSED,
     UNREACHABLE,
     Attempt,
+    AttemptPlan,
     Dialect,
     Reply,
     engine_call,
@@ -23,7 +25,7 @@ from proxy.engines.base import (
     unsupported,
 )
 
-__all__ = ["RAM_CACHE_WARNING", "LlamacppDialect"]
+__all__ = ["ERASE_FLOOR_SECONDS", "RAM_CACHE_WARNING", "LlamacppDialect"]
 
 SLOT_SAVE_HINT = (
     "llama-server serves slot actions only with --slot-save-path DIR: restart it with "
@@ -35,46 +37,79 @@ RAM_CACHE_WARNING = (
     "llama.cpp slot erase is a full reset only with --cache-ram 0: its host-RAM prompt cache "
     "(--cache-ram, default 8192 MiB) survives erase and can still serve cached prompts"
 )
+# An idle slot's erase answers in milliseconds; an erase gets at least this long, even when
+# the retry window is spent, so that the last attempt can still succeed.
+ERASE_FLOOR_SECONDS = 0.5
 # Worst first: the attempt's outcome is the worst of its slots'.
 _SEVERITY = (ACKNOWLEDGED, ACCEPTED_UNVERIFIED, REFUSED, ERROR, UNREACHABLE)
 
 
 class LlamacppDialect(Dialect):
-    """Erases every slot's KV cache; a busy slot's erase waits for its generation to end."""
+    """Erases every slot's KV cache; a slot that is generating is a refusal, retried by the caller.
+
+    llama-server never refuses an erase: a busy slot's erase is deferred and the call
+    blocks until the generation ends, which can be minutes. So the attempt first reads
+    `GET /slots` and refuses while a slot `is_processing`, and bounds every erase by what
+    is left of the retry window: an erase that still waits then is refused too.
+    """
 
     kind = "llamacpp"
 
-    async def reset_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        *,
-        force: bool,
-        retry_seconds: float,
-        timeout_s: float,
-    ) -> Attempt:
-        """GET /props for total_slots, then erase every slot at once, each call bounded by what is left."""
+    async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
+        """GET /props for total_slots, GET /slots for busy ones, then erase every slot at once."""
         started = time.monotonic()
-        props = await engine_call(session, "GET", f"{base_url}/props", timeout_s=timeout_s)
+        props = await engine_call(session, "GET", f"{plan.base_url}/props", timeout_s=plan.timeout_s)
+        slots = _total_slots(props)
         if props.status is None:
             return _with_warning(failed_attempt(props, props.call.url))
-        payload = props.json()
-        slots = payload.get("total_slots") if isinstance(payload, dict) else None
-        if props.status != 200 or not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        if slots is None:
             error = f"GET /props answered HTTP {props.status} without a usable total_slots"
             return _with_warning(
                 Attempt(ERROR, status=props.status, error=error, url=props.call.url, calls=(props.call,))
             )
-        left = max(0.001, timeout_s - (time.monotonic() - started))
-        # Slot erases run together: a busy slot's erase blocks until its generation ends, and
-        # the others should not queue behind it.
+        listing = await engine_call(session, "GET", f"{plan.base_url}/slots", timeout_s=plan.timeout_s)
+        if listing.status is None and not listing.timed_out:
+            return _with_warning(failed_attempt(listing, listing.call.url))
+        busy = _busy_slots(listing)
+        if busy or listing.timed_out:
+            what = f"slot {', '.join(map(str, busy))} generating" if busy else "GET /slots did not answer"
+            error = f"{what}: a busy slot's erase would wait for its generation to end"
+            calls = (props.call, listing.call)
+            return _with_warning(
+                Attempt(REFUSED, status=listing.status, error=error, url=listing.call.url, calls=calls)
+            )
+        spent = time.monotonic() - started
+        left = max(0.001, min(plan.timeout_s - spent, max(plan.retry_seconds - spent, ERASE_FLOOR_SECONDS)))
+        # Slot erases run together: should a slot turn busy after all, its erase blocks until
+        # the generation ends, and the others should not queue behind it.
         replies = await asyncio.gather(
             *(
-                engine_call(session, "POST", f"{base_url}/slots/{slot}?action=erase", timeout_s=left)
+                engine_call(session, "POST", f"{plan.base_url}/slots/{slot}?action=erase", timeout_s=left)
                 for slot in range(slots)
             )
         )
-        return _with_warning(_fold(props, list(replies), left))
+        return _with_warning(_fold((props, listing), list(replies), left))
+
+
+def _total_slots(props: Reply) -> int | None:
+    """`total_slots` from a 200 `/props` answer, None when it has no usable one."""
+    payload = props.json()
+    slots = payload.get("total_slots") if isinstance(payload, dict) else None
+    if props.status != 200 or not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        return None
+    return slots
+
+
+def _busy_slots(listing: Reply) -> list[int]:
+    """The ids of the slots `GET /slots` says are processing (none when it is not served: `--no-slots`)."""
+    payload: Any = listing.json() if listing.status == 200 else None
+    if not isinstance(payload, list):
+        return []
+    return [
+        slot.get("id", index)
+        for index, slot in enumerate(payload)
+        if isinstance(slot, dict) and slot.get("is_processing") is True
+    ]
 
 
 def _slot_outcome(reply: Reply, left: float) -> tuple[str, str | None]:
@@ -92,9 +127,9 @@ def _slot_outcome(reply: Reply, left: float) -> tuple[str, str | None]:
     return outcome_for_status(status)
 
 
-def _fold(props: Reply, replies: list[Reply], left: float) -> Attempt:
+def _fold(looked_up: tuple[Reply, ...], replies: list[Reply], left: float) -> Attempt:
     """The attempt's outcome from every slot's erase: 501 anywhere is unsupported, else the worst slot."""
-    calls = (props.call, *(reply.call for reply in replies))
+    calls = (*(reply.call for reply in looked_up), *(reply.call for reply in replies))
     last = replies[-1]
     if any(reply.status == 501 for reply in replies):
         return unsupported(last.call.url, "HTTP 501: slot actions are switched off", SLOT_SAVE_HINT, calls)

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.base import (
-    ACKNOWLEDGED,
-    REFUSED,
-    Attempt,
-    Dialect,
-    engine_call,
-    failed_attempt,
-    outcome_for_status,
-    unsupported,
-)
+from proxy.engines.answer import AnswerRules, read_answer
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, engine_call
 
 __all__ = ["MindnanoDialect"]
+
+RULES = AnswerRules(
+    route="/v1/cache/clear",
+    hint="this engine has no /v1/cache/clear; check --engine and the upstream URL",
+    busy={429: "a request is running"},
+)
 
 
 class MindnanoDialect(Dialect):
@@ -23,38 +21,9 @@ class MindnanoDialect(Dialect):
 
     kind = "mindnano"
 
-    async def reset_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        *,
-        force: bool,
-        retry_seconds: float,
-        timeout_s: float,
-    ) -> Attempt:
+    async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """POST /v1/cache/clear."""
-        reply = await engine_call(session, "POST", f"{base_url}/v1/cache/clear", timeout_s=timeout_s)
-        calls = (reply.call,)
-        status = reply.status
-        if status is None:
-            return failed_attempt(reply, reply.call.url)
-        if 200 <= status < 300:
-            return Attempt(ACKNOWLEDGED, status=status, success=True, url=reply.call.url, calls=calls)
-        if status == 429:
-            return Attempt(
-                REFUSED,
-                status=status,
-                success=False,
-                error="HTTP 429 (a request is running)",
-                url=reply.call.url,
-                calls=calls,
-            )
-        if status == 404:
-            return unsupported(
-                reply.call.url,
-                "HTTP 404: /v1/cache/clear is not served",
-                "this engine has no /v1/cache/clear; check --engine and the upstream URL",
-                calls,
-            )
-        outcome, error = outcome_for_status(status)
-        return Attempt(outcome, status=status, error=error, url=reply.call.url, calls=calls)
+        reply = await engine_call(
+            session, "POST", f"{plan.base_url}/v1/cache/clear", timeout_s=plan.timeout_s
+        )
+        return read_answer(reply, RULES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.base import Attempt, Dialect, unsupported
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, unsupported
 
 __all__ = ["NoResetDialect"]
 
@@ -24,14 +24,6 @@ class NoResetDialect(Dialect):
         self._hint = hint
         self.health_path = health_path
 
-    async def reset_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        *,
-        force: bool,
-        retry_seconds: float,
-        timeout_s: float,
-    ) -> Attempt:
+    async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """No call: the reset is unsupported."""
-        return unsupported(base_url, "resets are switched off (--engine none)", self._hint)
+        return unsupported(plan.base_url, "resets are switched off (--engine none)", self._hint)

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import aiohttp
 
-from proxy.engines.base import (
-    ACCEPTED_UNVERIFIED,
-    ACKNOWLEDGED,
-    REFUSED,
-    Attempt,
-    Dialect,
-    engine_call,
-    failed_attempt,
-    outcome_for_status,
-    success_field,
-    unsupported,
-)
+from proxy.engines.answer import AnswerRules, read_answer
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, engine_call
 
 __all__ = ["VllmDialect"]
 
@@ -27,6 +19,23 @@ LEGACY_WARNING = (
     "vLLM before 0.26 answers 200 with an empty body whatever happened: the reset "
     "was accepted but the engine did not say it cleared the cache"
 )
+# 0.26+ answers `{"success": false}` "while blocks are still held ... callers may retry".
+RULES = AnswerRules(
+    route="/reset_prefix_cache",
+    hint=DEV_MODE_HINT,
+    success_field="success",
+    unconfirmed_warning=LEGACY_WARNING,
+)
+FORCED_RULES = replace(
+    RULES,
+    rejected={
+        500: (
+            "HTTP 500 from the engine (reset_running_requests=true: vLLM answers 500 "
+            "when the forced reset still fails)",
+            None,
+        )
+    },
+)
 
 
 class VllmDialect(Dialect):
@@ -34,42 +43,11 @@ class VllmDialect(Dialect):
 
     kind = "vllm"
 
-    async def reset_once(
-        self,
-        session: aiohttp.ClientSession,
-        base_url: str,
-        *,
-        force: bool,
-        retry_seconds: float,
-        timeout_s: float,
-    ) -> Attempt:
+    async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """POST /reset_prefix_cache?reset_external=true and read the `success` field."""
         # reset_external (0.13+) also clears connector/offload tiers (vllm #57727); older
         # versions ignore unknown params, so it is always sent. `device` is never sent.
-        query = "reset_external=true" + ("&reset_running_requests=true" if force else "")
-        url = f"{base_url}/reset_prefix_cache?{query}"
-        reply = await engine_call(session, "POST", url, timeout_s=timeout_s)
-        calls = (reply.call,)
-        status = reply.status
-        if status is None:
-            return failed_attempt(reply, reply.call.url)
-        if status == 404:
-            return unsupported(
-                reply.call.url, "HTTP 404: /reset_prefix_cache is not served", DEV_MODE_HINT, calls
-            )
-        if not 200 <= status < 300:
-            outcome, error = outcome_for_status(status)
-            if force and status == 500:
-                error += " (reset_running_requests=true: vLLM answers 500 when the forced reset still fails)"
-            return Attempt(outcome, status=status, error=error, url=reply.call.url, calls=calls)
-        success = success_field(reply.json())
-        if success is True:
-            return Attempt(ACKNOWLEDGED, status=status, success=True, url=reply.call.url, calls=calls)
-        if success is False:
-            # 0.26+: false "while blocks are still held ... callers may retry".
-            return Attempt(
-                REFUSED, status=status, success=False, error="success false", url=reply.call.url, calls=calls
-            )
-        return Attempt(
-            ACCEPTED_UNVERIFIED, status=status, url=reply.call.url, calls=calls, warning=LEGACY_WARNING
-        )
+        query = "reset_external=true" + ("&reset_running_requests=true" if plan.force else "")
+        url = f"{plan.base_url}/reset_prefix_cache?{query}"
+        reply = await engine_call(session, "POST", url, timeout_s=plan.timeout_s)
+        return read_answer(reply, FORCED_RULES if plan.force else RULES)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 
 import aiohttp
 
@@ -225,3 +227,29 @@ async def test_busy_slot_erase_still_acknowledged_after_drain(llama: Pair) -> No
     assert done["usage"]["completion_tokens"] == 1500  # the drain let it finish
     assert answer["drain"]["inflight_at_start"] >= 1
     assert record["reset"]["answer"] == "acknowledged"
+
+
+async def test_busy_slot_without_drain_is_refused_within_the_retry_window(llama: Pair) -> None:
+    """A generating slot makes a real erase block; the sidecar reads /slots and refuses in time."""
+    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": LONG_GENERATION, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        generation = asyncio.create_task(complete(s, llama.url, body))
+
+        async def processing() -> bool | None:
+            """True once a slot is busy."""
+            return True if any(x["is_processing"] for x in await _slots(s, llama)) else None
+
+        try:
+            await eventually(processing, 15.0, "a slot busy with the generation")
+            started = time.monotonic()
+            status, answer = await reset(s, llama.url, drain=False, retry_seconds=2)
+            took_s = time.monotonic() - started
+        finally:
+            generation.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await generation
+    assert status == 409 and answer["answer"] == "refused", answer
+    assert answer["attempts"] >= 2
+    # Before: one erase that blocked until the generation ended (30.5 s seen).
+    assert took_s < 4.0, took_s
+    assert not [c for c in answer["calls"] if "action=erase" in c["url"]]

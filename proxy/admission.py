@@ -6,7 +6,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Admission", "DrainResult", "Hold"]
+from aiohttp import web
+
+__all__ = ["ADMISSION", "Admission", "DrainResult", "Hold", "setup_admission"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +145,11 @@ class Admission:
             inflight_at_end=self._inflight,
             held=self.held,
         )
+
+
+ADMISSION = web.AppKey("admission", Admission)
+
+
+def setup_admission(app: web.Application) -> None:
+    """The gate every forwarded request passes (no lifetime: it holds no resource)."""
+    app[ADMISSION] = Admission()

@@ -9,10 +9,10 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from proxy.config import Settings
+from proxy.config import SETTINGS, Settings
 from proxy.errors import error_response
 
-__all__ = ["ADMIN_PREFIX", "admin_middleware", "is_loopback"]
+__all__ = ["ADMIN_PREFIX", "admin_middleware", "is_loopback", "setup_auth"]
 
 ADMIN_PREFIX = "/cache/"
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -86,3 +86,8 @@ def admin_middleware(settings: Settings) -> Middleware:
         return error_response(403, NO_TOKEN_MESSAGE, type_="permission_error", code="admin_loopback_only")
 
     return admin_auth
+
+
+def setup_auth(app: web.Application) -> None:
+    """Guard the sidecar's own admin routes (the middleware runs before every handler)."""
+    app.middlewares.append(admin_middleware(app[SETTINGS]))

@@ -6,11 +6,15 @@ from pathlib import Path
 
 from aiohttp import web
 
+from proxy.admission import ADMISSION
 from proxy.cluster_views import cluster_evidence, cluster_state
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
 from proxy.errors import error_response
-from proxy.evidence import read_evidence
-from proxy.keys import ADMISSION, ENGINE, EVIDENCE, HEALTH, SETTINGS, WITNESS
-from proxy.reset import is_valid_id
+from proxy.evidence import EVIDENCE, read_evidence
+from proxy.health import HEALTH
+from proxy.reset_params import is_valid_id
+from proxy.witness import WITNESS
 
 __all__ = ["handle_evidence", "handle_state"]
 

@@ -22,7 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.config import Settings
+from proxy.config import SETTINGS, Settings
 from proxy.engines.base import (
     ACCEPTED_UNVERIFIED,
     ACKNOWLEDGED,
@@ -33,10 +33,10 @@ from proxy.engines.base import (
     CacheReset,
     cache_state_record,
 )
-from proxy.keys import EVIDENCE, SETTINGS
 from proxy.logs import log_event
 from proxy.peers import Peer, PeerSet, discover_peers
-from proxy.reset import POD, ResetParams
+from proxy.recorder import RECORDER
+from proxy.reset_params import POD, ResetParams
 
 __all__ = [
     "PEER_CLIENT",
@@ -362,9 +362,7 @@ async def cluster_reset(request: web.Request, params: ResetParams) -> web.Respon
     pods, timeout_s = await fan_out(app[PEER_CLIENT], settings, params, peers.peers, reset_id)
     outcome = ClusterReset(reset_id, peers, pods, at_ns, time.time_ns(), timeout_s)
     record = outcome.cache_state(params)
-    evidence = app.get(EVIDENCE)
-    if evidence is not None:
-        evidence.write(record)
+    app[RECORDER].cluster_reset(record)
     log_event(
         log,
         logging.INFO if outcome.http_status == 200 else logging.WARNING,

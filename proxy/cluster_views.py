@@ -18,8 +18,8 @@ import orjson
 from aiohttp import web
 
 from proxy.cluster import PEER_CLIENT, admin_headers
+from proxy.config import SETTINGS
 from proxy.errors import error_response
-from proxy.keys import SETTINGS
 from proxy.peers import Peer, PeerSet, discover_peers
 
 __all__ = ["CLUSTER_READ_EVENT", "cluster_evidence", "cluster_state"]

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_KINDS", "OPTIONS", "ConfigError", "Settings", "load_settings", "parse_listen"]
+from aiohttp import web
+
+__all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "load_settings", "parse_listen"]
 
 ENGINE_KINDS = ("auto", "vllm", "sglang", "llamacpp", "mindnano", "generic", "none")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -78,6 +80,9 @@ class Settings:
     def upstream_base(self) -> str:
         """The upstream URL without a trailing slash."""
         return self.upstream.rstrip("/")
+
+
+SETTINGS = web.AppKey("settings", Settings)
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
 
 import aiohttp
+from aiohttp import web
 
-from proxy.config import Settings
+from proxy.config import SETTINGS, Settings
 from proxy.engines.base import Dialect, EngineInfo
 from proxy.engines.detect import (
     UNKNOWN,
@@ -22,9 +24,10 @@ from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.logs import log_event
+from proxy.pool import UPSTREAM_POOL
 from proxy.redact import redact_url
 
-__all__ = ["EngineState", "make_dialect"]
+__all__ = ["ENGINE", "EngineState", "make_dialect", "setup_engine_state"]
 
 log = logging.getLogger("cachewitness.engine")
 
@@ -120,3 +123,18 @@ class EngineState:
         """The upstream answers again after being down: it may be another engine now, so re-detect (auto)."""
         if self._auto or self.info.version is None:
             await self.detect(session)
+
+
+ENGINE = web.AppKey("engine", EngineState)
+
+
+def setup_engine_state(app: web.Application) -> None:
+    """The engine's identity: detected once the upstream pool is open (needs UPSTREAM_POOL)."""
+    engine = EngineState(app[SETTINGS])
+    app[ENGINE] = engine
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        await engine.detect(app[UPSTREAM_POOL])
+        yield
+
+    app.cleanup_ctx.append(lifetime)

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from aiohttp import web
 
-__all__ = ["MAX_LINE_BYTES", "EvidenceWriter", "read_evidence"]
+from proxy.config import SETTINGS
+
+__all__ = ["EVIDENCE", "MAX_LINE_BYTES", "EvidenceWriter", "read_evidence", "setup_evidence"]
 
 MAX_LINE_BYTES = 64 * 1024
 # A string longer than this is cut when a record would not fit in one line.
@@ -365,3 +368,25 @@ async def read_evidence(
                 carry = data[start:]
         finally:
             await asyncio.to_thread(handle.close)
+
+
+EVIDENCE = web.AppKey("evidence", EvidenceWriter)
+
+
+def setup_evidence(app: web.Application) -> None:
+    """The evidence writer: started first, closed (flushed, fsync'd) after everything that records."""
+    settings = app[SETTINGS]
+    writer = EvidenceWriter(
+        Path(settings.evidence),
+        max_bytes=settings.evidence_max_bytes,
+        keep=settings.evidence_keep,
+        stdout=settings.evidence_stdout,
+    )
+    app[EVIDENCE] = writer
+
+    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
+        await writer.start()
+        yield
+        await writer.close()
+
+    app.cleanup_ctx.append(lifetime)

@@ -14,8 +14,11 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from proxy.admission import ADMISSION
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
 from proxy.errors import error_response
-from proxy.keys import ADMISSION, CLIENT, ENGINE, SETTINGS
+from proxy.exchange import Forwarded
 from proxy.logs import log_event
 from proxy.observe import (
     Observation,
@@ -24,12 +27,8 @@ from proxy.observe import (
     prepare_request,
     usage_from_json,
 )
-from proxy.recorder import (
-    Forwarded,
-    begin_observation,
-    record_forwarded,
-    record_observation,
-)
+from proxy.pool import UPSTREAM_POOL
+from proxy.recorder import RECORDER
 
 __all__ = ["HOP_BY_HOP", "Exchange", "forward"]
 
@@ -231,7 +230,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
         return await _admit_and_exchange(request, exchange)
     finally:
         # Every request is counted, those the sidecar itself turned away (413, 503) included.
-        record_forwarded(app, exchange.forwarded(request))
+        app[RECORDER].forwarded(exchange.forwarded(request))
 
 
 def _rejected(exchange: Exchange, response: web.Response) -> web.Response:
@@ -258,10 +257,9 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         except ClientGone:
             exchange.outcome = "client_disconnected"
             raise asyncio.CancelledError from None
-        engine = app.get(ENGINE)
         # llama.cpp needs no injection: its finish chunk carries `timings.cache_n`, and its
         # /v1/completions streams may carry usage unasked, which stripping would then remove.
-        inject = settings.inject_usage and (engine is None or engine.info.kind != "llamacpp")
+        inject = settings.inject_usage and app[ENGINE].info.kind != "llamacpp"
         prepared = prepare_request(body, inject_usage=inject, path=request.path)
         original = body
         body = prepared.body
@@ -283,12 +281,12 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
     try:
         if exchange.observed:
             # Assigned after admission: a request held during a drain belongs to the new reset.
-            exchange.reset_id, exchange.ordinal = begin_observation(app)
+            exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
         return await _exchange(request, exchange, body, settings.upstream_base, limit, original=original)
     finally:
         admission.leave()
         if exchange.observed:
-            record_observation(app, exchange.observation(request))
+            app[RECORDER].observation(exchange.observation(request))
 
 
 async def _exchange(
@@ -305,7 +303,7 @@ async def _exchange(
     `original` is the client's own body when `body` has include_usage injected: an engine
     that refuses the injected request gets the client's request instead.
     """
-    client = request.app[CLIENT]
+    client = request.app[UPSTREAM_POOL]
     url = URL(base + request.raw_path, encoded=True)
     headers = _request_headers(request, exchange.request_id)
     data: bytes | AsyncIterator[bytes] | None

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from proxy.keys import HEALTH
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
 from proxy.logs import log_event
+from proxy.pool import UPSTREAM_POOL
 
-__all__ = ["UpstreamHealth", "healthy", "ready"]
+__all__ = ["HEALTH", "UpstreamHealth", "healthy", "ready", "setup_health"]
 
 log = logging.getLogger("cachewitness.health")
 
@@ -89,6 +92,37 @@ class UpstreamHealth:
             started = time.monotonic()
             await self.probe(session)
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
+
+
+HEALTH = web.AppKey("health", UpstreamHealth)
+
+
+def setup_health(app: web.Application) -> None:
+    """The upstream health watcher: probes from start (after detection) until shutdown."""
+    settings = app[SETTINGS]
+    engine = app[ENGINE]
+
+    async def redetect(recovered: bool) -> None:
+        # Back after being down: it may be another engine now. First contact: detect if
+        # start-up detection could not reach it.
+        if recovered:
+            await engine.upstream_came_back(app[UPSTREAM_POOL])
+        else:
+            await engine.ensure_detected(app[UPSTREAM_POOL])
+
+    health = UpstreamHealth(
+        settings.upstream_base, settings.health_interval, path=lambda: engine.health_path, on_up=redetect
+    )
+    app[HEALTH] = health
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(health.watch(app[UPSTREAM_POOL]))
+        yield
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+    app.cleanup_ctx.append(lifetime)
 
 
 async def healthy(request: web.Request) -> web.Response:

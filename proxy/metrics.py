@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,21 +28,26 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.config import Settings
+from proxy.admission import ADMISSION
+from proxy.config import SETTINGS, Settings
+from proxy.engine_state import ENGINE
 from proxy.engines.base import OUTCOMES
-from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, HEALTH, METRICS, SETTINGS
+from proxy.evidence import EVIDENCE
+from proxy.exchange import Forwarded
+from proxy.health import HEALTH
 from proxy.observe import OBSERVED_PATHS
+from proxy.pool import UPSTREAM_POOL
 from proxy.shared_fetch import SharedFetch
 
 if TYPE_CHECKING:
     from proxy.observe import Observation
-    from proxy.recorder import Forwarded
 
 __all__ = [
     "CODES",
     "CONTENT_TYPE",
     "ENGINE_LABELS",
     "ENGINE_TEXT",
+    "METRICS",
     "OTHER",
     "ROUTES",
     "UPSTREAM_ERROR_KINDS",
@@ -387,6 +392,9 @@ class Metrics:
         )
 
 
+METRICS = web.AppKey("metrics", Metrics)
+
+
 def _upstream_error_kind(f: Forwarded) -> str | None:
     """Which kind of upstream failure an exchange was, if any."""
     if f.outcome == "timeout":
@@ -408,32 +416,26 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Yield in-flight, draining, upstream_up, engine_info and the evidence writer's counters."""
         app = self._app
-        admission = app.get(ADMISSION)
-        health = app.get(HEALTH)
-        engine = app.get(ENGINE)
-        evidence = app.get(EVIDENCE)
+        admission, health, engine, evidence = app[ADMISSION], app[HEALTH], app[ENGINE], app[EVIDENCE]
         yield GaugeMetricFamily(
             PREFIX + "inflight_requests",
             "Forwarded requests admitted and not finished.",
-            value=admission.inflight if admission is not None else 0,
+            value=admission.inflight,
         )
         yield GaugeMetricFamily(
             PREFIX + "draining",
             "1 while a cache reset holds new requests.",
-            value=1 if admission is not None and admission.draining else 0,
+            value=1 if admission.draining else 0,
         )
         yield GaugeMetricFamily(
             PREFIX + "upstream_up",
             "1 when the engine answered its health probe recently.",
-            value=1 if health is not None and health.upstream_up else 0,
+            value=1 if health.upstream_up else 0,
         )
         info = GaugeMetricFamily(
             PREFIX + "engine_info", "The engine behind the sidecar (always 1).", labels=("kind", "version")
         )
-        if engine is not None:
-            info.add_metric((engine.info.kind, (engine.info.version or "")[:_VERSION_MAX]), 1)
-        else:
-            info.add_metric(("unknown", ""), 1)
+        info.add_metric((engine.info.kind, (engine.info.version or "")[:_VERSION_MAX]), 1)
         yield info
         records = CounterMetricFamily(
             PREFIX + "evidence_records_total",
@@ -441,19 +443,19 @@ class _StateCollector(Collector):
             labels=("event_type",),
         )
         # A copy: the writer's thread adds keys (dict() copies atomically under the GIL).
-        written = dict(evidence.records_total) if evidence is not None else {}
+        written = dict(evidence.records_total)
         for event_type in sorted(set(EVENT_TYPES) | set(written)):
             records.add_metric((event_type,), written.get(event_type, 0))
         yield records
         yield CounterMetricFamily(
             PREFIX + "evidence_write_errors_total",
             "Evidence writes the disk refused.",
-            value=evidence.write_errors_total if evidence is not None else 0,
+            value=evidence.write_errors_total,
         )
         yield CounterMetricFamily(
             PREFIX + "evidence_dropped_total",
             "Evidence records that will never be written.",
-            value=evidence.dropped_total if evidence is not None else 0,
+            value=evidence.dropped_total,
         )
 
     def describe(self) -> Iterator[Metric]:
@@ -555,8 +557,8 @@ async def fetch_model_ids(session: aiohttp.ClientSession, base: str, timeout_s: 
 async def refresh_models(app: web.Application) -> None:
     """Learn the engine's model ids (when no allow-list is configured). Never raises."""
     metrics = app[METRICS]
-    session = app.get(CLIENT)
-    if metrics.models.configured or session is None or session.closed:
+    session = app[UPSTREAM_POOL]
+    if metrics.models.configured or session.closed:
         return
     settings = app[SETTINGS]
     metrics.models.tried_at = time.monotonic()
@@ -569,9 +571,9 @@ async def handle_metrics(request: web.Request) -> web.Response:
     """GET /metrics: the sidecar's exposition, then the engine's own when it has one."""
     app = request.app
     metrics = app[METRICS]
-    session = app.get(CLIENT)
+    session = app[UPSTREAM_POOL]
     engine_text: bytes | None = None
-    if session is not None and not session.closed:
+    if not session.closed:
         fetch = app[ENGINE_TEXT].get()
         if metrics.models.due(time.monotonic(), retry_s=0.0):
             engine_text, _ = await asyncio.gather(fetch, refresh_models(app))
@@ -582,7 +584,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 
 def setup_metrics(app: web.Application) -> Metrics:
-    """Create the app's Metrics, register `GET /metrics`, and learn the engine's model ids at start."""
+    """Create the app's Metrics and learn the engine's model ids at start (`GET /metrics` is in the routes)."""
     # `*_created` series double every counter and histogram for nothing a dashboard uses
     # (vLLM turns them off the same way); process-wide, and the sidecar owns its process.
     disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
@@ -592,14 +594,13 @@ def setup_metrics(app: web.Application) -> Metrics:
 
     async def fetch_engine_text() -> bytes | None:
         """The engine's /metrics through the app's upstream pool (None while it is closed)."""
-        session, settings = app.get(CLIENT), app[SETTINGS]
-        if session is None or session.closed:
+        session, settings = app[UPSTREAM_POOL], app[SETTINGS]
+        if session.closed:
             return None
         return await fetch_engine_metrics(session, settings.upstream_base, settings.upstream_metrics_timeout)
 
     shared_text: SharedFetch[bytes | None] = SharedFetch(fetch_engine_text, ENGINE_METRICS_MAX_AGE_S)
     app[ENGINE_TEXT] = shared_text
-    app.router.add_get("/metrics", handle_metrics)
     pending: set[asyncio.Task[None]] = set()
     stopping: list[bool] = []
 
@@ -612,12 +613,11 @@ def setup_metrics(app: web.Application) -> Metrics:
         pending.add(task)
         task.add_done_callback(pending.discard)
 
-    async def learn_at_start(app: web.Application) -> None:
-        """Runs after cleanup_ctx has opened the upstream pool (on_startup[0] is cleanup_ctx)."""
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        """Learn the model ids once the pool is open; at shutdown, cancel background fetches
+        before the pool closes, and start none after."""
         await refresh_models(app)
-
-    async def stop_learning(app: web.Application) -> None:
-        """Cancel a background fetch before the pool closes (and start none after)."""
+        yield
         stopping.append(True)
         await shared_text.close()
         for task in list(pending):
@@ -626,6 +626,5 @@ def setup_metrics(app: web.Application) -> Metrics:
             await asyncio.gather(*pending, return_exceptions=True)
 
     metrics.on_unknown_models = on_unknown_models
-    app.on_startup.append(learn_at_start)
-    app.on_shutdown.append(stop_learning)
+    app.cleanup_ctx.append(lifetime)
     return metrics

@@ -1,56 +1,81 @@
-"""Hands each finished observation to the witness, the evidence log and the metrics — one path."""
+"""One fan-out for everything recorded: observations, forwarded exchanges and resets.
+
+Each fact goes to the witness (verdicts), the evidence log and the metrics from here and
+nowhere else, so a record and its counters cannot disagree.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import Any
 
 from aiohttp import web
 
-from proxy.keys import EVIDENCE, METRICS, WITNESS
+from proxy.evidence import EVIDENCE, EvidenceWriter
+from proxy.exchange import Forwarded
+from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
+from proxy.witness import WITNESS, Witness
 
-__all__ = ["Forwarded", "begin_observation", "record_forwarded", "record_observation"]
-
-
-@dataclass(frozen=True)
-class Forwarded:
-    """Transport facts of one forwarded exchange, observed or not (for metrics)."""
-
-    method: str
-    path: str
-    status: int | None
-    outcome: str  # an Observation outcome, or "rejected": answered by the sidecar itself (413, 503)
-    started_ns: int
-    first_byte_ns: int | None
-    finished_ns: int
-    # Time the sidecar itself spent: request in → upstream request sent, and
-    # upstream response head → client response head (None where not reached).
-    before_upstream_s: float | None
-    after_upstream_s: float | None
+__all__ = ["RECORDER", "Recorder", "setup_recorder"]
 
 
-def begin_observation(app: web.Application) -> tuple[str | None, int | None]:
-    """The reset this request belongs to and its ordinal since that reset."""
-    witness = app.get(WITNESS)
-    return witness.begin_request() if witness is not None else (None, None)
+class Recorder:
+    """Hands each finished fact to the witness, the evidence log and the metrics — one path."""
 
+    def __init__(self, witness: Witness, evidence: EvidenceWriter, metrics: Metrics) -> None:
+        self.witness = witness
+        self._evidence = evidence
+        self._metrics = metrics
 
-def record_observation(app: web.Application, observation: Observation) -> None:
-    """Record one exchange: never blocks, never raises into the forwarding path."""
-    evidence = app.get(EVIDENCE)
-    witness = app.get(WITNESS)
-    verification = witness.observe(observation) if witness is not None else None
-    if evidence is not None:
-        evidence.write(observation.to_record())
+    def begin_request(self) -> tuple[str | None, int | None]:
+        """The reset this request belongs to and its ordinal since that reset."""
+        return self.witness.begin_request()
+
+    def observation(self, observation: Observation) -> None:
+        """Record one inference exchange: never blocks, never raises into the forwarding path."""
+        verification = self.witness.observe(observation)
+        self._evidence.write(observation.to_record())
         if verification is not None:
-            evidence.write(verification)
-    metrics = app.get(METRICS)
-    if metrics is not None:
-        metrics.observe(observation, verification)
+            self._evidence.write(verification)
+        self._metrics.observe(observation, verification)
+
+    def forwarded(self, forwarded: Forwarded) -> None:
+        """Count one forwarded exchange, observed or not."""
+        self._metrics.forwarded(forwarded)
+
+    def reset_accepted(
+        self, *, reset_id: str, session_id: str | None, case_id: str | None, at_ns: int
+    ) -> None:
+        """An engine reset succeeded: requests from now on are numbered after it."""
+        self.witness.reset_accepted(reset_id=reset_id, session_id=session_id, case_id=case_id, at_ns=at_ns)
+
+    def reset_answered(
+        self,
+        records: Iterable[dict[str, Any]],
+        summary: dict[str, Any],
+        *,
+        engine_kind: str,
+        answer: str,
+        attempts: int,
+    ) -> None:
+        """One engine reset answered: each caller's record, the witness's summary, the counters once."""
+        for record in records:
+            self._evidence.write(record)
+        self.witness.reset_answered(summary)
+        # Once per engine reset: coalesced callers count once.
+        self._metrics.reset_answered(engine_kind, answer, summary["duration_s"], attempts)
+
+    def cluster_reset(self, record: dict[str, Any]) -> None:
+        """The receiving pod's record of a cluster-scope reset (each pod records its own part)."""
+        self._evidence.write(record)
 
 
-def record_forwarded(app: web.Application, forwarded: Forwarded) -> None:
-    """Count one forwarded exchange in the metrics."""
-    metrics = app.get(METRICS)
-    if metrics is not None:
-        metrics.forwarded(forwarded)
+RECORDER = web.AppKey("recorder", Recorder)
+
+
+def setup_recorder(app: web.Application) -> None:
+    """The witness and the recorder (no lifetime of their own: they write through the evidence writer)."""
+    witness = Witness()
+    app[WITNESS] = witness
+    app[RECORDER] = Recorder(witness, app[EVIDENCE], app[METRICS])

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,14 +14,15 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.config import Settings
+from proxy.admission import ADMISSION
+from proxy.cluster import cluster_reset
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
 from proxy.engines.base import (
     ACCEPTED_UNVERIFIED,
     ACKNOWLEDGED,
-    COLD,
     ERROR,
     REFUSED,
-    UNSPECIFIED,
     Attempt,
     AttemptPlan,
     CacheReset,
@@ -33,19 +32,16 @@ from proxy.engines.base import (
     cache_state_record,
 )
 from proxy.errors import error_response
-from proxy.keys import ADMISSION, CLIENT, ENGINE, EVIDENCE, METRICS, SETTINGS, WITNESS
 from proxy.logs import log_event
+from proxy.pool import UPSTREAM_POOL
+from proxy.recorder import RECORDER
+from proxy.reset_params import CLUSTER, BadInput, ResetParams, read_params
 
 __all__ = [
-    "CLUSTER",
-    "POD",
     "RESETS",
     "RESET_RETRY_INTERVAL_SECONDS",
-    "BadInput",
-    "ResetParams",
     "ResetService",
     "handle_reset",
-    "parse_params",
     "retry_reset",
     "setup_reset",
 ]
@@ -54,173 +50,10 @@ log = logging.getLogger("cachewitness.reset")
 
 # vLLM refuses while blocks are held and says callers may retry: every half second, as the reference client.
 RESET_RETRY_INTERVAL_SECONDS = 0.5
-MAX_RETRY_SECONDS = 120.0
-# session_id / case_id (SPEC §4), also the filters of GET /cache/evidence.
-_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def is_valid_id(value: object) -> bool:
-    """A session or case id: 1-128 characters of [A-Za-z0-9._:-]."""
-    return isinstance(value, str) and _ID.fullmatch(value) is not None
-
-
-_FIELDS = (
-    "session_id",
-    "case_id",
-    "requested",
-    "warmup_requests",
-    "drain",
-    "retry_seconds",
-    "force",
-    "scope",
-    "parent_reset_id",
-)
-# `scope`: this pod's engine, or every peer's (proxy/cluster.py).
-POD = "pod"
-CLUSTER = "cluster"
-_BODY_LIMIT = 64 * 1024
 # An answer lists every engine call, but a long retry window against llama.cpp makes hundreds:
 # keep the first and the last ones and say how many were left out.
 _CALLS_HEAD = 16
 _CALLS_TAIL = 48
-
-
-class BadInput(Exception):
-    """A `/cache/reset` input the sidecar will not take; `param` names the field."""
-
-    def __init__(self, param: str | None, message: str, code: str = "invalid_value") -> None:
-        """`param` is the field at fault (None for the body as a whole)."""
-        super().__init__(message)
-        self.param = param
-        self.message = message
-        self.code = code
-
-
-@dataclass(frozen=True)
-class ResetParams:
-    """One caller's validated reset request."""
-
-    session_id: str | None = None
-    case_id: str | None = None
-    requested: str = COLD
-    warmup_requests: int = 0
-    drain: bool = True
-    retry_seconds: float = 10.0
-    force: bool = False
-    scope: str = POD
-    # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
-    parent_reset_id: str | None = None
-
-
-def _text_bool(name: str, text: str) -> bool:
-    """A query parameter's boolean."""
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise BadInput(name, f"{name} must be true or false, not {text[:40]!r}")
-
-
-def _parse_field(name: str, value: Any, from_query: bool) -> Any:
-    """One field's value, checked; query values arrive as text, JSON values must have their JSON type."""
-    if name in ("session_id", "case_id", "parent_reset_id"):
-        if not is_valid_id(value):
-            raise BadInput(name, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
-        return value
-    if name == "scope":
-        if value not in (POD, CLUSTER):
-            raise BadInput(name, 'scope must be "pod" or "cluster"')
-        return value
-    if name == "requested":
-        if value not in (COLD, UNSPECIFIED):
-            raise BadInput(name, 'requested must be "cold" or "unspecified"')
-        return value
-    if name in ("drain", "force"):
-        if from_query and isinstance(value, str):
-            return _text_bool(name, value)
-        if not isinstance(value, bool):
-            raise BadInput(name, f"{name} must be a JSON boolean")
-        return value
-    if name == "warmup_requests":
-        if from_query and isinstance(value, str):
-            try:
-                value = int(value.strip())
-            except ValueError:
-                raise BadInput(name, "warmup_requests must be a whole number >= 0") from None
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise BadInput(name, "warmup_requests must be a whole number >= 0")
-        return value
-    # retry_seconds
-    if from_query and isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise BadInput(name, "retry_seconds must be a number of seconds from 0 to 120") from None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value <= MAX_RETRY_SECONDS
-    ):
-        raise BadInput(name, "retry_seconds must be a number of seconds from 0 to 120")
-    return float(value)
-
-
-def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Settings) -> ResetParams:
-    """Validated parameters from query text and a JSON object (the body wins); raises BadInput."""
-    values: dict[str, Any] = {"drain": settings.drain, "retry_seconds": float(settings.retry_seconds)}
-    for source, from_query in ((query, True), (body, False)):
-        for name, value in source.items():
-            if name not in _FIELDS:
-                raise BadInput(
-                    name, f"unknown field {name!r}; known fields: {', '.join(_FIELDS)}", "unknown_field"
-                )
-            if value is None and not from_query:
-                continue  # JSON null: as if not given
-            values[name] = _parse_field(name, value, from_query)
-    if values.get("scope") == CLUSTER and values.get("parent_reset_id") is not None:
-        raise BadInput(
-            "parent_reset_id", "a cluster reset cannot be part of another one: leave out parent_reset_id"
-        )
-    return ResetParams(**values)
-
-
-async def _read_bounded(request: web.Request) -> bytes:
-    """The body, at most `_BODY_LIMIT` bytes; raises BadInput past that."""
-    chunks: list[bytes] = []
-    total = 0
-    while True:  # bounded: every turn reads at least one byte or ends
-        chunk = await request.content.read(_BODY_LIMIT + 1 - total)
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        total += len(chunk)
-        if total > _BODY_LIMIT:
-            raise BadInput(None, f"the request body is over {_BODY_LIMIT} bytes", "body_too_large")
-
-
-async def read_params(request: web.Request, settings: Settings) -> ResetParams:
-    """The request's parameters from its query string and optional JSON body; raises BadInput."""
-    query: dict[str, str] = {}
-    for name, value in request.query.items():
-        if name in query:
-            raise BadInput(name, f"{name} is given twice in the query string", "duplicate_field")
-        query[name] = value
-    if request.content_length is not None and request.content_length > _BODY_LIMIT:
-        raise BadInput(None, f"the request body is over {_BODY_LIMIT} bytes", "body_too_large")
-    raw = await _read_bounded(request) if request.body_exists else b""
-    body: Any = {}
-    if raw.strip():
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            raise BadInput(
-                None, "the body is not valid JSON; send a JSON object or no body", "invalid_json"
-            ) from None
-        if not isinstance(body, dict):
-            raise BadInput(None, "the body must be a JSON object", "invalid_json")
-    return parse_params(query, body, settings)
 
 
 async def _attempt(dialect: Dialect, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
@@ -385,8 +218,8 @@ class ResetService:
         settings = app[SETTINGS]
         admission = app[ADMISSION]
         engine = app[ENGINE]
-        session = app[CLIENT]
-        witness = app.get(WITNESS)
+        session = app[UPSTREAM_POOL]
+        recorder = app[RECORDER]
         params = current.params
         # Detection first: traffic is not held while an unreachable upstream is probed.
         await engine.ensure_detected(session)
@@ -417,9 +250,9 @@ class ResetService:
                 retry_seconds=params.retry_seconds,
                 timeout_s=settings.reset_attempt_timeout,
             )
-            if reset.succeeded and witness is not None:
+            if reset.succeeded:
                 # Before the gate opens: requests held by the drain belong to this reset.
-                witness.reset_accepted(
+                recorder.reset_accepted(
                     reset_id=current.reset_id,
                     session_id=params.session_id,
                     case_id=params.case_id,
@@ -431,23 +264,19 @@ class ResetService:
         self._finish(current, _Outcome(reset, info, drain))
 
     def _finish(self, current: _Round, outcome: _Outcome) -> None:
-        """Write each caller's record, tell the witness, log, and hand out the answers."""
-        evidence = self._app.get(EVIDENCE)
-        witness = self._app.get(WITNESS)
+        """Record each caller's record and the reset once, log, and hand out the answers."""
         answers = [
             _answer(caller.params, current, outcome, index) for index, caller in enumerate(current.callers)
         ]
-        if evidence is not None:
-            for _status, body in answers:
-                evidence.write(body["cache_state"])
         reset = outcome.reset
         summary = _summary(current, outcome, answers[0][1]["cache_state"])
-        if witness is not None:
-            witness.reset_answered(summary)
-        metrics = self._app.get(METRICS)
-        if metrics is not None:
-            # Once per engine reset: coalesced callers count once.
-            metrics.reset_answered(outcome.engine.kind, reset.outcome, summary["duration_s"], reset.attempts)
+        self._app[RECORDER].reset_answered(
+            (body["cache_state"] for _status, body in answers),
+            summary,
+            engine_kind=outcome.engine.kind,
+            answer=reset.outcome,
+            attempts=reset.attempts,
+        )
         log_event(
             log,
             logging.INFO if reset.succeeded else logging.WARNING,
@@ -562,14 +391,15 @@ RESETS = web.AppKey("resets", ResetService)
 
 
 def setup_reset(app: web.Application) -> None:
-    """Put the reset service on the app and stop it at cleanup."""
+    """The reset service: stopped at shutdown before the pool and the evidence writer it uses."""
     service = ResetService(app)
     app[RESETS] = service
 
-    async def _close(_app: web.Application) -> None:
+    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
+        yield
         await service.close()
 
-    app.on_cleanup.append(_close)
+    app.cleanup_ctx.append(lifetime)
 
 
 async def handle_reset(request: web.Request) -> web.Response:
@@ -579,9 +409,6 @@ async def handle_reset(request: web.Request) -> web.Response:
     except BadInput as bad:
         return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
     if params.scope == CLUSTER:
-        # Imported here: the cluster fan-out builds on this module's parameters.
-        from proxy.cluster import cluster_reset
-
         return await cluster_reset(request, params)
     status, body = await request.app[RESETS].reset(params)
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

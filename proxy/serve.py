@@ -12,7 +12,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import Settings
-from proxy.keys import HEALTH
+from proxy.health import HEALTH
 from proxy.logs import log_event
 from proxy.redact import redact_url
 

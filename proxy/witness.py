@@ -6,9 +6,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from proxy.observe import Observation
 
-__all__ = ["UNVERIFIED", "Witness"]
+__all__ = ["UNVERIFIED", "WITNESS", "Witness"]
 
 UNVERIFIED = "unverified"
 CONSISTENT = "consistent"
@@ -195,3 +197,6 @@ class Witness:
             },
             "engine": None,
         }
+
+
+WITNESS = web.AppKey("witness", Witness)

@@ -14,8 +14,7 @@ import pytest
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.config import Settings
-from proxy.keys import SETTINGS
+from proxy.config import SETTINGS, Settings
 from proxy.serve import make_runner, make_site
 
 

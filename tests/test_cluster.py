@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from proxy.app import build_app
-from proxy.keys import EVIDENCE
+from proxy.evidence import EVIDENCE
 from proxy.sim import SimConfig
 from tests.conftest import make_settings, serve_app
 from tests.dns_server import DnsServer, dns_server

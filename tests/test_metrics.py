@@ -16,8 +16,8 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.app import build_app
-from proxy.keys import EVIDENCE, METRICS
-from proxy.metrics import ENGINE_METRICS_MAX_AGE_S
+from proxy.evidence import EVIDENCE
+from proxy.metrics import ENGINE_METRICS_MAX_AGE_S, METRICS
 from proxy.sim import SimConfig, build_sim_app, running_sim
 from tests.conftest import SidecarFactory, closed_port_url, make_settings, serve_app
 from tests.sim_helpers import sim as sim_client

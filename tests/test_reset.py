@@ -14,8 +14,8 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.admission import ADMISSION
 from proxy.app import build_app
-from proxy.keys import ADMISSION
 from proxy.reset import RESETS
 from proxy.sim import SimConfig
 from tests.conftest import closed_port_url, make_settings, serve_app

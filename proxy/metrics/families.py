@@ -1,0 +1,261 @@
+"""The sidecar's own families and the hot-path calls that move them (no I/O, no locks of ours)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+
+from proxy.config import Settings
+from proxy.engines.base import OUTCOMES
+from proxy.exchange import Forwarded
+from proxy.metrics.labels import (
+    _CLASS_OF,
+    CACHED_TOKEN_BUCKETS,
+    CODES,
+    ENGINE_LABELS,
+    LATENCY_BUCKETS,
+    OTHER,
+    OVERHEAD_BUCKETS,
+    PREFIX,
+    RESET_ATTEMPT_BUCKETS,
+    RESET_DURATION_BUCKETS,
+    ROUTES,
+    UPSTREAM_ERROR_KINDS,
+    VERDICTS,
+)
+from proxy.metrics.models import ModelLabels
+from proxy.observe import Observation
+
+
+@dataclass(frozen=True, slots=True)
+class _ModelSeries:
+    """The per-model children, looked up once per label instead of once per request."""
+
+    prompt: Any
+    cached: Any
+    unknown: Any
+    cached_per_request: Any
+
+
+@dataclass(frozen=True, slots=True)
+class _RouteSeries:
+    """The per-route histogram children."""
+
+    duration: Any
+    ttfb: Any
+
+
+class Metrics:
+    """The sidecar's metric definitions and the hot-path calls that move them (no I/O, no locks of ours)."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Define every family on a private registry and pre-create its bounded label sets."""
+        self.registry = CollectorRegistry()
+        self.models = ModelLabels(settings.metrics_models, settings.metrics_max_models)
+        # Called (cheaply) from the hot path while the model ids are not known yet.
+        self.on_unknown_models: Callable[[], None] | None = None
+        registry = self.registry
+        self.requests = Counter(
+            PREFIX + "requests_total",
+            "Forwarded requests by route and response status class.",
+            ("route", "code"),
+            registry=registry,
+        )
+        self.request_duration = Histogram(
+            PREFIX + "request_duration_seconds",
+            "Forwarded request time, request in to last byte out.",
+            ("route",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ttfb = Histogram(
+            PREFIX + "time_to_first_byte_seconds",
+            "Request in to the response head sent to the client.",
+            ("route",),
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.overhead = Histogram(
+            PREFIX + "sidecar_overhead_seconds",
+            "Time the sidecar itself spent: request in to upstream request sent (phase=request), "
+            "upstream response head to client response head (phase=response).",
+            ("phase",),
+            buckets=OVERHEAD_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            PREFIX + "upstream_errors_total",
+            "Forwarded requests the engine failed, by kind.",
+            ("kind",),
+            registry=registry,
+        )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens_total",
+            "Prompt tokens the engine reported, by model.",
+            ("model",),
+            registry=registry,
+        )
+        self.cached_tokens = Counter(
+            PREFIX + "cached_tokens_total",
+            "Prompt tokens the engine reported served from its prefix cache.",
+            ("model",),
+            registry=registry,
+        )
+        self.cached_tokens_unknown = Counter(
+            PREFIX + "cached_tokens_unknown_total",
+            "Completed 2xx inference responses with no cached-token field.",
+            ("model",),
+            registry=registry,
+        )
+        self.request_cached_tokens = Histogram(
+            PREFIX + "request_cached_tokens",
+            "Cached prompt tokens per inference request (where reported).",
+            ("model",),
+            buckets=CACHED_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.verifications = Counter(
+            PREFIX + "cache_verifications_total",
+            "Verdicts of accepted resets (SPEC §5.3).",
+            ("verdict",),
+            registry=registry,
+        )
+        self.resets = Counter(
+            PREFIX + "cache_resets_total",
+            "Cache resets run against the engine, by engine kind and answer (coalesced calls count once).",
+            ("engine", "answer"),
+            registry=registry,
+        )
+        self.reset_duration = Histogram(
+            PREFIX + "cache_reset_duration_seconds",
+            "Time of one cache reset against the engine, retries included.",
+            buckets=RESET_DURATION_BUCKETS,
+            registry=registry,
+        )
+        self.reset_attempts = Histogram(
+            PREFIX + "cache_reset_attempts",
+            "Engine reset attempts per cache reset.",
+            buckets=RESET_ATTEMPT_BUCKETS,
+            registry=registry,
+        )
+
+        self._requests = {
+            (route, code): self.requests.labels(route, code) for route in ROUTES for code in CODES
+        }
+        self._routes = {
+            route: _RouteSeries(self.request_duration.labels(route), self.ttfb.labels(route))
+            for route in ROUTES
+        }
+        self._overhead_request = self.overhead.labels("request")
+        self._overhead_response = self.overhead.labels("response")
+        self._upstream_errors = {kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERROR_KINDS}
+        self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
+        self._resets = {
+            (engine, answer): self.resets.labels(engine, answer)
+            for engine in ENGINE_LABELS
+            for answer in OUTCOMES
+        }
+        self._models: dict[str, _ModelSeries] = {}
+        for model in (*self.models.ids, OTHER):
+            self._model_series(model)
+
+    def _model_series(self, label: str) -> _ModelSeries:
+        """The children of one model label, created on first use (labels are bounded by ModelLabels)."""
+        series = self._models.get(label)
+        if series is None:
+            series = _ModelSeries(
+                self.prompt_tokens.labels(label),
+                self.cached_tokens.labels(label),
+                self.cached_tokens_unknown.labels(label),
+                self.request_cached_tokens.labels(label),
+            )
+            self._models[label] = series
+        return series
+
+    def learn_models(self, listed: Iterable[str]) -> None:
+        """Allow the engine's listed model ids as labels (bounded), showing zeros for new ones at once."""
+        for model in self.models.learn(listed):
+            self._model_series(model)
+
+    def forwarded(self, f: Forwarded) -> None:
+        """Count one forwarded exchange: requests, duration, TTFB, overhead, upstream errors."""
+        route = f.path if f.path in self._routes else OTHER
+        code = _CLASS_OF.get(f.status, "none") if f.status is not None else "none"
+        self._requests[(route, code)].inc()
+        series = self._routes[route]
+        series.duration.observe(max(0.0, (f.finished_ns - f.started_ns) / 1e9))
+        if f.first_byte_ns is not None:
+            series.ttfb.observe(max(0.0, (f.first_byte_ns - f.started_ns) / 1e9))
+        if f.before_upstream_s is not None:
+            self._overhead_request.observe(max(0.0, f.before_upstream_s))
+        if f.after_upstream_s is not None:
+            self._overhead_response.observe(max(0.0, f.after_upstream_s))
+        kind = _upstream_error_kind(f)
+        if kind is not None:
+            self._upstream_errors[kind].inc()
+
+    def observe(self, observation: Observation, verification: dict[str, Any] | None) -> None:
+        """Count one inference request's tokens by model, and a verdict when it settled one."""
+        if not self.models.known and self.on_unknown_models is not None:
+            self.on_unknown_models()
+        series = self._model_series(self.models.label(observation.model))
+        prompt, cached = observation.prompt_tokens, observation.cached_tokens
+        if prompt is not None and prompt >= 0:
+            series.prompt.inc(prompt)
+        if cached is not None and cached >= 0:
+            series.cached.inc(cached)
+            series.cached_per_request.observe(cached)
+        elif (
+            cached is None
+            and observation.outcome == "ok"
+            and observation.status is not None
+            and 200 <= observation.status < 300
+        ):
+            series.unknown.inc()
+        if verification is not None:
+            counter = self._verdicts.get(str(verification.get("verdict")))
+            if counter is not None:
+                counter.inc()
+
+    def reset_answered(self, engine_kind: str, answer: str, duration_s: float, attempts: int) -> None:
+        """Count one answered POST /cache/reset."""
+        engine = engine_kind if engine_kind in ENGINE_LABELS else OTHER
+        answer = answer if answer in OUTCOMES else OTHER
+        counter = self._resets.get((engine, answer))
+        if counter is None:  # at most |ENGINE_LABELS ∪ other| x |OUTCOMES ∪ other| children
+            counter = self._resets[(engine, answer)] = self.resets.labels(engine, answer)
+        counter.inc()
+        self.reset_duration.observe(max(0.0, duration_s))
+        self.reset_attempts.observe(max(0, attempts))
+
+    def exposition(self, engine_metrics_up: bool) -> bytes:
+        """The sidecar's own text, with `upstream_metrics_up` saying what this very scrape merged."""
+        # Written per scrape, not kept in the registry: two concurrent scrapes must not see
+        # each other's answer.
+        return (
+            generate_latest(self.registry)
+            + (
+                f"# HELP {PREFIX}upstream_metrics_up 1 when the engine's /metrics was merged into this scrape, else 0.\n"
+                f"# TYPE {PREFIX}upstream_metrics_up gauge\n"
+                f"{PREFIX}upstream_metrics_up {1.0 if engine_metrics_up else 0.0}\n"
+            ).encode()
+        )
+
+
+def _upstream_error_kind(f: Forwarded) -> str | None:
+    """Which kind of upstream failure an exchange was, if any."""
+    if f.outcome == "timeout":
+        return "timeout"
+    if f.outcome == "upstream_error":
+        return "broken_response" if f.first_byte_ns is not None else "connection"
+    if f.outcome == "ok" and f.status is not None and f.status >= 500:
+        return "engine_5xx"
+    return None

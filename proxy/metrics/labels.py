@@ -1,0 +1,53 @@
+"""The metric families' names, label sets and buckets: each closed set of words written once."""
+
+from __future__ import annotations
+
+from proxy.observe import OBSERVED_PATHS
+
+PREFIX = "cachewitness_"
+OTHER = "other"
+# The text format every Prometheus server reads; the merge asks the engine for the same.
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# Bounded label values. `route` is the path when it is one of these, else "other".
+ROUTES: tuple[str, ...] = (*sorted(OBSERVED_PATHS), "/v1/models", OTHER)
+# `code` is the status class; "none" when no response head reached the client (it left first).
+CODES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx", "none")
+_CLASS_OF = {status: f"{status // 100}xx" for status in range(200, 600)}
+# `engine` of cache_resets_total: the kinds the sidecar can detect or be told (config.ENGINE_KINDS
+# less "auto"), plus "unknown" while `--engine auto` has not reached the upstream.
+ENGINE_LABELS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "generic", "none", "unknown")
+VERDICTS: tuple[str, ...] = ("consistent", "contradicted", "unobservable")
+EVENT_TYPES: tuple[str, ...] = ("infer.cache_state", "infer.cache_observation", "infer.cache_verification")
+# connection: no answer head (refused, reset, DNS); broken_response: the engine broke a response
+# it had started; timeout: no byte within read_timeout; engine_5xx: the engine answered >= 500.
+UPSTREAM_ERROR_KINDS: tuple[str, ...] = ("connection", "broken_response", "timeout", "engine_5xx")
+PHASES: tuple[str, ...] = ("request", "response")
+
+# LLM requests range from a cached 5 ms answer to minutes-long generations.
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+# Le "0" counts the cold answers on its own: the bucket a benchmark's first request must land in.
+CACHED_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
+# The sidecar's own time per request: tens of microseconds when all is well.
+OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+# Retries (≤ 120 s) + the last attempt (reset_attempt_timeout), with room for a drain if counted in.
+RESET_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RESET_ATTEMPT_BUCKETS = (1.0, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0, 100.0, 250.0)

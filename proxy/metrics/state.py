@@ -1,0 +1,74 @@
+"""Gauges and counters read at scrape time from the objects that own them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from aiohttp import web
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.admission import ADMISSION
+from proxy.engine_state import ENGINE
+from proxy.evidence import EVIDENCE
+from proxy.health import HEALTH
+from proxy.metrics.labels import EVENT_TYPES, PREFIX
+
+_VERSION_MAX = 64
+
+
+class StateCollector(Collector):
+    """Gauges and counters read at scrape time from their owners, so each count is the owner's own."""
+
+    def __init__(self, app: web.Application) -> None:
+        """Read from the app's shared objects (looked up at each scrape)."""
+        self._app = app
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield in-flight, draining, upstream_up, engine_info and the evidence writer's counters."""
+        app = self._app
+        admission, health, engine, evidence = app[ADMISSION], app[HEALTH], app[ENGINE], app[EVIDENCE]
+        yield GaugeMetricFamily(
+            PREFIX + "inflight_requests",
+            "Forwarded requests admitted and not finished.",
+            value=admission.inflight,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "draining",
+            "1 while a cache reset holds new requests.",
+            value=1 if admission.draining else 0,
+        )
+        yield GaugeMetricFamily(
+            PREFIX + "upstream_up",
+            "1 when the engine answered its health probe recently.",
+            value=1 if health.upstream_up else 0,
+        )
+        info = GaugeMetricFamily(
+            PREFIX + "engine_info", "The engine behind the sidecar (always 1).", labels=("kind", "version")
+        )
+        info.add_metric((engine.info.kind, (engine.info.version or "")[:_VERSION_MAX]), 1)
+        yield info
+        records = CounterMetricFamily(
+            PREFIX + "evidence_records_total",
+            "Evidence records written, by event type.",
+            labels=("event_type",),
+        )
+        # A copy: the writer's thread adds keys (dict() copies atomically under the GIL).
+        written = dict(evidence.records_total)
+        for event_type in sorted(set(EVENT_TYPES) | set(written)):
+            records.add_metric((event_type,), written.get(event_type, 0))
+        yield records
+        yield CounterMetricFamily(
+            PREFIX + "evidence_write_errors_total",
+            "Evidence writes the disk refused.",
+            value=evidence.write_errors_total,
+        )
+        yield CounterMetricFamily(
+            PREFIX + "evidence_dropped_total",
+            "Evidence records that will never be written.",
+            value=evidence.dropped_total,
+        )
+
+    def describe(self) -> Iterator[Metric]:
+        """Nothing to describe up front (the registry checks names only of families it is told)."""
+        return iter(())

@@ -11,7 +11,7 @@ from proxy.cluster import setup_cluster
 from proxy.config import SETTINGS, Settings
 from proxy.engine_state import setup_engine_state
 from proxy.evidence import setup_evidence
-from proxy.forward import forward
+from proxy.forward import forward, setup_forward
 from proxy.health import healthy, ready, setup_health
 from proxy.metrics import handle_metrics, setup_metrics
 from proxy.pool import setup_upstream_pool
@@ -38,7 +38,7 @@ def build_app(settings: Settings) -> web.Application:
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
       8. reset service   — a reset in progress ends before the pool and evidence close;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. auth, routes    — the admin middleware, then the routes.
+     10. auth, routes    — the admin middleware, forwarding's memory, then the routes.
 
     In-flight requests and streams finish (up to `grace_period`) before any of these stop:
     the runner waits for handlers before it runs cleanup_ctx (SPEC §11).
@@ -58,6 +58,7 @@ def build_app(settings: Settings) -> web.Application:
     setup_reset(app)
     setup_cluster(app)
     setup_auth(app)
+    setup_forward(app)
     setup_routes(app)
     return app
 

@@ -12,7 +12,9 @@ from proxy.config import OPTIONS, ConfigError, load_settings
 __all__ = ["build_parser", "main"]
 
 # Options whose value is a bool get --name/--no-name; the rest take a value.
-_BOOL_OPTIONS = frozenset({"evidence_stdout", "admin_open", "drain", "inject_usage", "observe"})
+_BOOL_OPTIONS = frozenset(
+    {"evidence_stdout", "admin_open", "drain", "inject_usage", "observe", "request_id_header"}
+)
 # Secrets are never taken as flags (they would show in `ps`): env or file only.
 _NOT_FLAGS = frozenset({"admin_token", "engine_api_key"})
 

@@ -52,6 +52,7 @@ class Settings:
     reset_attempt_timeout: float = 30.0
     inject_usage: bool = True
     observe: bool = True
+    request_id_header: bool = False
     engine_api_key: str | None = field(default=None, repr=False)
     reset_method: str = "POST"
     reset_path: str | None = None
@@ -238,6 +239,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("reset_attempt_timeout", _positive_float, "timeout of one engine reset call", "seconds > 0"),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option("observe", _bool, "observe inference requests and write evidence", "true or false"),
+    Option(
+        "request_id_header",
+        _bool,
+        "add X-Request-Id toward the engine and the client when the client sent none",
+        "true or false",
+    ),
     Option("engine_api_key", str, "key sent to the engine's reset route", "a non-empty string"),
     Option("reset_method", _method, "generic engine: reset HTTP method", "GET, POST, PUT or DELETE"),
     Option("reset_path", _http_path, "generic engine: reset path", "a path such as /reset"),

@@ -17,20 +17,25 @@ from yarl import URL
 from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
+from proxy.engines.base import EngineInfo
 from proxy.errors import error_response
 from proxy.exchange import Forwarded
 from proxy.logs import log_event
 from proxy.observe import (
+    InjectionRefusals,
+    JsonAnswer,
     Observation,
     StreamScanner,
+    Usage,
     is_observed,
+    names_stream_options,
     prepare_request,
-    usage_from_json,
+    rules_for,
 )
 from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
 
-__all__ = ["HOP_BY_HOP", "Exchange", "forward"]
+__all__ = ["HOP_BY_HOP", "INJECTION_REFUSALS", "Exchange", "forward", "setup_forward"]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -48,10 +53,22 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-_REQUEST_DROP = HOP_BY_HOP | {"host"}
-# Validation failures (FastAPI's 422, plain 400) that may be our injected stream_options.
+# `Expect: 100-continue` is answered by the sidecar itself (aiohttp sends the 100 before the
+# handler reads the body); forwarded with a body already in hand, an upstream that never
+# sends 100 would stall the request.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
+# Validation failures (FastAPI's 422, plain 400) that may be our injected stream_options;
+# only one whose body names `stream_options` is (a "context too long" 400 is the client's).
 _REFUSED_INJECTION = frozenset({400, 422})
+_ERROR_PEEK = 64 * 1024
+# Engines that refused the injection, remembered so each costs one retried request.
+INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
 _CHUNK = 64 * 1024
+
+
+def setup_forward(app: web.Application) -> None:
+    """What forwarding keeps across requests: the engines that refused the injection."""
+    app[INJECTION_REFUSALS] = InjectionRefusals()
 
 
 class BodyTooLarge(Exception):
@@ -77,11 +94,11 @@ class Exchange:
     stream: bool = False
     model: str | None = None
     usage_injected: bool = False
+    engine_info: EngineInfo | None = None
     reset_id: str | None = None
     ordinal: int | None = None
     scanner: StreamScanner | None = None
-    json_parts: list[bytes] | None = None
-    json_bytes: int = 0
+    answer: JsonAnswer | None = None
 
     def forwarded(self, request: web.Request) -> Forwarded:
         """The transport facts of this exchange, once it is over."""
@@ -100,11 +117,11 @@ class Exchange:
 
     def observation(self, request: web.Request) -> Observation:
         """The frozen record of this exchange, once it is over."""
-        usage = (
-            self.scanner.usage
-            if self.scanner is not None
-            else usage_from_json(b"".join(self.json_parts) if self.json_parts is not None else b"")
-        )
+        usage, engine_id = Usage(), None
+        if self.scanner is not None:
+            usage, engine_id = self.scanner.usage, self.scanner.engine_id
+        elif self.answer is not None:
+            usage, engine_id = self.answer.usage(), self.answer.engine_id()
         return Observation(
             request_id=self.request_id,
             session_id=_tag(request.headers.get("X-Session-Id")),
@@ -125,6 +142,7 @@ class Exchange:
             finished_ns=time.time_ns(),
             outcome=self.outcome,
             usage_injected=self.usage_injected,
+            engine_request_id=engine_id,
         )
 
 
@@ -146,21 +164,34 @@ def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMulti
     return kept
 
 
-def _request_headers(request: web.Request, request_id: str) -> CIMultiDict[str]:
-    """The client's end-to-end headers, with the request id the engine will see."""
+def _request_headers(request: web.Request, exchange: Exchange, *, add_request_id: bool) -> CIMultiDict[str]:
+    """The client's end-to-end headers; our request id only when `request_id_header` opts in.
+
+    vLLM takes an X-Request-Id as the answer's id, so one the client did not send would
+    change the bytes it gets (`chatcmpl-<our hex>` instead of vLLM's own).
+    """
     headers = _end_to_end(request.headers, _REQUEST_DROP)
-    if "X-Request-Id" not in headers:
-        headers["X-Request-Id"] = request_id
+    if add_request_id and "X-Request-Id" not in headers:
+        headers["X-Request-Id"] = exchange.request_id
+    if exchange.usage_injected:
+        # The injected usage must be read and stripped, which a compressed stream defeats.
+        headers["Accept-Encoding"] = "identity"
     return headers
 
 
-def _response_headers(upstream: aiohttp.ClientResponse, request_id: str) -> CIMultiDict[str]:
-    """The engine's end-to-end headers, plus our request id and SSE flushing hint."""
+def _response_headers(
+    upstream: aiohttp.ClientResponse, exchange: Exchange, *, add_request_id: bool
+) -> CIMultiDict[str]:
+    """The engine's end-to-end headers, plus the SSE flushing hint (and our request id if opted in)."""
     headers = _end_to_end(upstream.headers, HOP_BY_HOP)
-    headers.setdefault("X-Request-Id", request_id)
+    if add_request_id:
+        headers.setdefault("X-Request-Id", exchange.request_id)
     if upstream.content_type == "text/event-stream":
         # nginx and other buffering proxies in front of us flush SSE at once (llama.cpp #24774).
         headers["X-Accel-Buffering"] = "no"
+    if exchange.usage_injected:
+        # Stripping shortens the body: a length the engine stated no longer holds.
+        headers.popall("Content-Length", None)
     return headers
 
 
@@ -257,9 +288,11 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         except ClientGone:
             exchange.outcome = "client_disconnected"
             raise asyncio.CancelledError from None
-        # llama.cpp needs no injection: its finish chunk carries `timings.cache_n`, and its
-        # /v1/completions streams may carry usage unasked, which stripping would then remove.
-        inject = settings.inject_usage and app[ENGINE].info.kind != "llamacpp"
+        info = app[ENGINE].info
+        # Whether to inject is the engine's stream rule (llama.cpp: never), unless it refused.
+        inject = (
+            settings.inject_usage and rules_for(info).inject and not app[INJECTION_REFUSALS].refused(info)
+        )
         prepared = prepare_request(body, inject_usage=inject, path=request.path)
         original = body
         body = prepared.body
@@ -267,6 +300,7 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         exchange.stream = prepared.stream
         exchange.model = prepared.model
         exchange.usage_injected = prepared.usage_injected
+        exchange.engine_info = info
     admission = app[ADMISSION]
     if not await admission.admit():
         return _rejected(
@@ -305,7 +339,7 @@ async def _exchange(
     """
     client = request.app[UPSTREAM_POOL]
     url = URL(base + request.raw_path, encoded=True)
-    headers = _request_headers(request, exchange.request_id)
+    headers = _request_headers(request, exchange, add_request_id=request.app[SETTINGS].request_id_header)
     data: bytes | AsyncIterator[bytes] | None
     if body is not None:
         data = body
@@ -332,57 +366,87 @@ async def _exchange(
             return _rejected(exchange, _too_large(limit))
         return _upstream_failure(exc, exchange)
     exchange.upstream_head_ns = time.time_ns()
-    if exchange.usage_injected and original is not None and upstream.status in _REFUSED_INJECTION:
-        # A strict OpenAI-compatible engine may reject `stream_options` it does not know; the
-        # client must not fail because of us, so it gets the engine's answer to its own request.
-        upstream.close()
-        exchange.usage_injected = False
-        log_event(
-            log,
-            logging.INFO,
-            "engine refused the injected include_usage; sent the client's body",
-            request_id=exchange.request_id,
-            status=upstream.status,
-        )
-        return await _exchange(request, exchange, original, base, limit)
     try:
-        return await _relay(request, upstream, exchange, limit)
+        peeked = b""
+        if exchange.usage_injected and original is not None:
+            refusal, peeked = await _injection_refusal(upstream)
+            if refusal is not None:
+                # The client must not fail, nor get other bytes, because of us: it gets the
+                # engine's answer to its own request, and this engine is not injected again.
+                upstream.close()
+                exchange.usage_injected = False
+                request.app[INJECTION_REFUSALS].remember(exchange.engine_info)
+                log_event(
+                    log,
+                    logging.INFO,
+                    f"engine {refusal}; sent the client's own body and stopped injecting for this engine",
+                    request_id=exchange.request_id,
+                    status=upstream.status,
+                )
+                return await _exchange(request, exchange, original, base, limit)
+        return await _relay(request, upstream, exchange, peeked)
     finally:
         # close(), not release(): the connection must not go back to the pool half-read, and
         # closing it is what tells the engine to abort the sequence (production-stack #634).
         upstream.close()
 
 
+async def _injection_refusal(upstream: aiohttp.ClientResponse) -> tuple[str | None, bytes]:
+    """Why the answer to an injected request cannot stand (None if it can), and what was read of it.
+
+    An error naming `stream_options` refuses the injection; a compressed answer (the engine
+    ignored `Accept-Encoding: identity`) cannot be scanned, so the injection could not be
+    taken out again. Only an error's body is read here, at most 64 KiB; the caller relays it.
+    """
+    if upstream.headers.get("Content-Encoding", "identity").lower() != "identity":
+        return "compressed an injected answer", b""
+    if upstream.status not in _REFUSED_INJECTION:
+        return None, b""
+    peeked = await upstream.content.read(_ERROR_PEEK)
+    return ("refused the injected include_usage" if names_stream_options(peeked) else None), peeked
+
+
 def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange) -> None:
-    """Pick how the answer is read for usage: SSE scanner, or a bounded copy of the JSON."""
+    """Pick how the answer is read for usage: the SSE scanner, or a bounded JSON reader.
+
+    A compressed answer is not read (the sidecar never decompresses): its usage is unknown.
+    """
     if not exchange.observed:
         return
+    if upstream.headers.get("Content-Encoding", "identity").lower() != "identity":
+        return
     if upstream.content_type == "text/event-stream":
-        exchange.scanner = StreamScanner(strip_injected=exchange.usage_injected)
+        engine = exchange.engine_info
+        exchange.scanner = StreamScanner(rules_for(engine) if exchange.usage_injected else None)
     else:
-        exchange.json_parts = []
+        exchange.answer = JsonAnswer()
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, exchange: Exchange, limit: int
+    request: web.Request, upstream: aiohttp.ClientResponse, exchange: Exchange, peeked: bytes = b""
 ) -> web.StreamResponse:
-    """Stream the upstream's answer to the client chunk by chunk."""
+    """Stream the upstream's answer to the client chunk by chunk (`peeked`: its start, already read)."""
     exchange.status = upstream.status
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-    response.headers.extend(_response_headers(upstream, exchange.request_id))
+    add_request_id = request.app[SETTINGS].request_id_header
+    response.headers.extend(_response_headers(upstream, exchange, add_request_id=add_request_id))
     _start_observing(upstream, exchange)
-    scanner, parts = exchange.scanner, exchange.json_parts
+    scanner, answer = exchange.scanner, exchange.answer
     try:
         await response.prepare(request)
         exchange.first_byte_ns = time.time_ns()
+        if peeked:
+            # The start of an error answer, read to see whether it refused the injection.
+            if answer is not None:
+                answer.feed(peeked)
+            await response.write(scanner.feed(peeked) if scanner is not None else peeked)
         async for chunk in upstream.content.iter_any():
             if scanner is not None:
                 chunk = scanner.feed(chunk)
                 if not chunk:
                     continue
-            elif parts is not None and exchange.json_bytes <= limit:
-                parts.append(chunk)
-                exchange.json_bytes += len(chunk)
+            elif answer is not None:
+                answer.feed(chunk)
             await response.write(chunk)
         if scanner is not None and (tail := scanner.finish()):
             await response.write(tail)
@@ -406,6 +470,4 @@ async def _relay(
     except asyncio.CancelledError:
         exchange.outcome = "client_disconnected"
         raise
-    if parts is not None and exchange.json_bytes > limit:
-        exchange.json_parts = None  # too big to be a usage answer worth parsing
     return response

@@ -1,4 +1,4 @@
-"""Cached-token extraction, include_usage injection and byte-exact stripping (proxy/observe.py)."""
+"""Cached-token extraction, include_usage injection and byte-exact stripping (proxy/observe/)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from proxy.observe import (
     MAX_EVENT_BYTES,
     Observation,
+    StreamRules,
     StreamScanner,
     Usage,
     decode_count,
@@ -294,7 +295,7 @@ def test_unparseable_response_gives_unknown_usage() -> None:
 
 def test_pass_through_returns_each_chunk_object_unchanged() -> None:
     data = openai_chat_stream(include_usage=True)
-    scanner = StreamScanner(strip_injected=False)
+    scanner = StreamScanner()
     for chunk in split_at(data, [7, 100, 101, 300]):
         assert scanner.feed(chunk) is chunk
     assert scanner.finish() == b""
@@ -304,7 +305,7 @@ def test_pass_through_returns_each_chunk_object_unchanged() -> None:
 def test_pass_through_reads_usage_split_at_every_byte() -> None:
     data = openai_chat_stream(include_usage=True, crlf=True)
     for cut in range(1, len(data)):
-        scanner = StreamScanner(strip_injected=False)
+        scanner = StreamScanner()
         run(scanner, split_at(data, [cut]))
         assert scanner.usage.cached_tokens == 128, cut
 
@@ -340,7 +341,7 @@ STRIP_CASES = {
 def test_stripped_stream_equals_direct_stream_split_at_every_byte(case: str) -> None:
     injected, direct, cached = STRIP_CASES[case]
     for cut in range(1, len(injected)):
-        scanner = StreamScanner(strip_injected=True)
+        scanner = StreamScanner(StreamRules())
         assert run(scanner, split_at(injected, [cut])) == direct, cut
         assert scanner.usage.cached_tokens == cached
 
@@ -351,26 +352,26 @@ def test_stripped_stream_equals_direct_stream_in_random_splits(case: str) -> Non
     rng = random.Random(5)
     for _ in range(300):
         cuts = rng.sample(range(1, len(injected)), rng.randint(1, 40))
-        assert run(StreamScanner(strip_injected=True), split_at(injected, cuts)) == direct, cuts
+        assert run(StreamScanner(StreamRules()), split_at(injected, cuts)) == direct, cuts
 
 
 def test_stripped_stream_fed_one_byte_at_a_time() -> None:
     injected, direct, _ = STRIP_CASES["openai_pretty_crlf"]
     chunks = [injected[i : i + 1] for i in range(len(injected))]
-    assert run(StreamScanner(strip_injected=True), chunks) == direct
+    assert run(StreamScanner(StreamRules()), chunks) == direct
 
 
 def test_complete_events_are_not_held_back() -> None:
     injected = openai_chat_stream(include_usage=True)
     first_end = injected.index(b"\n\n") + 2
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     out = scanner.feed(injected[: first_end + 10])
     assert out == openai_chat_stream(include_usage=False)[: out.__len__()]
     assert out.endswith(b"\n\n") and len(out) == first_end - len(b',"usage":null')
 
 
 def test_usage_on_content_chunk_is_read_before_it_is_removed() -> None:
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     run(scanner, [llamacpp_completions_stream(include_usage=True)])
     assert scanner.usage == Usage(
         prompt_tokens=293,
@@ -385,27 +386,27 @@ def test_last_event_member_already_on_the_finish_chunk_is_not_duplicated() -> No
     metrics = b',"mindnano_metrics":{"cached_tokens":3}'
     finish = b'data: {"choices":[{"delta":{},"finish_reason":"length","index":0}]' + metrics + b"}\n\n"
     usage = b'data: {"choices":[],"usage":{"prompt_tokens":8}' + metrics + b"}\n\n"
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     assert run(scanner, [finish, usage, b"data: [DONE]\n\n"]) == finish + b"data: [DONE]\n\n"
 
 
 def test_finish_chunk_is_released_when_no_usage_chunk_follows() -> None:
     finish = b'data: {"choices":[{"delta":{},"finish_reason":"stop","index":0}]}\n\n'
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     assert scanner.feed(finish) == b""  # held: the usage chunk would follow at once
     assert scanner.feed(b"data: [DONE]\n\n") == finish + b"data: [DONE]\n\n"
 
 
 def test_finish_chunk_of_a_cut_stream_is_released_at_the_end() -> None:
     finish = b'data: {"choices":[{"delta":{},"finish_reason":"stop","index":0}]}\n\n'
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     assert scanner.feed(finish) + scanner.finish() == finish
 
 
 def test_stream_cut_before_usage_chunk_passes_what_came_and_knows_nothing() -> None:
     injected = openai_chat_stream(include_usage=True)
     cut = injected.index(b'"choices":[]')
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     out = run(scanner, [injected[:cut]])
     direct = openai_chat_stream(include_usage=False)
     assert out == direct[: direct.index(b"data: [DONE]")] + injected[injected.rindex(b"data:", 0, cut) : cut]
@@ -414,7 +415,7 @@ def test_stream_cut_before_usage_chunk_passes_what_came_and_knows_nothing() -> N
 
 def test_null_usage_members_kept_when_engine_always_writes_them() -> None:
     injected = openai_chat_stream(include_usage=True)
-    out = run(StreamScanner(strip_injected=True, strip_null_usage=False), [injected])
+    out = run(StreamScanner(StreamRules(null_usage_added=False)), [injected])
     assert (
         out
         == injected[
@@ -432,7 +433,7 @@ def test_null_usage_members_kept_when_engine_always_writes_them() -> None:
 def test_long_stream_without_usage_is_never_decoded() -> None:
     event = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"token"},"finish_reason":null}]}\n\n'
     before = decode_count.value
-    scanner = StreamScanner(strip_injected=False)
+    scanner = StreamScanner()
     for _ in range(20_000):
         scanner.feed(event)
     scanner.finish()
@@ -443,7 +444,7 @@ def test_null_usage_on_every_chunk_decodes_only_the_usage_chunk() -> None:
     event = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"t"}}],"usage":null}\n\n'
     final = b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":4,"prompt_tokens_details":{"cached_tokens":0}}}\n\n'
     before = decode_count.value
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     out = b"".join(scanner.feed(event) for _ in range(5_000)) + scanner.feed(final) + scanner.finish()
     assert decode_count.value == before + 1
     assert out == event.replace(b',"usage":null', b"") * 5_000
@@ -461,7 +462,7 @@ def test_cumulative_meta_info_is_decoded_once_at_the_end() -> None:
         for i in range(1, 1001)
     ]
     before = decode_count.value
-    scanner = StreamScanner(strip_injected=False)
+    scanner = StreamScanner()
     for event in events:
         scanner.feed(event)
     scanner.finish()
@@ -474,7 +475,7 @@ def test_responses_and_messages_stream_usage_is_read() -> None:
         b'event: response.completed\ndata: {"type":"response.completed","response":{"usage":'
         b'{"input_tokens":40,"output_tokens":2,"input_tokens_details":{"cached_tokens":32}}}}\n\n'
     )
-    scanner = StreamScanner(strip_injected=False)
+    scanner = StreamScanner()
     run(scanner, [responses])
     assert scanner.usage == Usage(40, 2, 32, "usage.input_tokens_details.cached_tokens")
     messages = (
@@ -482,7 +483,7 @@ def test_responses_and_messages_stream_usage_is_read() -> None:
         b'{"cache_read_input_tokens":7,"input_tokens":1,"output_tokens":0}}}\n\n'
         b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":5}}\n\n'
     )
-    scanner = StreamScanner(strip_injected=False)
+    scanner = StreamScanner()
     run(scanner, [messages])
     assert scanner.usage == Usage(8, 5, 7, "usage.cache_read_input_tokens")
 
@@ -491,7 +492,7 @@ def test_oversize_event_passes_through_and_framing_resumes() -> None:
     big = b"data: {" + b'"x":"' + b"a" * (MAX_EVENT_BYTES + 10) + b'"}\r\n\r\n'
     tail = b'data: {"choices":[],"usage":{"prompt_tokens":3,"prompt_tokens_details":{"cached_tokens":1}}}\r\n\r\n'
     data = big + tail + b"data: [DONE]\r\n\r\n"
-    scanner = StreamScanner(strip_injected=True)
+    scanner = StreamScanner(StreamRules())
     chunks = [data[i : i + 65536] for i in range(0, len(data), 65536)]
     assert run(scanner, chunks) == big + b"data: [DONE]\r\n\r\n"
     assert scanner.usage.cached_tokens == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
@@ -12,7 +13,15 @@ from proxy.sim.cache import NamespacedPrefixCache
 from proxy.sim.engine import Engine, Sequence
 from proxy.sim.wire import error_response, json_body
 
-__all__ = ["Dialect"]
+__all__ = ["Dialect", "NullUsage"]
+
+
+class NullUsage(StrEnum):
+    """When an engine writes `"usage": null` on stream chunks that carry no usage."""
+
+    WITH_INCLUDE_USAGE = "with_include_usage"  # OpenAI: once include_usage is on
+    ALWAYS = "always"  # SGLang's pydantic era: `model_dump_json()` writes every field
+    NEVER = "never"  # vLLM 0.32, SGLang's msgspec encoder (omit_defaults)
 
 
 class Dialect:
@@ -28,7 +37,7 @@ class Dialect:
     # llama.cpp puts /v1/completions usage on the finish chunk, not a usage-only chunk.
     completions_usage_on_finish_chunk = False
     # OpenAI writes `"usage": null` on every other chunk once include_usage is on.
-    null_usage_members = True
+    null_usage = NullUsage.WITH_INCLUDE_USAGE
 
     def __init__(self, engine: Engine) -> None:
         """Attach to the engine and build the prefix cache."""

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from proxy.sim.config import SimConfig
-from proxy.sim.dialect import Dialect
+from proxy.sim.dialect import Dialect, NullUsage
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
 from proxy.sim.llamacpp import LlamacppDialect
 from proxy.sim.mindnano import MindnanoDialect
@@ -141,8 +141,11 @@ class OpenAIRoutes:
         created = int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
         usage_on_finish = include_usage and not chat and self.dialect.completions_usage_on_finish_chunk
-        # OpenAI: once include_usage is on, every chunk but the usage chunk has "usage": null.
-        null_usage = include_usage and not usage_on_finish and self.dialect.null_usage_members
+        # OpenAI: once include_usage is on, every chunk but the usage chunk has "usage": null;
+        # SGLang's pydantic era writes it whether asked or not.
+        null_usage = self.dialect.null_usage == NullUsage.ALWAYS or (
+            self.dialect.null_usage == NullUsage.WITH_INCLUDE_USAGE and include_usage and not usage_on_finish
+        )
 
         def chunk(piece: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
             """One chunk with one choice."""

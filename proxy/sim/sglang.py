@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.sim.dialect import Dialect
+from proxy.sim.dialect import Dialect, NullUsage
 from proxy.sim.engine import Sequence
 from proxy.sim.text import PromptError, completion_prompt_tokens
 from proxy.sim.wire import DONE, error_response, read_json, send_event, sse_response
@@ -31,6 +31,10 @@ class SglangDialect(Dialect):
     """SGLang 0.5.10+ with --enable-cache-report and --enable-metrics."""
 
     name = "sglang"
+    # Chunks as SGLang's pydantic era wrote them (`model_dump_json()`): `"usage": null` on
+    # every chunk, include_usage or not. Its msgspec encoder omits it: the sidecar strips
+    # neither, as the null is never the injection's (observe/rules.py).
+    null_usage = NullUsage.ALWAYS
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Add the single-flush guard."""

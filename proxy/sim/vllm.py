@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.sim.dialect import Dialect
+from proxy.sim.dialect import Dialect, NullUsage
 from proxy.sim.engine import Sequence
 
 __all__ = ["VllmDialect"]
@@ -19,7 +19,7 @@ class VllmDialect(Dialect):
     name = "vllm"
     rejects_stream_options_without_stream = True
     # Seen on the real 0.32 server: no `"usage": null` members on stream chunks under include_usage.
-    null_usage_members = False
+    null_usage = NullUsage.NEVER
 
     def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
         """vLLM 0.32 puts `system_fingerprint` on a stream's last chunk (the usage chunk if any)."""

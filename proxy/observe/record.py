@@ -1,0 +1,63 @@
+"""The record of one observed exchange, as the evidence writer and the witness take it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Observation"]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the sidecar saw of one forwarded inference request (no prompt, text, key or user)."""
+
+    request_id: str
+    session_id: str | None
+    case_id: str | None
+    method: str
+    path: str
+    status: int | None
+    stream: bool
+    model: str | None
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    cached_tokens: int | None
+    cached_tokens_source: str | None
+    reset_id: str | None
+    ordinal_since_reset: int | None
+    started_ns: int
+    first_byte_ns: int | None
+    finished_ns: int
+    outcome: str  # "ok" | "client_disconnected" | "upstream_error" | "timeout"
+    usage_injected: bool
+    # The engine's own id for the answer (its body's first `id`); the sidecar adds none.
+    engine_request_id: str | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        """The `infer.cache_observation` evidence record (SPEC §5.2)."""
+        return {
+            "schema_version": 1,
+            "event_type": "infer.cache_observation",
+            "at_ns": self.finished_ns,
+            "request_id": self.request_id,
+            "session_id": self.session_id,
+            "case_id": self.case_id,
+            "method": self.method,
+            "path": self.path,
+            "status": self.status,
+            "stream": self.stream,
+            "model": self.model,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "cached_tokens_source": self.cached_tokens_source,
+            "reset_id": self.reset_id,
+            "ordinal_since_reset": self.ordinal_since_reset,
+            "started_ns": self.started_ns,
+            "first_byte_ns": self.first_byte_ns,
+            "finished_ns": self.finished_ns,
+            "outcome": self.outcome,
+            "usage_injected": self.usage_injected,
+            "engine_request_id": self.engine_request_id,
+        }

@@ -1,0 +1,112 @@
+"""Each engine's stream facts under an injected `include_usage`, as data: what is taken out again.
+
+One row per dialect (and per version where the engine changed): a new engine version is
+one entry here and one test. The scanner (`stream.py`) applies the row; it knows no engine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from proxy.engines.base import EngineInfo
+
+__all__ = ["STREAM_RULES", "InjectionRefusals", "StreamRules", "rules_for"]
+
+
+@dataclass(frozen=True)
+class StreamRules:
+    """What `stream_options.include_usage` makes one engine add to a stream.
+
+    Always added, always removed: the usage-only chunk (`"choices": []`) and a usage object
+    on a content chunk (llama.cpp /v1/completions puts it on the finish chunk).
+    """
+
+    # Whether the sidecar injects include_usage at all.
+    inject: bool = True
+    # Whether the engine writes `"usage": null` on every other chunk BECAUSE include_usage
+    # is on (OpenAI's contract). An engine that writes it whether asked or not keeps it.
+    null_usage_added: bool = True
+    # Members the engine puts on a stream's LAST event, which is the usage chunk with the
+    # injection and the finish chunk without: they move back onto the finish chunk.
+    # None: any member that follows `usage` on the usage chunk and the finish chunk lacks.
+    last_event_members: frozenset[bytes] | None = None
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Rules for one engine kind from `since` (a version prefix, compared numerically) on."""
+
+    kind: str
+    since: tuple[int, ...]
+    rules: StreamRules
+
+
+# Checked against the engines' own sources (see shared ENGINES.md) and the real servers
+# in tests/real. Later entries of a kind win for versions at or after their `since`.
+STREAM_RULES: tuple[_Entry, ...] = (
+    # vLLM 0.32 (seen): no `"usage": null` members; `system_fingerprint` on the last chunk.
+    _Entry(
+        "vllm",
+        (),
+        StreamRules(null_usage_added=False, last_event_members=frozenset({b'"system_fingerprint"'})),
+    ),
+    # SGLang's pydantic-era chunks (`model_dump_json()`) carry `"usage": null` whether asked
+    # or not; its msgspec encoder (sse_utils.StreamChunk, omit_defaults) never writes it.
+    # Either way the null is not the injection's: never strip it.
+    _Entry("sglang", (), StreamRules(null_usage_added=False, last_event_members=frozenset())),
+    # llama.cpp: never injected — the finish chunk carries `timings.cache_n`, and its
+    # /v1/completions streams may carry usage unasked. `timings` rides on the last event.
+    _Entry(
+        "llamacpp",
+        (),
+        StreamRules(inject=False, null_usage_added=False, last_event_members=frozenset({b'"timings"'})),
+    ),
+    # mindnano: OpenAI's nulls; `mindnano_metrics` is on the finish chunk already.
+    _Entry("mindnano", (), StreamRules(null_usage_added=True, last_event_members=frozenset())),
+)
+# Any other OpenAI-compatible server: OpenAI's contract, and whatever trails usage moves back.
+DEFAULT_RULES = StreamRules()
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    """The leading numeric parts of a version string: '0.5.10rc1' -> (0, 5, 10)."""
+    match = re.match(r"\d+(?:\.\d+)*", text or "")
+    return tuple(int(part) for part in match.group(0).split(".")) if match else ()
+
+
+def rules_for(info: EngineInfo | None) -> StreamRules:
+    """The stream rules of the engine the sidecar fronts (the default for one not yet known)."""
+    if info is None:
+        return DEFAULT_RULES
+    version = _version(info.version)
+    chosen = DEFAULT_RULES
+    for entry in STREAM_RULES:
+        if entry.kind == info.kind and (not entry.since or (version and version >= entry.since)):
+            chosen = entry.rules
+    return chosen
+
+
+class InjectionRefusals:
+    """Engines (kind and version) that answered an injected `stream_options` with an error naming it.
+
+    Remembered for the life of the process, so each such engine costs one retried request,
+    not one per stream; an engine upgraded in place is a new key and is tried again.
+    """
+
+    def __init__(self) -> None:
+        """None known yet."""
+        self._refused: set[tuple[str, str | None]] = set()
+
+    def refused(self, info: EngineInfo | None) -> bool:
+        """Whether this engine is known to refuse the injection."""
+        return _key(info) in self._refused
+
+    def remember(self, info: EngineInfo | None) -> None:
+        """This engine refused it."""
+        self._refused.add(_key(info))
+
+
+def _key(info: EngineInfo | None) -> tuple[str, str | None]:
+    """An engine's identity; one not detected (no engine state) is one key of its own."""
+    return (info.kind, info.version) if info is not None else ("", None)

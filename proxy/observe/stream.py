@@ -1,0 +1,350 @@
+"""Usage read out of an SSE answer as it streams, and the injection's traces taken out again.
+
+Pass-through (no rules): every chunk goes to the client as it came (the same object) and
+is only scanned. Stripping (the stream was injected into): events are framed and what the
+engine's `StreamRules` say the injection added is removed byte-wise, never re-serialised.
+
+Engines attach some members to the stream's LAST event (vLLM `system_fingerprint`,
+llama.cpp `timings`): with include_usage that is the usage chunk, without it the finish
+chunk. So a finish chunk (`finish_reason` set) is held until the next data event — the
+usage chunk follows it at once, comments (`: ping`) and data-less events may come between
+and are held after it — and the rules' members on a dropped usage chunk move back onto it.
+No other event is ever held back.
+"""
+
+from __future__ import annotations
+
+from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, skip_ws, trailing_members, without
+from proxy.observe.rules import StreamRules
+from proxy.observe.sse import MAX_EVENT_BYTES, DataLines, data_lines, events, next_separator, single_data_line
+from proxy.observe.usage import NO_USAGE, Usage, first_id, usage_from_fragment, usage_from_json
+
+__all__ = ["StreamScanner", "decode_count"]
+
+_USAGE_KEY = b'"usage"'
+# Markers of the other places counts live (llama.cpp, SGLang /generate, mindnano).
+_SIDE_MARKERS = (b'"timings"', b'"meta_info"', b'"mindnano_metrics"')
+# How an injected `"usage":null` usually ends a content chunk (compact JSON, usage last).
+_NULL_TAIL = b',"usage":null}'
+_NULL_TAIL_LEN = len(_NULL_TAIL)
+_FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
+# What is kept unsent of an event over MAX_EVENT_BYTES: its end, where usage and the
+# closing brace (for members moved back) are.
+_BIG_TAIL = 64 * 1024
+
+
+class _DecodeCounter:
+    """Counts JSON decodes done by the stream scanner, so tests can prove it stays lazy."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+decode_count = _DecodeCounter()
+
+
+def _has_finish(data: Buffer, start: int, end: int) -> bool:
+    """Whether data[start:end] sets a `finish_reason`."""
+    return data.find(_FINISH_MARKERS[0], start, end) != -1 or data.find(_FINISH_MARKERS[1], start, end) != -1
+
+
+def _is_usage_only(data: Buffer, start: int, end: int) -> bool:
+    """The include_usage chunk: `"choices": []` (OpenAI's empty choices on the usage chunk)."""
+    pos = data.find(b'"choices"', start, end)
+    if pos == -1:
+        return False
+    colon = skip_ws(data, pos + 9, end)
+    if colon >= end or data[colon] != 0x3A:
+        return False
+    bracket = skip_ws(data, colon + 1, end)
+    if bracket >= end or data[bracket] != 0x5B:
+        return False
+    close = skip_ws(data, bracket + 1, end)
+    return close < end and data[close] == 0x5D
+
+
+def _moved_members(usage_payload: bytes, finish_event: bytes, names: frozenset[bytes] | None) -> bytes:
+    """Raw `,"k":v` members after `usage` on the usage chunk that belong on the finish chunk."""
+    objects = [m for m in find_members(usage_payload, _USAGE_KEY, 0, len(usage_payload)) if m.is_object]
+    close = usage_payload.rfind(b"}")
+    if not objects or close == -1:
+        return b""
+    return b"".join(
+        raw
+        for key, raw in trailing_members(usage_payload, objects[-1].value_end, close)
+        if (names is None or key in names)
+        and key + b":" not in finish_event
+        and key + b" :" not in finish_event
+    )
+
+
+def _with_members(event: bytes, members: bytes) -> bytes:
+    """The event with raw `,"k":v` members added before its JSON's closing brace."""
+    close = event.rfind(b"}")
+    if close == -1 or not members:
+        return event
+    return event[:close] + members + event[close:]
+
+
+class StreamScanner:
+    """One SSE answer's scanner; `rules` given means the sidecar injected include_usage into it."""
+
+    def __init__(self, rules: StreamRules | None = None) -> None:
+        """Start with nothing seen."""
+        self._rules = rules
+        self._carry = bytearray()
+        self._big: bytearray | None = None  # the unsent tail of an event over MAX_EVENT_BYTES
+        self._big_finish = False
+        self._usage = NO_USAGE
+        self._saw_usage = False
+        self._deferred: bytes | None = None  # latest side-marker event, decoded lazily
+        self._engine_id: str | None = None
+        self._id_read = False
+        self._held: bytes | None = None  # a finish chunk waiting for the event after it
+        self._held_after: list[bytes] = []  # comments and data-less events that came after it
+        self._usage_chunk = b""  # the payload of the usage chunk just dropped
+        # What the event just scanned was: sets `finish_reason`, was dropped, has no data.
+        self._finish = self._dropped = self._no_data = False
+
+    @property
+    def usage(self) -> Usage:
+        """Best knowledge so far."""
+        self._apply_deferred()
+        return self._usage
+
+    @property
+    def saw_usage(self) -> bool:
+        """Whether any event carried a usage object or one of the engines' metrics blocks."""
+        return self._saw_usage or self._deferred is not None
+
+    @property
+    def engine_id(self) -> str | None:
+        """The engine's own id for the answer: the first `id` of its first data event."""
+        return self._engine_id
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Scan one chunk of the answer and return the bytes to write to the client now."""
+        if not chunk:
+            return chunk
+        emitted = self._push(chunk)
+        return emitted if self._rules is not None else chunk
+
+    def finish(self) -> bytes:
+        """At the end of the answer: scan and return whatever is still buffered."""
+        piece = b""
+        if self._big is not None:
+            big, self._big = self._big, None
+            piece = self._big_event(big, len(big), len(big))
+        elif self._carry:
+            rest = bytes(self._carry)
+            self._carry.clear()
+            changed = self._event(rest, 0, len(rest), len(rest))
+            piece = changed if changed is not None else rest
+            if self._rules is not None:
+                piece = self._through_hold(piece)
+        self._apply_deferred()
+        return self._release_hold() + piece if self._rules is not None else b""
+
+    # -- framing ---------------------------------------------------------------------------
+    def _push(self, chunk: bytes) -> bytes:
+        """Frame and scan one chunk; the bytes to emit (meaningful only when stripping)."""
+        if self._big is not None:
+            return self._feed_big(chunk)
+        # Frame the chunk in place when nothing is carried (the usual case: engines write
+        # whole events); otherwise append to the carry and frame that.
+        data: bytes | bytearray = chunk
+        if self._carry:
+            self._carry += chunk
+            data = self._carry
+        out, consumed = self._frame(data)
+        emitted = b""
+        if self._rules is not None:
+            if out is not None:
+                emitted = out
+            elif data is chunk and consumed == len(chunk):
+                emitted = chunk
+            else:
+                emitted = bytes(data[:consumed])
+        if data is self._carry:
+            del self._carry[:consumed]
+        elif consumed < len(chunk):
+            self._carry += memoryview(chunk)[consumed:]
+        if len(self._carry) > MAX_EVENT_BYTES:
+            self._big, self._carry, self._big_finish = self._carry, bytearray(), False
+            emitted += self._release_hold() + self._big_emit()
+        return emitted
+
+    def _frame(self, data: Buffer) -> tuple[bytes | None, int]:
+        """Scan every complete event in data: (replacement or None if nothing changed, bytes consumed)."""
+        pieces: list[bytes] | None = None
+        cursor = 0
+        strip = self._rules is not None
+        for start, body_end, event_end in events(data, 0, len(data)):
+            changed = self._event(data, start, body_end, event_end)
+            if strip and (self._held is not None or self._finish or self._dropped):
+                if pieces is None:
+                    pieces = [bytes(data[:start])]
+                piece = changed if changed is not None else bytes(data[start:event_end])
+                pieces.append(self._through_hold(piece))
+            elif changed is not None or pieces is not None:
+                if pieces is None:
+                    pieces = [bytes(data[:start])]
+                pieces.append(changed if changed is not None else bytes(data[start:event_end]))
+            cursor = event_end
+        return (b"".join(pieces) if pieces is not None else None), cursor
+
+    # -- one event -------------------------------------------------------------------------
+    def _event(self, data: Buffer, start: int, body_end: int, event_end: int) -> bytes | None:
+        """Scan the event data[start:event_end]; its stripped bytes, or None if unchanged."""
+        self._finish = self._dropped = self._no_data = False
+        rules = self._rules
+        s, e = single_data_line(data, start, body_end)
+        lines: DataLines | None = None
+        buf: Buffer = data
+        if s == -1:
+            lines = data_lines(data, start, body_end)
+            if lines is None:
+                self._no_data = True
+                return None
+            buf, s, e = lines.payload, 0, len(lines.payload)
+        if not self._id_read:
+            self._id_read = True
+            self._engine_id = first_id(buf, s, e)
+        if rules is not None:
+            self._finish = _has_finish(buf, s, e)
+        first = buf.find(_USAGE_KEY, s, e)
+        if first == -1:
+            self._note_side_markers(buf, s, e)
+            return None
+        if lines is None and first == e - _NULL_TAIL_LEN + 1 and data.startswith(_NULL_TAIL, first - 1):
+            # The usual content chunk under injection: `..., "usage":null}` as its only usage
+            # member, last. Same result as the general path, minus its allocations: this runs
+            # for every token of every stream.
+            self._note_side_markers(data, s, e)
+            if rules is not None and rules.null_usage_added:
+                return b"".join((data[start : first - 1], data[e - 1 : event_end]))
+            return None
+        members = find_members(buf, _USAGE_KEY, s, e)
+        if not any(m.is_object for m in members):
+            self._note_side_markers(buf, s, e)
+            if rules is not None and rules.null_usage_added and members:
+                return self._cut(data, start, event_end, lines, removal_cuts(buf, s, e, members))
+            return None
+        self._apply_deferred()
+        decode_count.value += 1
+        self._usage = self._usage.merged(usage_from_json(buf[s:e]))
+        self._saw_usage = True
+        if rules is None:
+            return None
+        if _is_usage_only(buf, s, e):
+            self._dropped = True
+            self._usage_chunk = bytes(buf[s:e])
+            return b""
+        removable = [m for m in members if m.is_object or rules.null_usage_added]
+        return self._cut(data, start, event_end, lines, removal_cuts(buf, s, e, removable))
+
+    @staticmethod
+    def _cut(
+        data: Buffer, start: int, event_end: int, lines: DataLines | None, cuts: list[tuple[int, int]]
+    ) -> bytes:
+        """The event without the cut ranges (given in payload offsets when the data spans lines)."""
+        if lines is not None:
+            cuts = [(lines.raw(a), lines.raw(b)) for a, b in cuts]
+        return without(data, start, event_end, cuts)
+
+    def _through_hold(self, piece: bytes) -> bytes:
+        """Pass one scanned event through the finish-chunk hold; the bytes to emit now."""
+        if self._dropped:
+            if self._held is None:
+                return b""
+            names = self._rules.last_event_members if self._rules is not None else None
+            self._held = _with_members(self._held, _moved_members(self._usage_chunk, self._held, names))
+            return self._release_hold()
+        if self._held is not None:
+            if self._no_data:
+                self._held_after.append(piece)
+                return b""
+            out = self._release_hold()
+            if self._finish:
+                self._held = piece
+                return out
+            return out + piece
+        if self._finish:
+            self._held = piece
+            return b""
+        return piece
+
+    def _release_hold(self) -> bytes:
+        """The held finish chunk and what came after it, now let go."""
+        if self._held is None:
+            return b""
+        out = b"".join((self._held, *self._held_after))
+        self._held, self._held_after = None, []
+        return out
+
+    # -- events over MAX_EVENT_BYTES ---------------------------------------------------------
+    def _big_emit(self) -> bytes:
+        """Let all but the last _BIG_TAIL bytes of the big event go; note a finish_reason in them."""
+        big = self._big
+        assert big is not None
+        cut = len(big) - _BIG_TAIL
+        if cut <= 0:
+            return b""
+        out = b""
+        if self._rules is not None:
+            out = bytes(big[:cut])
+            # A marker may straddle the cut: look a marker's length past it.
+            self._big_finish = self._big_finish or _has_finish(big, 0, cut + len(_FINISH_MARKERS[1]) - 1)
+        del big[:cut]
+        return out
+
+    def _feed_big(self, chunk: bytes) -> bytes:
+        """Pass a big event through until its blank line, then frame again."""
+        big = self._big
+        assert big is not None
+        scan_from = max(0, len(big) - 2)  # a separator may straddle the chunks
+        big += chunk
+        body_end, event_end = next_separator(big, scan_from, len(big))
+        if body_end == -1:
+            return self._big_emit()
+        self._big = None
+        rest = bytes(big[event_end:])
+        finish = self._big_finish or _has_finish(big, 0, body_end)
+        piece = self._big_event(big, body_end, event_end)
+        self._finish, self._dropped, self._no_data = finish, False, False
+        emitted = self._through_hold(piece) if self._rules is not None else b""
+        return emitted + self._push(rest) if rest else emitted
+
+    def _big_event(self, big: bytearray, body_end: int, event_end: int) -> bytes:
+        """The kept end of a big event: its usage read member by member, the injection's traces cut."""
+        usage = usage_from_fragment(big, 0, body_end)
+        if usage is not None:
+            self._apply_deferred()
+            self._usage = self._usage.merged(usage)
+            self._saw_usage = True
+        rules = self._rules
+        if rules is None:
+            return b""
+        members = [
+            m for m in find_members(big, _USAGE_KEY, 0, body_end) if m.is_object or rules.null_usage_added
+        ]
+        return without(big, 0, event_end, removal_cuts(big, 0, body_end, members))
+
+    # -- lazily decoded metrics blocks -------------------------------------------------------
+    def _note_side_markers(self, data: Buffer, start: int, end: int) -> None:
+        """Keep the event for a lazy decode if it carries one of the engines' metrics blocks."""
+        for marker in _SIDE_MARKERS:
+            if data.find(marker, start, end) != -1:
+                # Cumulative blocks (SGLang /generate meta_info, mindnano_metrics) ride on
+                # every event: keep the latest, decode once when asked.
+                self._deferred = bytes(data[start:end])
+                return
+
+    def _apply_deferred(self) -> None:
+        """Decode the latest side-marker event, if one is waiting."""
+        if self._deferred is None:
+            return
+        event, self._deferred = self._deferred, None
+        decode_count.value += 1
+        self._usage = self._usage.merged(usage_from_json(event))
+        self._saw_usage = True

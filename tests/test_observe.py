@@ -10,6 +10,7 @@ import pytest
 
 from proxy.observe import (
     MAX_EVENT_BYTES,
+    JsonAnswer,
     Observation,
     StreamRules,
     StreamScanner,
@@ -19,6 +20,7 @@ from proxy.observe import (
     prepare_request,
     usage_from_json,
 )
+from proxy.observe.answer import KEEP_BYTES
 
 # --- streams as the engines write them -------------------------------------------
 
@@ -516,3 +518,28 @@ def test_observation_record_has_schema_header_and_every_field() -> None:
         3,
     )
     assert set(record) - {"schema_version", "event_type", "at_ns"} == set(Observation.__dataclass_fields__)
+
+
+# --- JSON answers in bounded memory (issue 16) ----------------------------------------
+
+
+def test_a_large_json_answer_is_read_in_bounded_memory() -> None:
+    usage = {"prompt_tokens": 50, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 32}}
+    body = orjson.dumps(
+        {"id": "cmpl-1", "choices": [{"text": "y" * (32 << 20)}], "usage": usage, "system_fingerprint": "f"}
+    )
+    answer = JsonAnswer()
+    most = 0
+    for i in range(0, len(body), 65536):
+        answer.feed(body[i : i + 65536])
+        most = max(most, answer.kept_bytes)
+    assert most <= 3 * KEEP_BYTES
+    assert answer.usage() == Usage(50, 7, 32, "usage.prompt_tokens_details.cached_tokens")
+    assert answer.engine_id() == "cmpl-1"
+
+
+def test_a_small_json_answer_is_decoded_whole() -> None:
+    answer = JsonAnswer()
+    answer.feed(b'{"usage": {"prompt_tokens": 3, ')
+    answer.feed(b'"completion_tokens": 1}, "id": "x", "timings": {"cache_n": 2, "prompt_n": 1}}')
+    assert answer.usage() == Usage(3, 1, 2, "timings.cache_n") and answer.engine_id() == "x"

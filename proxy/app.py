@@ -9,6 +9,7 @@ from proxy.auth import setup_auth
 from proxy.cache_views import handle_evidence, handle_state
 from proxy.cluster import setup_cluster
 from proxy.config import SETTINGS, Settings
+from proxy.connections import setup_connections
 from proxy.engine_state import setup_engine_state
 from proxy.evidence import setup_evidence
 from proxy.forward import forward, setup_forward
@@ -29,6 +30,7 @@ def build_app(settings: Settings) -> web.Application:
     those in list order and stops them in reverse, so the order below IS the start and
     shutdown order:
 
+      0. connections     — the client-connection guard: its middleware is the outermost (no lifetime);
       1. evidence        — started first, closed last: every record written at shutdown lands;
       2. upstream pool   — open before anything calls the engine, closed after all of them;
       3. engine state    — detects the engine through the pool;
@@ -40,14 +42,15 @@ def build_app(settings: Settings) -> web.Application:
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
      10. auth, routes    — the admin middleware, forwarding's memory, then the routes.
 
-    In-flight requests and streams finish (up to `grace_period`) before any of these stop:
-    the runner waits for handlers before it runs cleanup_ctx (SPEC §11).
+    In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
+    of these stop: the runner runs cleanup_ctx after the handlers (SPEC §11).
 
     TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
     (`aiohttp/base_protocol.py`).
     """
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
+    setup_connections(app)
     setup_evidence(app)
     setup_upstream_pool(app)
     setup_engine_state(app)

@@ -46,6 +46,9 @@ class Settings:
     health_path: str | None = None
     shutdown_delay: float = 0.0
     grace_period: float = 30.0
+    header_timeout: float = 10.0
+    body_idle_timeout: float = 60.0
+    max_connections: int = 4096
     drain: bool = True
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
@@ -233,6 +236,24 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("shutdown_delay", _positive_float, "seconds to stay up not-ready after SIGTERM", "seconds ≥ 0"),
     Option("grace_period", _positive_float, "seconds in-flight requests get at shutdown", "seconds ≥ 0"),
+    Option(
+        "header_timeout",
+        _positive_float,
+        "seconds a client gets to send a request head (0 = no limit)",
+        "seconds ≥ 0",
+    ),
+    Option(
+        "body_idle_timeout",
+        _positive_float,
+        "seconds a request body may stay silent (0 = no limit)",
+        "seconds ≥ 0",
+    ),
+    Option(
+        "max_connections",
+        _positive_int,
+        "client connections open at once; more get 503 and close (0 = no limit)",
+        "a whole number ≥ 0",
+    ),
     Option("drain", _bool, "drain in-flight requests before a reset by default", "true or false"),
     Option("drain_timeout", _positive_float, "longest drain before a reset", "seconds ≥ 0"),
     Option("retry_seconds", _positive_float, "default retry window for refused resets", "seconds 0..120"),

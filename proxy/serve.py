@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import sys
 
@@ -12,6 +13,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import Settings
+from proxy.connections import CONNECTIONS, GuardedSite
 from proxy.health import HEALTH
 from proxy.logs import log_event
 from proxy.redact import redact_url
@@ -19,6 +21,14 @@ from proxy.redact import redact_url
 __all__ = ["ListenError", "make_runner", "make_site", "run", "serve"]
 
 log = logging.getLogger("cachewitness.serve")
+
+# After grace_period the remaining handlers are cancelled; this bounds their `finally` blocks
+# (records written, upstream closed). aiohttp applies its shutdown_timeout twice (once waiting
+# for handlers, once more after cancelling them), so grace_period itself is waited by serve().
+_CANCELLED_HANDLERS_S = 0.2
+# File descriptors beyond two per client connection (client + upstream): listener, evidence,
+# health probes, the event loop's own.
+_FD_RESERVE = 64
 
 
 class ListenError(Exception):
@@ -36,19 +46,49 @@ def _install_uvloop() -> str:
 
 
 def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
-    """The runner `serve` uses; tests build theirs here so transport behaviour is production's."""
+    """The runner `serve` uses (tests build theirs here, so transport behaviour is production's)."""
     return web.AppRunner(
         app,
         handle_signals=False,
         handler_cancellation=True,  # a client that leaves cancels its handler → upstream closed
         access_log=None,
-        shutdown_timeout=settings.grace_period,
+        shutdown_timeout=_CANCELLED_HANDLERS_S,
     )
 
 
-def make_site(runner: web.AppRunner, host: str, port: int) -> web.TCPSite:
-    """The listening site `serve` uses (port 0 picks a free one)."""
-    return web.TCPSite(runner, host, port, backlog=1024)
+def make_site(runner: web.AppRunner, host: str, port: int) -> GuardedSite:
+    """The listening site `serve` uses: every connection through the app's ConnectionGuard."""
+    return GuardedSite(runner, runner.app[CONNECTIONS], host, port, backlog=1024)
+
+
+def _fit_fd_limit(settings: Settings) -> None:
+    """Raise the soft RLIMIT_NOFILE so max_connections fit (within the hard limit); warn if they cannot.
+
+    Past the descriptor limit accept() and the upstream connect() fail, and every request with them.
+    """
+    if not settings.max_connections:
+        return
+    needed = 2 * settings.max_connections + _FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < needed:
+        log_event(
+            log,
+            logging.WARNING,
+            "max_connections needs more file descriptors than RLIMIT_NOFILE allows; "
+            "lower max_connections or raise the limit",
+            max_connections=settings.max_connections,
+            needed=needed,
+            nofile=soft,
+        )
 
 
 async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
@@ -61,6 +101,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    _fit_fd_limit(settings)
     app = build_app(settings)
     runner = make_runner(app, settings)
     await runner.setup()
@@ -85,13 +126,35 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     )
     if settings.shutdown_delay:
         await asyncio.sleep(settings.shutdown_delay)
-    # Stops accepting, lets in-flight requests and streams finish up to grace_period, then
-    # runs cleanup_ctx (evidence flushed, client session closed).
+    await _finish_in_flight(runner, site, settings.grace_period)
+    # Runs cleanup_ctx: the evidence flushed (fsync'd), the client session closed.
     await runner.cleanup()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signum)
     log_event(log, logging.INFO, "stopped")
+
+
+async def _finish_in_flight(runner: web.AppRunner, site: GuardedSite, grace_period: float) -> None:
+    """Stop accepting, let in-flight requests and streams finish for up to grace_period, then cut them."""
+    await site.stop()
+    # As aiohttp's own cleanup does: let connections accepted just before the stop start their
+    # handler, then close the idle ones now (a busy one closes after its response).
+    await asyncio.sleep(0)
+    guard = runner.app[CONNECTIONS]
+    if runner.server is not None:
+        runner.server.pre_shutdown()
+    guard.close_idle()
+    if await guard.wait_requests_done(grace_period):
+        return
+    log_event(
+        log,
+        logging.WARNING,
+        "grace period over; cutting the requests still in flight",
+        requests=guard.requests_in_progress,
+        grace_period=grace_period,
+    )
+    guard.close_all()  # handler cancellation then aborts each one's upstream request
 
 
 def run(settings: Settings) -> int:

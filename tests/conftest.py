@@ -27,12 +27,15 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
     other app (a test upstream, a simulator) by a plain runner that, like the engines'
     servers, notices a client that leaves (handler cancellation on).
     """
+    site: web.BaseSite
     if SETTINGS in app:
         runner = make_runner(app, app[SETTINGS])
+        await runner.setup()
+        site = make_site(runner, host, port)
     else:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5)
-    await runner.setup()
-    site = make_site(runner, host, port)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:

@@ -48,6 +48,8 @@ FAMILIES = (
     "cachewitness_sidecar_overhead_seconds",
     "cachewitness_cache_verifications_total",
     "cachewitness_evidence_dropped_total",
+    "cachewitness_client_connections",
+    "cachewitness_connection_limit_hits_total",
 )
 MODEL_FAMILIES = (
     "cachewitness_prompt_tokens_total",

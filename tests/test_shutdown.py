@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import signal
 import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.conftest import free_port, serve_app
 from tests.test_health import wait_status
 from tests.upstream import STATE, build_upstream
 
 
-async def start_sidecar(upstream: str, tmp_path: Path, *extra: str) -> tuple[asyncio.subprocess.Process, str]:
-    """`python -m proxy serve` on a free loopback port, waited on until ready (bounded)."""
+async def start_sidecar(
+    upstream: str, tmp_path: Path, *extra: str, nofile: int | None = None
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m proxy serve` on a free loopback port, waited on until ready (bounded).
+
+    `nofile` sets the child's RLIMIT_NOFILE (soft and hard) before it starts.
+    """
     port = free_port()
+
+    def limit_fds() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     with open(tmp_path / "sidecar.log", "wb") as log:  # the child keeps its own copy of the fd
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -33,6 +45,7 @@ async def start_sidecar(upstream: str, tmp_path: Path, *extra: str) -> tuple[asy
             "0.2",
             *extra,
             stderr=log,
+            preexec_fn=limit_fds,
         )
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as session:
@@ -108,3 +121,23 @@ async def test_sigterm_loses_no_buffered_evidence(tmp_path: Path) -> None:
         assert await asyncio.wait_for(process.wait(), timeout=20) == 0
     lines = (tmp_path / "ev.jsonl").read_bytes().splitlines()
     assert sum(b'"infer.cache_observation"' in line for line in lines) == 200
+
+
+async def test_sigterm_cuts_a_stream_at_the_grace_period(tmp_path: Path) -> None:
+    """A stream still running when grace_period runs out is cut then, within 0.5 s, and exit is 0."""
+    upstream_app = build_upstream()
+    state = upstream_app[STATE]
+    async with serve_app(upstream_app) as upstream, aiohttp.ClientSession() as session:
+        process, proxy = await start_sidecar(upstream, tmp_path, "--grace-period", "3")
+        stream = await session.get(proxy + "/sse/paced?n=3")
+        state.gates[0].set()
+        assert await stream.content.readuntil(b"\n\n") == b'data: {"i": 0}\n\n'
+        loop = asyncio.get_running_loop()
+        signalled_at = loop.time()
+        process.send_signal(signal.SIGTERM)
+        with pytest.raises(aiohttp.ClientError):
+            await asyncio.wait_for(stream.content.read(), timeout=20)
+        cut_after = loop.time() - signalled_at
+        stream.close()
+        assert await asyncio.wait_for(process.wait(), timeout=20) == 0
+    assert 3.0 <= cut_after <= 3.5, cut_after

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.admission import ADMISSION
+from proxy.connections import CONNECTIONS, Limit
 from proxy.engine_state import ENGINE
 from proxy.evidence import EVIDENCE
 from proxy.health import HEALTH
@@ -25,7 +26,7 @@ class StateCollector(Collector):
         self._app = app
 
     def collect(self) -> Iterator[Metric]:
-        """Yield in-flight, draining, upstream_up, engine_info and the evidence writer's counters."""
+        """Yield in-flight, draining, upstream_up, engine_info, client connections, the evidence writer's counters."""
         app = self._app
         admission, health, engine, evidence = app[ADMISSION], app[HEALTH], app[ENGINE], app[EVIDENCE]
         yield GaugeMetricFamily(
@@ -58,6 +59,18 @@ class StateCollector(Collector):
         for event_type in sorted(set(EVENT_TYPES) | set(written)):
             records.add_metric((event_type,), written.get(event_type, 0))
         yield records
+        connections = app[CONNECTIONS]
+        yield GaugeMetricFamily(
+            PREFIX + "client_connections", "Client connections open.", value=connections.open_connections
+        )
+        hits = CounterMetricFamily(
+            PREFIX + "connection_limit_hits_total",
+            "Client connections closed by header_timeout or body_idle_timeout, or refused by max_connections.",
+            labels=("limit",),
+        )
+        for limit in Limit:
+            hits.add_metric((str(limit),), connections.hits[limit])
+        yield hits
         yield CounterMetricFamily(
             PREFIX + "evidence_write_errors_total",
             "Evidence writes the disk refused.",

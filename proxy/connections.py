@@ -1,0 +1,346 @@
+"""Client connections: the head and body-idle timeouts, the connection cap, and the in-flight count.
+
+aiohttp closes an idle keep-alive connection, but not one that sends nothing, half a request
+line, headers without the final CRLF, or a body that stops: each would hold a file descriptor
+for ever, and enough of them starve the sidecar of descriptors for its own upstream
+connections. Every client connection is therefore wrapped: the wrapper refuses connections
+past `max_connections` with a clear 503 and close, and closes a connection whose head takes
+longer than `header_timeout` or whose body goes silent for `body_idle_timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from enum import StrEnum
+from typing import cast
+
+import orjson
+from aiohttp import web
+from yarl import URL
+
+from proxy.config import SETTINGS
+from proxy.logs import log_event
+
+__all__ = ["CONNECTIONS", "ConnectionGuard", "GuardedSite", "Limit", "setup_connections"]
+
+log = logging.getLogger("cachewitness.connections")
+
+# A limit's warning is logged at most this often (a slowloris burst must not flood the log);
+# the counter counts every hit.
+_WARN_EVERY_S = 10.0
+_REFUSAL_BODY = orjson.dumps(
+    {
+        "error": {
+            "message": "the sidecar has max_connections client connections open; retry shortly",
+            "type": "service_unavailable",
+            "code": "too_many_connections",
+        }
+    }
+)
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json\r\n"
+    b"Retry-After: 1\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: " + str(len(_REFUSAL_BODY)).encode() + b"\r\n\r\n" + _REFUSAL_BODY
+)
+_HEAD_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+
+
+class Limit(StrEnum):
+    """The connection limits, as metric labels and log words."""
+
+    HEADER_TIMEOUT = "header_timeout"
+    BODY_IDLE_TIMEOUT = "body_idle_timeout"
+    MAX_CONNECTIONS = "max_connections"
+
+
+class _Phase(StrEnum):
+    """Where a connection is in its request cycle."""
+
+    HEAD = "head"  # waiting for (the rest of) a request head: header_timeout runs
+    REQUEST = "request"  # a handler runs: body_idle_timeout runs while the body is unread
+    IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies
+
+
+class ConnectionGuard:
+    """Counts client connections and requests in progress, and enforces the limits."""
+
+    def __init__(self, header_timeout: float, body_idle_timeout: float, max_connections: int) -> None:
+        """Limits in seconds and connections; 0 turns one off."""
+        self.header_timeout = header_timeout
+        self.body_idle_timeout = body_idle_timeout
+        self.max_connections = max_connections
+        self.open_connections = 0
+        self.requests_in_progress = 0
+        self.hits: dict[Limit, int] = dict.fromkeys(Limit, 0)
+        self._warned_at: dict[Limit, float] = {}
+        self._unwarned: dict[Limit, int] = dict.fromkeys(Limit, 0)
+        self._connections: dict[asyncio.BaseTransport, _GuardedConnection] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+        """A protocol factory for `loop.create_server` that wraps aiohttp's request handler."""
+        return lambda: _GuardedConnection(self, server)
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Mark the connection's head as complete and count the request while its handler runs."""
+        connection = self._connections.get(request.transport) if request.transport is not None else None
+        if connection is not None:
+            connection.request_started(request)
+        self.requests_in_progress += 1
+        self._idle.clear()
+        try:
+            return await handler(request)
+        finally:
+            self.requests_in_progress -= 1
+            if self.requests_in_progress == 0:
+                self._idle.set()
+            if connection is not None:
+                connection.request_finished()
+
+    async def wait_requests_done(self, timeout_s: float) -> bool:
+        """Wait until no request is in progress, up to `timeout_s`; whether that happened."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def close_idle(self) -> None:
+        """Close every client connection with no request in progress (shutdown: nothing is cut)."""
+        for transport, connection in list(self._connections.items()):
+            if connection.phase is not _Phase.REQUEST:
+                transport.close()
+
+    def close_all(self) -> None:
+        """Close every client connection (the grace period is over: handlers are cancelled)."""
+        for transport in list(self._connections):
+            transport.close()
+
+    def hit(self, limit: Limit) -> None:
+        """Count one hit of a limit; log a warning, at most once per _WARN_EVERY_S per limit."""
+        self.hits[limit] += 1
+        self._unwarned[limit] += 1
+        now = time.monotonic()
+        if now - self._warned_at.get(limit, -_WARN_EVERY_S) < _WARN_EVERY_S:
+            return
+        self._warned_at[limit] = now
+        log_event(
+            log,
+            logging.WARNING,
+            "client connection limit hit",
+            limit=str(limit),
+            value=self._limit_value(limit),
+            hits=self._unwarned[limit],
+            open_connections=self.open_connections,
+        )
+        self._unwarned[limit] = 0
+
+    def _limit_value(self, limit: Limit) -> float:
+        """The configured value of a limit, for the log line."""
+        if limit is Limit.HEADER_TIMEOUT:
+            return self.header_timeout
+        if limit is Limit.BODY_IDLE_TIMEOUT:
+            return self.body_idle_timeout
+        return self.max_connections
+
+    def _opened(self, transport: asyncio.BaseTransport, connection: _GuardedConnection) -> None:
+        self.open_connections += 1
+        self._connections[transport] = connection
+
+    def _closed(self, transport: asyncio.BaseTransport) -> None:
+        if self._connections.pop(transport, None) is not None:
+            self.open_connections -= 1
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """One client connection: aiohttp's request handler, watched by a single lazy timer.
+
+    The timer is re-armed from the timestamps the events leave behind (the way aiohttp's own
+    keep-alive timer works), so data arriving costs a clock read, not a timer per chunk.
+    """
+
+    def __init__(self, guard: ConnectionGuard, server: web.Server) -> None:
+        self._guard = guard
+        self._server = server
+        self._handler: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._phase = _Phase.HEAD
+        self._head_since = self._loop.time()
+        self._last_data = self._head_since
+        self._request: web.BaseRequest | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Refuse past max_connections; else hand the connection to aiohttp and start the head clock."""
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        guard = self._guard
+        if guard.max_connections and guard.open_connections >= guard.max_connections:
+            guard.hit(Limit.MAX_CONNECTIONS)
+            # Closed at once, not lingered: under a flood the descriptor is what must be freed. A
+            # client whose request was already sent may then see a reset instead of the 503.
+            transport.write(_REFUSAL)
+            transport.close()
+            return
+        self._transport = transport
+        guard._opened(transport, self)
+        self._handler = self._server()
+        self._handler.connection_made(transport)
+        self._arm(self._head_since + guard.header_timeout if guard.header_timeout else None)
+
+    def data_received(self, data: bytes) -> None:
+        """Note the time; the first byte after an idle keep-alive starts the next head's clock."""
+        if self._handler is None:
+            return  # a refused connection: its bytes are discarded
+        now = self._loop.time()
+        self._last_data = now
+        if self._phase is _Phase.IDLE:
+            self._phase = _Phase.HEAD
+            self._head_since = now
+            if self._guard.header_timeout:
+                self._arm(now + self._guard.header_timeout)
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        """aiohttp decides what a half-close means."""
+        return self._handler.eof_received() if self._handler is not None else False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Forget the connection and tell aiohttp (which cancels a running handler)."""
+        self._disarm()
+        if self._handler is None:
+            return
+        if self._transport is not None:
+            self._guard._closed(self._transport)
+        self._handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """Flow control is aiohttp's."""
+        if self._handler is not None:
+            self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        """Flow control is aiohttp's."""
+        if self._handler is not None:
+            self._handler.resume_writing()
+
+    @property
+    def phase(self) -> _Phase:
+        """Where the connection is in its request cycle."""
+        return self._phase
+
+    # --- the request cycle, from the guard's middleware -----------------------------------
+
+    def request_started(self, request: web.BaseRequest) -> None:
+        """The head is complete: header_timeout stops; body_idle_timeout runs while the body is unread."""
+        self._phase = _Phase.REQUEST
+        self._request = request
+        self._last_data = self._loop.time()
+        idle = self._guard.body_idle_timeout
+        self._arm(self._last_data + idle if idle and not request.content.is_eof() else None)
+
+    def request_finished(self) -> None:
+        """Back to keep-alive idle: the next request's first byte starts its head clock."""
+        self._request = None
+        self._phase = _Phase.IDLE
+        self._disarm()
+
+    # --- the timer --------------------------------------------------------------------------
+
+    def _arm(self, when: float | None) -> None:
+        self._disarm()
+        if when is not None:
+            self._timer = self._loop.call_at(when, self._check)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check(self) -> None:
+        """The timer fired: close the connection if its phase's limit has passed, else re-arm."""
+        self._timer = None
+        transport, guard, now = self._transport, self._guard, self._loop.time()
+        if transport is None or transport.is_closing():
+            return
+        if self._phase is _Phase.HEAD:
+            if now - self._head_since >= guard.header_timeout:
+                guard.hit(Limit.HEADER_TIMEOUT)
+                transport.write(_HEAD_TIMEOUT_ANSWER)
+                transport.close()
+            else:
+                self._arm(self._head_since + guard.header_timeout)
+            return
+        request = self._request
+        if self._phase is not _Phase.REQUEST or request is None or request.content.is_eof():
+            return  # the body is all in: the response may take as long as the engine needs
+        if not transport.is_reading():
+            # Paused by aiohttp's flow control: the sidecar is the slow side, not the client.
+            self._last_data = now
+        elif now - self._last_data >= guard.body_idle_timeout:
+            guard.hit(Limit.BODY_IDLE_TIMEOUT)
+            transport.close()
+            return
+        self._arm(self._last_data + guard.body_idle_timeout)
+
+
+class GuardedSite(web.BaseSite):
+    """A TCP site whose connections go through the app's ConnectionGuard."""
+
+    def __init__(
+        self, runner: web.BaseRunner, guard: ConnectionGuard, host: str, port: int, *, backlog: int = 1024
+    ) -> None:
+        """Listen on host:port (port 0 picks a free one: see `port`)."""
+        super().__init__(runner, backlog=backlog)
+        self._guard = guard
+        self._host = host
+        self._port = port
+
+    @property
+    def name(self) -> str:
+        """The URL this site serves."""
+        return str(URL.build(scheme="http", host=self._host, port=self.port))
+
+    @property
+    def port(self) -> int:
+        """The bound port (the one asked for, until started)."""
+        if self._server is not None and self._server.sockets:
+            return int(self._server.sockets[0].getsockname()[1])
+        return self._port
+
+    async def start(self) -> None:
+        """Bind and start accepting."""
+        await super().start()
+        server = self._runner.server
+        assert server is not None, "runner.setup() must run before site.start()"
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._guard.protocol_factory(server),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=True,
+        )
+
+
+CONNECTIONS = web.AppKey("connections", ConnectionGuard)
+
+
+def setup_connections(app: web.Application) -> ConnectionGuard:
+    """Create the app's ConnectionGuard and put its middleware outermost."""
+    settings = app[SETTINGS]
+    guard = ConnectionGuard(settings.header_timeout, settings.body_idle_timeout, settings.max_connections)
+    app[CONNECTIONS] = guard
+    app.middlewares.insert(0, guard.middleware)
+    return guard

@@ -306,6 +306,7 @@ class GuardedSite(web.BaseSite):
         self._guard = guard
         self._host = host
         self._port = port
+        self._listener: asyncio.Server | None = None
 
     @property
     def name(self) -> str:
@@ -315,8 +316,8 @@ class GuardedSite(web.BaseSite):
     @property
     def port(self) -> int:
         """The bound port (the one asked for, until started)."""
-        if self._server is not None and self._server.sockets:
-            return int(self._server.sockets[0].getsockname()[1])
+        if self._listener is not None and self._listener.sockets:
+            return int(self._listener.sockets[0].getsockname()[1])
         return self._port
 
     async def start(self) -> None:
@@ -325,13 +326,14 @@ class GuardedSite(web.BaseSite):
         server = self._runner.server
         assert server is not None, "runner.setup() must run before site.start()"
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
+        self._listener = await loop.create_server(
             self._guard.protocol_factory(server),
             self._host,
             self._port,
             backlog=self._backlog,
             reuse_address=True,
         )
+        self._server = self._listener  # what BaseSite.stop() closes
 
 
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)

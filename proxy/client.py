@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
+from proxy.cluster_report import CLUSTER_READ_EVENT, pod_table, unreadable_pods, worst_exit_code
 from proxy.evidence_summary import summarize, summary_table
 from proxy.redact import redact_url
 
@@ -69,6 +70,12 @@ def _common_arguments(parser: argparse.ArgumentParser) -> None:
         default=300.0,
         metavar="S",
         help="seconds to wait for the sidecar's answer (default 300)",
+    )
+    parser.add_argument(
+        "--scope",
+        choices=("pod", "cluster"),
+        default="pod",
+        help="this sidecar's engine (default), or every peer's (the sidecar's peers / peers_dns)",
     )
 
 
@@ -168,6 +175,8 @@ def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
         body["drain"] = False
     if ns.force:
         body["force"] = True
+    if ns.scope == "cluster":
+        body["scope"] = "cluster"
     return body
 
 
@@ -227,8 +236,12 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
         return _report_failure(status, raw, base)
     if ns.json:
         print(json.dumps(answer, indent=2))
+    elif answer.get("scope") == "cluster":
+        print(pod_table(answer))
     else:
         print(_human_line(answer))
+    if answer.get("scope") == "cluster":
+        return worst_exit_code(answer, EXIT_CODES, EXIT_FAILED)
     return EXIT_CODES.get(str(answer["answer"]), EXIT_FAILED)
 
 
@@ -257,6 +270,7 @@ def _evidence_url(ns: argparse.Namespace, base: str) -> str:
             ("case_id", ns.case_id),
             ("event_type", ns.event_type),
             ("since_ns", ns.since_ns),
+            ("scope", "cluster" if ns.scope == "cluster" else None),
         )
         if value is not None
     }
@@ -289,14 +303,20 @@ def run_evidence(
         )
         return EXIT_FAILED
     sink = out if out is not None else sys.stdout.buffer
+    # With scope cluster, the last line names the pods that could not be read.
+    trailers: list[dict[str, Any]] = []
     try:
         with _OPENER.open(_request(_evidence_url(ns, base), token), timeout=ns.timeout) as response:
             if ns.summary:
-                table = summary_table(summarize(_records(iter(response.readline, b""))))
-                sink.write(table.encode("utf-8") + b"\n")
+                records = list(_records(iter(response.readline, b"")))
+                trailers = [r for r in records if r.get("event_type") == CLUSTER_READ_EVENT]
+                cases = summarize(r for r in records if r.get("event_type") != CLUSTER_READ_EVENT)
+                sink.write(summary_table(cases).encode("utf-8") + b"\n")
             else:
                 for line in iter(response.readline, b""):  # bounded by the response's end
                     sink.write(line)
+                    if CLUSTER_READ_EVENT.encode() in line:
+                        trailers.extend(_records(iter([line])))
             sink.flush()
     except urllib.error.HTTPError as exc:
         print(f"cachewitness evidence: HTTP {exc.code}: {_error_message(exc.read())}", file=sys.stderr)
@@ -309,5 +329,9 @@ def run_evidence(
             f"cachewitness evidence: the sidecar at {redact_url(base)} cannot be reached: {reason}",
             file=sys.stderr,
         )
+        return EXIT_FAILED
+    missing = unreadable_pods(trailers)
+    if missing:
+        print(f"cachewitness evidence: pods not read: {'; '.join(missing)}", file=sys.stderr)
         return EXIT_FAILED
     return 0

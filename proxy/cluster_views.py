@@ -18,14 +18,13 @@ import orjson
 from aiohttp import web
 
 from proxy.cluster import PEER_CLIENT, admin_headers
+from proxy.cluster_report import CLUSTER_READ_EVENT
 from proxy.config import SETTINGS
 from proxy.errors import error_response
 from proxy.peers import Peer, PeerSet, discover_peers
 
 __all__ = ["CLUSTER_READ_EVENT", "cluster_evidence", "cluster_state"]
 
-# The trailing line of merged evidence: which pods were read, which could not be.
-CLUSTER_READ_EVENT = "cachewitness.cluster_read"
 READ_TIMEOUT_S = 60.0
 _STATE_READ_LIMIT = 1024 * 1024
 # Merged evidence is sorted in memory: a pod holding more than this for the filters is named, not read.

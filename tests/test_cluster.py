@@ -6,130 +6,18 @@ port, and a dnslib server answers the headless-Service name with their addresses
 
 from __future__ import annotations
 
-import socket
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
 from proxy.app import build_app
 from proxy.evidence import EVIDENCE
-from proxy.sim import SimConfig
+from tests.cluster_helpers import SERVICE, TOKEN, Pod, cluster, shared_port
 from tests.conftest import make_settings, serve_app
-from tests.dns_server import DnsServer, dns_server
-from tests.sim_helpers import Sim, chat, fast, sim, slow, words
-
-SERVICE = "cw-peers.ns.svc.cluster.test"
-TOKEN = "cluster-test-token"
-
-
-def shared_port(hosts: list[str]) -> int:
-    """A TCP port free on every one of `hosts` (bounded tries)."""
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind((hosts[0], 0))
-            port = first.getsockname()[1]
-            others = [socket.socket() for _ in hosts[1:]]
-            try:
-                for sock, host in zip(others, hosts[1:], strict=True):
-                    sock.bind((host, port))
-                return port
-            except OSError:
-                continue
-            finally:
-                for sock in others:
-                    sock.close()
-    raise AssertionError("no port is free on every loopback address")
-
-
-@dataclass
-class Pod:
-    """One pod: its engine, its sidecar, the sidecar's app and evidence file."""
-
-    host: str
-    engine: Sim
-    url: str
-    app: web.Application
-    evidence: Path
-
-    @property
-    def address(self) -> str:
-        """The name a cluster answer gives this pod."""
-        return self.url.removeprefix("http://")
-
-    def records(self) -> list[dict[str, Any]]:
-        """This pod's own evidence records (flushed by the reads that precede)."""
-        if not self.evidence.exists():
-            return []
-        return [orjson.loads(line) for line in self.evidence.read_bytes().splitlines() if line.strip()]
-
-
-@dataclass
-class Cluster:
-    """The pods, the DNS server, the shared port and a client."""
-
-    pods: list[Pod]
-    dns: DnsServer
-    port: int
-    http: aiohttp.ClientSession
-    token: str | None = None
-
-    def headers(self) -> dict[str, str]:
-        """The admin token, when the pods have one."""
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
-    async def reset(
-        self, body: dict[str, Any] | None = None, query: str = "?scope=cluster", via: int = 0
-    ) -> tuple[int, dict[str, Any]]:
-        """POST /cache/reset on one pod (the first by default); status and JSON body."""
-        data = orjson.dumps(body) if body is not None else None
-        url = f"{self.pods[via].url}/cache/reset{query}"
-        async with self.http.post(url, data=data, headers=self.headers()) as resp:
-            return resp.status, await resp.json()
-
-    async def get(self, path: str, via: int = 0) -> tuple[int, bytes]:
-        """GET a path from one pod; status and raw body."""
-        async with self.http.get(f"{self.pods[via].url}{path}", headers=self.headers()) as resp:
-            return resp.status, await resp.read()
-
-    def serve(self, hosts: list[str]) -> None:
-        """The headless Service now resolves to these pod addresses."""
-        self.dns.set(SERVICE, hosts)
-
-
-@asynccontextmanager
-async def cluster(
-    tmp_path: Path, configs: list[SimConfig], token: str | None = None, **overrides: Any
-) -> AsyncIterator[Cluster]:
-    """One pod per config on 127.0.0.(i+1), every sidecar finding the others through the DNS server."""
-    hosts = [f"127.0.0.{index + 1}" for index in range(len(configs))]
-    port = shared_port(hosts)
-    async with AsyncExitStack() as stack:
-        dns = await stack.enter_async_context(dns_server())
-        dns.set(SERVICE, hosts)
-        http = await stack.enter_async_context(aiohttp.ClientSession())
-        pods: list[Pod] = []
-        for index, (host, config) in enumerate(zip(hosts, configs, strict=True)):
-            engine = await stack.enter_async_context(sim(config))
-            evidence = tmp_path / f"pod{index}" / "cachewitness.jsonl"
-            settings = make_settings(
-                engine.url,
-                tmp_path,
-                evidence=str(evidence),
-                peers_dns=f"{SERVICE}:{port}",
-                peers_dns_server=dns.address,
-                admin_token=token,
-                **overrides,
-            )
-            app = build_app(settings)
-            url = await stack.enter_async_context(serve_app(app, host, port))
-            pods.append(Pod(host, engine, url, app, evidence))
-        yield Cluster(pods, dns, port, http, token)
+from tests.sim_helpers import chat, fast, sim, slow, words
 
 
 async def warm(pod: Pod, prompt: str) -> int:

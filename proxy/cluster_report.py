@@ -1,0 +1,54 @@
+"""What `cachewitness reset|evidence --scope cluster` prints: a per-pod table, the worst pod's exit code."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+__all__ = ["CLUSTER_READ_EVENT", "pod_table", "unreadable_pods", "worst_exit_code"]
+
+# The trailing line of merged evidence (proxy/cluster_views.py).
+CLUSTER_READ_EVENT = "cachewitness.cluster_read"
+
+
+def worst_exit_code(answer: Mapping[str, Any], codes: Mapping[str, int], failed: int) -> int:
+    """The highest exit code among the pods' answers; `failed` when there is no pod at all."""
+    pods = answer.get("pods")
+    if not isinstance(pods, list) or not pods:
+        return failed
+    return max(codes.get(str(pod.get("answer")), failed) for pod in pods if isinstance(pod, dict))
+
+
+def pod_table(answer: Mapping[str, Any]) -> str:
+    """One line for the cluster, then one row per pod: pod, HTTP status, answer, verified, reset_id, error."""
+    head = f"cluster {answer.get('answer')}: reset_id {answer.get('reset_id')}, peers from {answer.get('peers_source')}"
+    for key in ("detail", "hint"):
+        if answer.get(key):
+            head += f"; {key}: {answer[key]}"
+    header = ("pod", "status", "answer", "verified", "reset_id", "error")
+    rows = [header]
+    for pod in answer.get("pods") or []:
+        rows.append(
+            (
+                str(pod.get("pod")),
+                str(pod.get("status") if pod.get("status") is not None else "-"),
+                str(pod.get("answer")),
+                str(pod.get("verified") or "-"),
+                str(pod.get("reset_id") or "-"),
+                str(pod.get("error") or ""),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    table = "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
+    )
+    return f"{head}\n{table}"
+
+
+def unreadable_pods(records: Iterable[Mapping[str, Any]]) -> list[str]:
+    """`pod (error)` for each pod a merged-evidence trailing line names as unreadable."""
+    named: list[str] = []
+    for record in records:
+        if record.get("event_type") == CLUSTER_READ_EVENT:
+            named += [f"{pod.get('pod')} ({pod.get('error')})" for pod in record.get("unreadable") or []]
+    return named

@@ -3,9 +3,9 @@
 # scripts/install-deploy-tools.sh puts in .cache/tools/:
 #   - helm lint --strict, for each engine preset;
 #   - helm template for each preset x monitoring off/on, plus the existing-secret, PVC and
-#     examples/values-*.yaml variants, each validated with
+#     replicas-3 with the PrometheusRule, no-peers and examples/values-*.yaml variants, each validated with
 #     kubernetes-validate --strict against Kubernetes 1.29.0 and 1.33.0
-#     (CRDs such as ServiceMonitor have no bundled schema: tests/test_helm.py checks them);
+#     (CRDs such as ServiceMonitor and PrometheusRule have no bundled schema: tests/test_helm.py checks them);
 #   - hadolint on the Dockerfile.
 # Runs every check, prints one line per check, exits non-zero if any failed.
 set -uo pipefail
@@ -83,6 +83,8 @@ done
 validate_render "existing-secret" --set adminToken.existingSecret=my-admin-token --set adminToken.key=bearer
 validate_render "evidence-pvc" --set evidence.persistence.enabled=true --set evidence.persistence.storageClassName=standard
 validate_render "evidence-existing-claim" --set evidence.persistence.enabled=true --set evidence.persistence.existingClaim=evidence
+validate_render "replicas-3-alerts" --set replicaCount=3 --set prometheusRule.enabled=true "${MONITORING[@]}"
+validate_render "no-peers" --set peers.enabled=false
 validate_render "example-sglang" -f "$EXAMPLES/values-sglang.yaml" "${MONITORING[@]}"
 validate_render "example-llamacpp" -f "$EXAMPLES/values-llamacpp.yaml" "${MONITORING[@]}"
 

@@ -108,6 +108,18 @@ def only(manifests: list[Manifest], kind: str) -> Manifest:
     return found[0]
 
 
+def client_service(manifests: list[Manifest]) -> Manifest:
+    """The Service clients use (not the headless peers Service)."""
+    (service,) = [m for m in manifests if m["kind"] == "Service" and m["spec"].get("clusterIP") != "None"]
+    return service
+
+
+def peers_service(manifests: list[Manifest]) -> Manifest:
+    """The headless Service that lists the pods for cluster resets."""
+    (service,) = [m for m in manifests if m["kind"] == "Service" and m["spec"].get("clusterIP") == "None"]
+    return service
+
+
 def kinds(manifests: list[Manifest]) -> list[str]:
     """Kinds of the rendered manifests."""
     return [m["kind"] for m in manifests]
@@ -187,7 +199,7 @@ def test_engine_exposes_no_container_port() -> None:
 def test_service_targets_the_sidecar_port() -> None:
     """The Service port 8000 resolves to the sidecar's container port, which it listens on."""
     manifests = render()
-    (service_port,) = only(manifests, "Service")["spec"]["ports"]
+    (service_port,) = client_service(manifests)["spec"]["ports"]
     ports = {p["name"]: p["containerPort"] for p in sidecar(manifests)["ports"]}
     assert service_port["port"] == 8000
     assert ports[service_port["targetPort"]] == 8000
@@ -197,7 +209,7 @@ def test_service_targets_the_sidecar_port() -> None:
 def test_service_selects_the_pod_but_not_the_helm_test_pod() -> None:
     """The Service selector matches the Deployment's pods and not the `helm test` pod."""
     manifests = render()
-    selector = only(manifests, "Service")["spec"]["selector"]
+    selector = client_service(manifests)["spec"]["selector"]
     pod_labels = only(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
     (test_pod,) = [m for m in manifests if m["kind"] == "Pod"]
     assert selector.items() <= pod_labels.items()
@@ -451,7 +463,7 @@ def test_service_monitor_scrapes_the_sidecar_metrics_through_the_service() -> No
     """ServiceMonitor (monitoring.coreos.com/v1): the Service's http port, /metrics, every 30 s."""
     manifests = render("--set", "serviceMonitor.enabled=true", "--set", "serviceMonitor.labels.release=prom")
     monitor = only(manifests, "ServiceMonitor")
-    service = only(manifests, "Service")
+    service = client_service(manifests)
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert set(monitor["spec"]) == {"namespaceSelector", "selector", "endpoints"}

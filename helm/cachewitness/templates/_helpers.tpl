@@ -183,3 +183,12 @@ grace period; plus slack for process exit and evidence flush.
 {{- int $set }}
 {{- end }}
 {{- end }}
+
+{{/* The headless Service that lists the pods, and its in-cluster DNS name. */}}
+{{- define "cachewitness.peersServiceName" -}}
+{{- printf "%s-peers" (include "cachewitness.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "cachewitness.peersDNS" -}}
+{{- printf "%s.%s.svc.%s" (include "cachewitness.peersServiceName" .) .Release.Namespace .Values.peers.clusterDomain }}
+{{- end }}

@@ -1,0 +1,172 @@
+"""The chart with many replicas (issue 15): the headless peers Service, CACHEWITNESS_PEERS_DNS, the PrometheusRule."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from proxy.app import build_app
+from proxy.config import load_settings
+from tests.conftest import closed_port_url, make_settings, serve_app
+from tests.test_helm import (  # the chart helpers, and the fixture that insists on the pinned tools
+    KUBE_VERSIONS,
+    Manifest,
+    client_service,
+    deploy_tools,  # noqa: F401
+    env_values,
+    kinds,
+    only,
+    peers_service,
+    render,
+    render_text,
+    sidecar,
+    validate,
+)
+
+REPLICAS_3 = ("--set", "replicaCount=3")
+ALERTS = ("--set", "prometheusRule.enabled=true")
+
+
+def matches(selector: Manifest, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, and Exists/DoesNotExist/In/NotIn expressions) against labels."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator, values = expression["key"], expression["operator"], expression.get("values", [])
+        present = key in labels
+        if not {
+            "Exists": present,
+            "DoesNotExist": not present,
+            "In": present and labels.get(key) in values,
+            "NotIn": not present or labels.get(key) not in values,
+        }[operator]:
+            return False
+    return True
+
+
+def test_replicas_3_renders_a_headless_service_over_the_same_pods() -> None:
+    """replicaCount 3: three replicas, and a headless Service selecting them on the sidecar's port."""
+    manifests = render(*REPLICAS_3)
+    assert only(manifests, "Deployment")["spec"]["replicas"] == 3
+    headless = peers_service(manifests)
+    pod_labels = only(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["publishNotReadyAddresses"] is False
+    assert headless["spec"]["selector"].items() <= pod_labels.items()
+    (port,) = headless["spec"]["ports"]
+    container_ports = {p["name"]: p["containerPort"] for p in sidecar(manifests)["ports"]}
+    assert container_ports[port["targetPort"]] == port["port"] == 8000
+
+
+def test_sidecar_resolves_the_headless_service_by_its_cluster_name(tmp_path: Path) -> None:
+    """CACHEWITNESS_PEERS_DNS is the headless Service's FQDN and a valid peers_dns setting."""
+    manifests = render(*REPLICAS_3, "--set", "peers.clusterDomain=k8s.example")
+    name = peers_service(manifests)["metadata"]["name"]
+    env = env_values(sidecar(manifests))
+    assert env["CACHEWITNESS_PEERS_DNS"] == f"{name}.ns.svc.k8s.example"
+    token_file = tmp_path / "token"
+    token_file.write_text("t", encoding="utf-8")
+    settings = load_settings({}, env={**env, "CACHEWITNESS_ADMIN_TOKEN_FILE": str(token_file)})
+    assert settings.peers_dns == f"{name}.ns.svc.k8s.example"
+    assert settings.listen_port == 8000  # the port peers are called on
+
+
+def test_peers_can_be_switched_off() -> None:
+    """peers.enabled=false: no headless Service and no CACHEWITNESS_PEERS_DNS."""
+    manifests = render("--set", "peers.enabled=false")
+    assert kinds(manifests).count("Service") == 1
+    assert "CACHEWITNESS_PEERS_DNS" not in env_values(sidecar(manifests))
+
+
+def test_service_monitor_scrapes_through_the_client_service_only() -> None:
+    """The ServiceMonitor selects the client Service and not the headless one (pods scraped once)."""
+    manifests = render(*REPLICAS_3, "--set", "serviceMonitor.enabled=true")
+    selector = only(manifests, "ServiceMonitor")["spec"]["selector"]
+    assert matches(selector, client_service(manifests)["metadata"]["labels"])
+    assert not matches(selector, peers_service(manifests)["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+def test_replicas_3_with_alerts_validates_strictly(kube_version: str) -> None:
+    """Three replicas, peers, monitors and the PrometheusRule: kubernetes-validate --strict passes."""
+    text = render_text(*REPLICAS_3, *ALERTS, "--set", "serviceMonitor.enabled=true")
+    result = validate(text, kube_version)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+# --- the PrometheusRule (a CRD: no bundled schema, so its shape is checked here) ---------------
+
+EXPECTED_ALERTS = {
+    "CachewitnessResetFailed",
+    "CachewitnessResetContradicted",
+    "CachewitnessUpstreamDown",
+    "CachewitnessEvidenceLost",
+    "CachewitnessCacheHitRatioDropped",
+}
+RULE_KEYS = {"alert", "expr", "for", "labels", "annotations"}
+
+
+def rules() -> list[Manifest]:
+    """The alerting rules of the rendered PrometheusRule."""
+    rule = only(render(*ALERTS), "PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    (group,) = rule["spec"]["groups"]
+    found: list[Manifest] = group["rules"]
+    return found
+
+
+def test_prometheus_rule_is_off_by_default() -> None:
+    """No PrometheusRule unless asked for (the CRD may not be installed)."""
+    assert "PrometheusRule" not in kinds(render())
+
+
+def test_prometheus_rule_has_the_alerts_ops_want() -> None:
+    """Reset failures, contradicted resets, upstream down 2 min, evidence lost, hit ratio drop; well formed."""
+    found = rules()
+    assert {r["alert"] for r in found} == EXPECTED_ALERTS
+    for rule in found:
+        assert set(rule) <= RULE_KEYS, rule
+        assert rule["labels"]["severity"] in {"info", "warning", "critical"}
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+        assert 'namespace="ns"' in rule["expr"]
+    down = next(r for r in found if r["alert"] == "CachewitnessUpstreamDown")
+    assert down["for"] == "2m" and "cachewitness_upstream_up" in down["expr"]
+
+
+SELECTOR = re.compile(r"(cachewitness_\w+)\{([^}]*)\}")
+MATCHER = re.compile(r'(\w+)\s*(=~|=)\s*"([^"]*)"')
+
+
+def _series_labels(text: str) -> dict[str, list[dict[str, str]]]:
+    """name -> label dicts, from the exposition."""
+    out: dict[str, list[dict[str, str]]] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head = line.rsplit(" ", 1)[0]
+        name, _, body = head.partition("{")
+        labels = {key: value for key, _, value in MATCHER.findall(body)}
+        out.setdefault(name, []).append(labels)
+    return out
+
+
+async def test_every_alert_selects_series_the_sidecar_exports(tmp_path: Path) -> None:
+    """Each metric an alert reads exists in a live sidecar's /metrics, with the label values it matches."""
+    app = build_app(make_settings(closed_port_url(), tmp_path))
+    async with serve_app(app) as url, aiohttp.ClientSession() as http:
+        async with http.get(f"{url}/metrics") as response:
+            exported = _series_labels(await response.text())
+    for rule in rules():
+        selectors = SELECTOR.findall(rule["expr"])
+        assert selectors, rule["alert"]
+        for name, matchers in selectors:
+            assert name in exported, f"{rule['alert']}: {name} is not exported"
+            for label, operator, value in MATCHER.findall(matchers):
+                if label == "namespace":
+                    continue  # added by the scrape, not by the sidecar
+                wanted = value.split("|") if operator == "=~" else [value]
+                have = {series.get(label) for series in exported[name]}
+                assert set(wanted) <= have, f"{rule['alert']}: {name}{{{label}}} has {have}, not {wanted}"

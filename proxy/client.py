@@ -33,6 +33,10 @@ EXIT_CODES = {
     "unsupported": 5,
     "unreachable": 6,
     "error": 6,
+    # SPEC §12.1: a reset the canary contradicted.
+    "contradicted": 7,
+    # A cluster reset that could not reach every pod.
+    "partial": 6,
 }
 EXIT_FAILED = 6
 EXIT_BAD_INPUT = 2

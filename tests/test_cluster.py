@@ -12,8 +12,10 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from proxy.app import build_app
+from proxy.config import ConfigError, load_settings
 from proxy.evidence import EVIDENCE
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, cluster, shared_port
 from tests.conftest import make_settings, serve_app
@@ -265,3 +267,36 @@ async def test_merged_state_lists_every_pod_and_names_the_unreadable(tmp_path: P
         pod_ids = {p["pod"]: p["reset_id"] for p in body["pods"]}
         assert {pod: s["reset_id"] for pod, s in by_pod.items()} == pod_ids
         assert [u["pod"] for u in state["unreadable"]] == [f"127.0.0.4:{c.port}"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        ({"peers": "10.0.0.5"}, "peers"),
+        ({"peers": "10.0.0.5:0"}, "peers"),
+        ({"peers_dns": "bad_name.svc"}, "peers_dns"),
+        ({"peers_dns": "svc.ns:70000"}, "peers_dns"),
+        ({"peers_dns_server": "dns.example"}, "peers_dns_server"),
+        ({"peers": "10.0.0.5:9000", "peers_dns": "svc"}, "not both"),
+    ],
+)
+def test_bad_peer_settings_fail_with_the_key_named(flags: dict[str, str], named: str) -> None:
+    """A malformed peer setting, or both kinds at once, is one ConfigError naming it."""
+    with pytest.raises(ConfigError, match=named):
+        load_settings(flags, env={})
+
+
+def test_peer_settings_parse_from_env() -> None:
+    """The Helm chart's env var and a static list both load."""
+    settings = load_settings(
+        {},
+        env={
+            "CACHEWITNESS_PEERS_DNS": "cw-peers.ns.svc.cluster.local",
+            "CACHEWITNESS_PEERS_DNS_SERVER": "[::1]:53",
+        },
+    )
+    assert (settings.peers_dns, settings.peers_dns_server) == ("cw-peers.ns.svc.cluster.local", "[::1]:53")
+    assert load_settings({"peers": "10.0.0.5:9000, [::1]:9001"}, env={}).peers == (
+        "10.0.0.5:9000",
+        "[::1]:9001",
+    )

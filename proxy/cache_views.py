@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from aiohttp import web
@@ -23,6 +24,7 @@ _FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope")
 _SCOPES = ("pod", "cluster")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024
+_ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
 
 
 def _scope(request: web.Request) -> str | web.Response:
@@ -68,6 +70,9 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     unknown = sorted(set(query) - set(_FILTERS))
     if unknown:
         return _bad_filter(unknown[0], f"unknown filter {unknown[0]!r}; filters are {', '.join(_FILTERS)}")
+    for name in _FILTERS:
+        if len(query.getall(name, ())) > 1:
+            return _bad_filter(name, f"{name} is given more than once; give each filter at most once")
     for name in ("session_id", "case_id"):
         if name in query and not is_valid_id(query[name]):
             return _bad_filter(name, f"{name} must be 1-128 characters of [A-Za-z0-9._:-]")
@@ -76,10 +81,13 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
         return _bad_filter("event_type", f"event_type must be one of {', '.join(sorted(_EVENT_TYPES))}")
     since_ns: int | None = None
     if "since_ns" in query:
-        try:
-            since_ns = int(query["since_ns"])
-        except ValueError:
-            return _bad_filter("since_ns", "since_ns must be an integer (nanoseconds since the epoch)")
+        text = query["since_ns"]
+        # int() would also take " 12 ", "1_000", "-5" and non-ASCII digits such as "٣".
+        if not _ASCII_DIGITS.fullmatch(text):
+            return _bad_filter(
+                "since_ns", "since_ns must be ASCII digits 0-9 only (nanoseconds since the epoch)"
+            )
+        since_ns = int(text)
     scope = _scope(request)
     if isinstance(scope, web.Response):
         return scope

@@ -278,3 +278,27 @@ async def test_a_1000_character_session_id_is_recorded_cut_to_128(sidecar: Sidec
     assert record["session_id"] == long_session[:128] and len(record["session_id"]) == 128
     assert record["case_id"] == long_case[:128]
     assert [r["request_id"] for r in found] == [record["request_id"]]
+
+
+@pytest.mark.parametrize("since_ns", ["1_000", " 12 ", "\u0663", "+5", "-5", "", "1" * 21])
+async def test_evidence_since_ns_other_than_ascii_digits_is_400(
+    sidecar: SidecarFactory, http, since_ns: str
+) -> None:
+    async with running_sim(fast("vllm")) as engine:
+        proxy = await sidecar(engine)
+        async with http.get(proxy + "/cache/evidence", params={"since_ns": since_ns}) as response:
+            assert response.status == 400
+            assert (await response.json())["error"]["param"] == "since_ns"
+        assert await evidence(http, proxy, since_ns="0012") == []  # digits, leading zeros included
+
+
+@pytest.mark.parametrize("name", ["session_id", "case_id", "event_type", "since_ns", "scope"])
+async def test_evidence_filter_given_twice_is_400(sidecar: SidecarFactory, http, name: str) -> None:
+    value = {"event_type": "infer.cache_state", "scope": "pod"}.get(name, "1")
+    async with running_sim(fast("vllm")) as engine:
+        proxy = await sidecar(engine)
+        await reset(http, proxy, session_id="1", case_id="1")
+        async with http.get(proxy + "/cache/evidence", params=[(name, value), (name, value)]) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+        assert error["param"] == name and error["code"] == "invalid_filter"

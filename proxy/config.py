@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from yarl import URL
+
+from proxy.redact import redact_url
 
 __all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "load_settings", "parse_listen"]
 
@@ -131,12 +134,26 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _url(text: str) -> str:
-    from yarl import URL
-
     url = URL(text)
     if url.scheme not in ("http", "https") or not url.host:
         raise ValueError(text)
     return text
+
+
+def _check_upstream_credentials(upstream: str) -> None:
+    """Refuse `user:password@` in the upstream URL (the value shown redacted).
+
+    aiohttp turns URL credentials into an Authorization header and refuses any request
+    that carries its own, which every OpenAI SDK request does: each one would fail.
+    """
+    url = URL(upstream)
+    if url.user is None and url.password is None:
+        return
+    raise ConfigError(
+        f"config: upstream = {redact_url(upstream)!r} carries credentials (user:password@), which "
+        "would break every request that brings its own Authorization; give the URL without them "
+        "and put the engine's key in upstream_api_key (env CACHEWITNESS_UPSTREAM_API_KEY)"
+    )
 
 
 def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
@@ -307,8 +324,9 @@ def _coerce(option: Option, raw: Any, origin: str) -> Any:
     try:
         return option.parse(str(text))
     except ValueError:
+        shown = redact_url(str(raw)) if option.parse is _url else raw  # no password in the message
         raise ConfigError(
-            f"config: {option.name} = {raw!r} (from {origin}) is not valid: expected {option.fix}"
+            f"config: {option.name} = {shown!r} (from {origin}) is not valid: expected {option.fix}"
         ) from None
 
 
@@ -358,6 +376,7 @@ def load_settings(
 
 def _finish(settings: Settings) -> Settings:
     """Cross-field checks, and the admin token read from its file."""
+    _check_upstream_credentials(settings.upstream)
     if settings.retry_seconds > 120:
         raise ConfigError("config: retry_seconds must be between 0 and 120")
     if settings.health_interval <= 0:

@@ -114,3 +114,39 @@ def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path) -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert f"127.0.0.1:{port}" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "upstream", ["http://user:s3cret@127.0.0.1:8000", "http://s3cret@127.0.0.1:8000", "https://:s3cret@engine"]
+)
+def test_credentials_in_the_upstream_url_are_refused_naming_upstream_api_key(
+    tmp_path: Path, upstream: str
+) -> None:
+    config = write_toml(tmp_path, f'upstream = "{upstream}"\n')
+    for flags, env, file in (
+        ({"upstream": upstream}, {}, None),
+        ({}, {"CACHEWITNESS_UPSTREAM": upstream}, None),
+        ({}, {}, config),
+    ):
+        with pytest.raises(ConfigError, match="upstream_api_key") as refused:
+            load_settings(flags, env=env, config_file=file)
+        assert "s3cret" not in str(refused.value) and "upstream = " in str(refused.value)
+
+
+def test_a_malformed_upstream_url_is_not_echoed_with_its_password() -> None:
+    with pytest.raises(ConfigError, match="upstream") as refused:
+        load_settings({"upstream": "http://user:s3cret@:notaport"}, env={})
+    assert "s3cret" not in str(refused.value)
+
+
+def test_serve_with_credentials_in_the_upstream_exits_2_with_one_line(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "proxy", "serve", "--upstream", "http://user:s3cret@127.0.0.1:8000"]
+        + ["--listen", "127.0.0.1:0", "--evidence", str(tmp_path / "ev.jsonl")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert "upstream_api_key" in line and "s3cret" not in line

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import resource
 import signal
+import socket
 import sys
 
 from aiohttp import web
+from yarl import URL
 
 from proxy.app import build_app
 from proxy.config import Settings
@@ -18,7 +21,7 @@ from proxy.health import HEALTH
 from proxy.logs import log_event
 from proxy.redact import redact_url
 
-__all__ = ["ListenError", "make_runner", "make_site", "run", "serve"]
+__all__ = ["ListenError", "make_runner", "make_site", "points_at_itself", "run", "serve"]
 
 log = logging.getLogger("cachewitness.serve")
 
@@ -32,7 +35,60 @@ _FD_RESERVE = 64
 
 
 class ListenError(Exception):
-    """The listen address cannot be bound: the message says which and what to do."""
+    """The listen address cannot be used: the message says which and what to do."""
+
+
+def _addresses(host: str) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """The IP addresses `host` names (empty when it does not resolve now)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos}
+
+
+def _is_local(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Whether a connection to `address` reaches this machine (it can be bound here)."""
+    if address.is_loopback or address.is_unspecified:
+        return True
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError:
+        return False
+    return True
+
+
+def points_at_itself(upstream: str, listen_host: str, listen_port: int) -> bool:
+    """Whether connecting to `upstream` would reach the sidecar's own listening socket.
+
+    Such a sidecar forwards every request to itself, and each hangs until read_timeout.
+    """
+    url = URL(upstream)
+    if listen_port == 0 or url.port != listen_port or not url.host:
+        return False
+    targets = _addresses(url.host)
+    wildcard = {"": None, "0.0.0.0": 4, "::": 6}
+    if listen_host in wildcard:
+        # 0.0.0.0 takes IPv4 only; "::" takes both (Linux's default, bindv6only=0).
+        versions = {4} if wildcard[listen_host] == 4 else {4, 6}
+        return any(t.version in versions and _is_local(t) for t in targets)
+    listened = _addresses(listen_host)
+    # A connection to 0.0.0.0 / :: lands on the loopback address.
+    loopback = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+    return bool(listened & {a for t in targets for a in (loopback if t.is_unspecified else {t})})
+
+
+def _check_not_itself(settings: Settings) -> None:
+    """Refuse to start as our own upstream (an omitted upstream defaults to 127.0.0.1:8000)."""
+    if points_at_itself(settings.upstream, settings.listen_host, settings.listen_port):
+        default = " (the default upstream)" if settings.upstream == Settings.upstream else ""
+        raise ListenError(
+            f"config: upstream = {redact_url(settings.upstream)!r}{default} is this sidecar's own "
+            f"listen address ({settings.listen}), so every request would come back to it; point "
+            "--upstream (CACHEWITNESS_UPSTREAM) at the engine, or --listen elsewhere"
+        )
 
 
 def _install_uvloop() -> str:
@@ -159,6 +215,11 @@ async def _finish_in_flight(runner: web.AppRunner, site: GuardedSite, grace_peri
 
 def run(settings: Settings) -> int:
     """Blocking entry point of `cachewitness serve`; exit code 0 after a clean shutdown."""
+    try:
+        _check_not_itself(settings)
+    except ListenError as exc:
+        print(f"cachewitness: {exc}", file=sys.stderr)
+        return 2
     loop_kind = _install_uvloop()
     log_event(log, logging.INFO, "starting", event_loop=loop_kind)
     try:

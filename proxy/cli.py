@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.config import OPTIONS, ConfigError, load_settings
+from proxy.config import OPTIONS, ConfigError, Settings, load_settings
 
 __all__ = ["build_parser", "main"]
 
@@ -17,6 +18,26 @@ _BOOL_OPTIONS = frozenset(
 )
 # Secrets are never taken as flags (they would show in `ps`): env or file only.
 _NOT_FLAGS = frozenset({"admin_token", "engine_api_key"})
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
+
+
+def _default_text(name: str) -> str:
+    """How `serve --help` shows an option's default (as it would be typed)."""
+    value = _DEFAULTS.get(name)
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    elif value is None or value == ():
+        text = "unset"
+    elif isinstance(value, tuple):
+        text = ",".join(str(item) for item in value)
+    elif isinstance(value, float) and value.is_integer():
+        text = str(int(value))
+    else:
+        text = str(value)
+    if name.endswith("_bytes") and isinstance(value, int) and value >= 1024 * 1024:
+        text += f" ({value / (1024 * 1024):g} MiB)"
+    # argparse %-formats help text.
+    return text.replace("%", "%%")
 
 
 def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -26,14 +47,21 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Every option can also come from env CACHEWITNESS_<NAME> or the TOML config "
         "file; precedence is flag > env > file > default.",
     )
-    parser.add_argument("--config", help="TOML config file (keys as the long options, with _)")
+    parser.add_argument(
+        "--config", help="TOML config file, keys as the long options with _ (default: unset; env CACHEWITNESS_CONFIG)"
+    )
     for option in OPTIONS:
         if option.name in _NOT_FLAGS:
             continue
         flag = "--" + option.name.replace("_", "-")
+        default = f"default: {_default_text(option.name)}"
         if option.name in _BOOL_OPTIONS:
             parser.add_argument(
-                flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None, help=option.help
+                flag,
+                dest=option.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{option.help} ({default})",
             )
         else:
             parser.add_argument(
@@ -41,7 +69,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                 dest=option.name,
                 default=None,
                 metavar=option.name.upper(),
-                help=f"{option.help} ({option.fix})",
+                help=f"{option.help} ({option.fix}; {default})",
             )
     parser.set_defaults(run=_run_serve)
 

@@ -249,7 +249,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("health_interval", _positive_float, "seconds between upstream health probes", "seconds > 0"),
     Option(
-        "health_path", _http_path, "upstream health path (default: the dialect's)", "a path such as /health"
+        "health_path", _http_path, "upstream health path (unset: the dialect's)", "a path such as /health"
     ),
     Option("shutdown_delay", _positive_float, "seconds to stay up not-ready after SIGTERM", "seconds ≥ 0"),
     Option("grace_period", _positive_float, "seconds in-flight requests get at shutdown", "seconds ≥ 0"),

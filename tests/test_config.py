@@ -150,3 +150,43 @@ def test_serve_with_credentials_in_the_upstream_exits_2_with_one_line(tmp_path: 
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert "upstream_api_key" in line and "s3cret" not in line
+
+
+def serve_help(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """`cachewitness serve --help`, as {flag: its help text}."""
+    from proxy.cli import main
+
+    monkeypatch.setenv("COLUMNS", "300")
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--help"])
+    assert exited.value.code == 0
+    entries: dict[str, str] = {}
+    flag = None
+    for line in capsys.readouterr().out.split("options:", 1)[1].splitlines():
+        if line.startswith("  -"):
+            flag = line.split()[0].rstrip(",")
+            entries[flag] = line
+        elif flag is not None:
+            entries[flag] += " " + line.strip()
+    return entries
+
+
+def test_serve_help_shows_every_options_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entries = serve_help(capsys, monkeypatch)
+    entries.pop("-h")
+    assert len(entries) > 30
+    assert [flag for flag, text in entries.items() if "default: " not in text] == []
+    for flag, default in {
+        "--upstream": "http://127.0.0.1:8000",
+        "--listen": "0.0.0.0:9000",
+        "--engine": "auto",
+        "--grace-period": "30",
+        "--drain": "true",
+        "--evidence-stdout": "false",
+        "--busy-statuses": "409,429,503",
+        "--max-body-bytes": "67108864 (64 MiB)",
+        "--health-path": "unset",
+    }.items():
+        assert f"default: {default})" in entries[flag], entries[flag]

@@ -48,7 +48,8 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "file; precedence is flag > env > file > default.",
     )
     parser.add_argument(
-        "--config", help="TOML config file, keys as the long options with _ (default: unset; env CACHEWITNESS_CONFIG)"
+        "--config",
+        help="TOML config file, keys as the long options with _ (default: unset; env CACHEWITNESS_CONFIG)",
     )
     for option in OPTIONS:
         if option.name in _NOT_FLAGS:

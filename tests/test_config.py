@@ -117,7 +117,8 @@ def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path) -> None:
 
 
 @pytest.mark.parametrize(
-    "upstream", ["http://user:s3cret@127.0.0.1:8000", "http://s3cret@127.0.0.1:8000", "https://:s3cret@engine"]
+    "upstream",
+    ["http://user:s3cret@127.0.0.1:8000", "http://s3cret@127.0.0.1:8000", "https://:s3cret@engine"],
 )
 def test_credentials_in_the_upstream_url_are_refused_naming_upstream_api_key(
     tmp_path: Path, upstream: str
@@ -141,8 +142,11 @@ def test_a_malformed_upstream_url_is_not_echoed_with_its_password() -> None:
 
 def test_serve_with_credentials_in_the_upstream_exits_2_with_one_line(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "proxy", "serve", "--upstream", "http://user:s3cret@127.0.0.1:8000"]
-        + ["--listen", "127.0.0.1:0", "--evidence", str(tmp_path / "ev.jsonl")],
+        [
+            *(sys.executable, "-m", "proxy", "serve"),
+            *("--upstream", "http://user:s3cret@127.0.0.1:8000", "--listen", "127.0.0.1:0"),
+            *("--evidence", str(tmp_path / "ev.jsonl")),
+        ],
         capture_output=True,
         text=True,
         timeout=60,

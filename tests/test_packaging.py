@@ -19,9 +19,9 @@ def test_wheel_builds_without_deprecation_warnings(tmp_path: Path) -> None:
         shutil.copy(ROOT / name, source / name)
     shutil.copytree(ROOT / "proxy", source / "proxy", ignore=shutil.ignore_patterns("__pycache__"))
     # The test extra pins the setuptools this builds with, so no index is needed.
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index"]
     result = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-v"]
-        + ["-w", str(tmp_path / "dist"), str(source)],
+        [*command, "-v", "-w", str(tmp_path / "dist"), str(source)],
         capture_output=True,
         text=True,
         timeout=120,

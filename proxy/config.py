@@ -17,9 +17,12 @@ from yarl import URL
 
 from proxy.redact import redact_url
 
+from proxy.engines.base import EngineKind
+
 __all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "load_settings", "parse_listen"]
 
-ENGINE_KINDS = ("auto", "vllm", "sglang", "llamacpp", "mindnano", "generic", "none")
+# What `engine` may be set to: every kind the sidecar knows, or "auto" to detect it.
+ENGINE_KINDS = ("auto", *(kind.value for kind in EngineKind if kind is not EngineKind.UNKNOWN))
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -10,7 +10,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import SETTINGS, Settings
-from proxy.engines.base import Dialect, EngineInfo
+from proxy.engines.base import Dialect, EngineInfo, EngineKind
 from proxy.engines.detect import (
     UNKNOWN,
     UndetectedDialect,
@@ -34,17 +34,17 @@ log = logging.getLogger("cachewitness.engine")
 
 def make_dialect(kind: str, settings: Settings) -> Dialect:
     """The dialect for an engine kind, configured from settings (unknown kinds get the generic one)."""
-    if kind == "vllm":
+    if kind == EngineKind.VLLM:
         return VllmDialect()
-    if kind == "sglang":
+    if kind == EngineKind.SGLANG:
         return SglangDialect(api_key=settings.engine_api_key)
-    if kind == "llamacpp":
+    if kind == EngineKind.LLAMACPP:
         return LlamacppDialect()
-    if kind == "mindnano":
+    if kind == EngineKind.MINDNANO:
         return MindnanoDialect()
     if kind == UNKNOWN:
         return UndetectedDialect()
-    if kind == "none":
+    if kind == EngineKind.NONE:
         return NoResetDialect(health_path=settings.health_path or "/health")
     return GenericDialect(
         reset_method=settings.reset_method,

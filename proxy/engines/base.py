@@ -13,6 +13,7 @@ import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, ClassVar
 
 import aiohttp
@@ -39,7 +40,9 @@ __all__ = [
     "Dialect",
     "EngineCall",
     "EngineInfo",
+    "EngineKind",
     "Reply",
+    "ResetAnswer",
     "cache_state_record",
     "engine_call",
     "failed_attempt",
@@ -49,21 +52,45 @@ __all__ = [
     "unsupported",
 ]
 
+
+class ResetAnswer(StrEnum):
+    """What became of an engine reset: the reference client's three words, then the sidecar's own."""
+
+    ACKNOWLEDGED = "acknowledged"
+    ACCEPTED_UNVERIFIED = "accepted_unverified"
+    REFUSED = "refused"
+    UNSUPPORTED = "unsupported"
+    UNREACHABLE = "unreachable"
+    ERROR = "error"
+
+
+class EngineKind(StrEnum):
+    """The engines the sidecar knows; `unknown` while `--engine auto` has not reached the upstream."""
+
+    VLLM = "vllm"
+    SGLANG = "sglang"
+    LLAMACPP = "llamacpp"
+    MINDNANO = "mindnano"
+    GENERIC = "generic"
+    NONE = "none"
+    UNKNOWN = "unknown"
+
+
 # The reference client's words (stormlog infer.cache_state).
 UNSPECIFIED = "unspecified"
 COLD = "cold"
 UNVERIFIED = "unverified"
-ACKNOWLEDGED = "acknowledged"
-REFUSED = "refused"
-ACCEPTED_UNVERIFIED = "accepted_unverified"
+# Short names for the answers, as the dialect modules use them.
+ACKNOWLEDGED = ResetAnswer.ACKNOWLEDGED
+REFUSED = ResetAnswer.REFUSED
+ACCEPTED_UNVERIFIED = ResetAnswer.ACCEPTED_UNVERIFIED
+UNSUPPORTED = ResetAnswer.UNSUPPORTED
+UNREACHABLE = ResetAnswer.UNREACHABLE
+ERROR = ResetAnswer.ERROR
 REFERENCE_ANSWERS = (ACKNOWLEDGED, REFUSED, ACCEPTED_UNVERIFIED)
-# The sidecar's further outcomes.
-UNSUPPORTED = "unsupported"
-UNREACHABLE = "unreachable"
-ERROR = "error"
-OUTCOMES = (ACKNOWLEDGED, ACCEPTED_UNVERIFIED, REFUSED, UNSUPPORTED, UNREACHABLE, ERROR)
+OUTCOMES = tuple(ResetAnswer)
 # SPEC §4: the HTTP status of a `/cache/reset` answer by outcome.
-HTTP_STATUS = {
+HTTP_STATUS: dict[str, int] = {
     ACKNOWLEDGED: 200,
     ACCEPTED_UNVERIFIED: 200,
     REFUSED: 409,
@@ -72,6 +99,8 @@ HTTP_STATUS = {
     ERROR: 502,
 }
 
+# The reference's `success` for its answers (None where the engine said nothing either way).
+_REFERENCE_SUCCESS: dict[str, bool] = {ACKNOWLEDGED: True, REFUSED: False}
 BODY_EXCERPT_BYTES = 2048
 # How much of an engine's answer is read at all (the reference reads 64 KiB).
 _BODY_READ_LIMIT = 64 * 1024
@@ -198,7 +227,7 @@ class CacheReset:
             "at_ns": self.at_ns,
             "status": self.status,
             "error": self.error,
-            "success": {ACKNOWLEDGED: True, REFUSED: False}.get(self.answer or ""),
+            "success": _REFERENCE_SUCCESS.get(self.answer or ""),
             "answer": self.answer,
             "attempts": self.attempts,
             "answered_at_ns": self.answered_at_ns,
@@ -393,7 +422,7 @@ class AttemptPlan:
 class Dialect(ABC):
     """How one engine kind is reset; dialects are leaves that know nothing of the proxy."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[EngineKind]
     health_path: str = "/health"
 
     @abstractmethod

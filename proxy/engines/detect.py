@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 
-from proxy.engines.base import UNREACHABLE, Attempt, AttemptPlan, Dialect, EngineInfo, engine_call
+from proxy.engines.base import UNREACHABLE, Attempt, AttemptPlan, Dialect, EngineInfo, EngineKind, engine_call
 
 __all__ = ["UNKNOWN", "UndetectedDialect", "detect_engine", "probe_version"]
 
 # The upstream did not answer: the kind is pending re-detection.
-UNKNOWN = "unknown"
+UNKNOWN = EngineKind.UNKNOWN
 
 
 class _Unreachable(Exception):
@@ -52,7 +53,7 @@ async def _llamacpp(probe: _Prober) -> EngineInfo | None:
     """llama-server: `/props` has `build_info` or `total_slots`."""
     props = await probe.json("/props")
     if isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
-        return EngineInfo("llamacpp", _text(props.get("build_info")))
+        return EngineInfo(EngineKind.LLAMACPP, _text(props.get("build_info")))
     return None
 
 
@@ -61,7 +62,7 @@ async def _sglang(probe: _Prober) -> EngineInfo | None:
     for path in ("/server_info", "/get_server_info"):
         info = await probe.json(path)
         if isinstance(info, dict) and "version" in info:
-            return EngineInfo("sglang", _text(info["version"]))
+            return EngineInfo(EngineKind.SGLANG, _text(info["version"]))
     return None
 
 
@@ -73,7 +74,7 @@ async def _vllm(probe: _Prober) -> EngineInfo | None:
     models = await probe.json("/v1/models")
     data = models.get("data") if isinstance(models, dict) else None
     if isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data):
-        return EngineInfo("vllm", _text(version["version"]))
+        return EngineInfo(EngineKind.VLLM, _text(version["version"]))
     return None
 
 
@@ -81,11 +82,16 @@ async def _mindnano(probe: _Prober) -> EngineInfo | None:
     """mindnano: `/health` has `active`."""
     health = await probe.json("/health")
     if isinstance(health, dict) and "active" in health:
-        return EngineInfo("mindnano", _text(health.get("version")))
+        return EngineInfo(EngineKind.MINDNANO, _text(health.get("version")))
     return None
 
 
-_PROBES = {"llamacpp": _llamacpp, "sglang": _sglang, "vllm": _vllm, "mindnano": _mindnano}
+_PROBES: dict[str, Callable[[_Prober], Awaitable[EngineInfo | None]]] = {
+    EngineKind.LLAMACPP: _llamacpp,
+    EngineKind.SGLANG: _sglang,
+    EngineKind.VLLM: _vllm,
+    EngineKind.MINDNANO: _mindnano,
+}
 
 
 async def detect_engine(
@@ -100,7 +106,7 @@ async def detect_engine(
                 return info
     except _Unreachable:
         return EngineInfo(UNKNOWN)
-    return EngineInfo("generic")
+    return EngineInfo(EngineKind.GENERIC)
 
 
 async def probe_version(

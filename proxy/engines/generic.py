@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, engine_call, unsupported
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, engine_call, unsupported
 
 __all__ = ["NO_PATH_HINT", "GenericDialect"]
 
@@ -18,7 +18,7 @@ NO_PATH_HINT = (
 class GenericDialect(Dialect):
     """A configured reset call: `reset_method reset_path`; `busy_statuses` refuse; `success_field` confirms."""
 
-    kind = "generic"
+    kind = EngineKind.GENERIC
 
     def __init__(
         self,

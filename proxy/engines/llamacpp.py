@@ -18,6 +18,7 @@ from proxy.engines.base import (
     Attempt,
     AttemptPlan,
     Dialect,
+    EngineKind,
     Reply,
     engine_call,
     failed_attempt,
@@ -42,6 +43,8 @@ RAM_CACHE_WARNING = (
 ERASE_FLOOR_SECONDS = 0.5
 # Worst first: the attempt's outcome is the worst of its slots'.
 _SEVERITY = (ACKNOWLEDGED, ACCEPTED_UNVERIFIED, REFUSED, ERROR, UNREACHABLE)
+# `success` of an erase round: acknowledged, unconfirmed (None), else refused.
+_SUCCESS: dict[str, bool | None] = {ACKNOWLEDGED: True, ACCEPTED_UNVERIFIED: None}
 
 
 class LlamacppDialect(Dialect):
@@ -53,7 +56,7 @@ class LlamacppDialect(Dialect):
     is left of the retry window: an erase that still waits then is refused too.
     """
 
-    kind = "llamacpp"
+    kind = EngineKind.LLAMACPP
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """GET /props for total_slots, GET /slots for busy ones, then erase every slot at once."""
@@ -135,7 +138,7 @@ def _fold(looked_up: tuple[Reply, ...], replies: list[Reply], left: float) -> At
         return unsupported(last.call.url, "HTTP 501: slot actions are switched off", SLOT_SAVE_HINT, calls)
     outcomes = [_slot_outcome(reply, left) for reply in replies]
     outcome, error = max(outcomes, key=lambda pair: _SEVERITY.index(pair[0]))
-    success = {ACKNOWLEDGED: True, ACCEPTED_UNVERIFIED: None}.get(outcome, False)
+    success = _SUCCESS.get(outcome, False)
     return Attempt(outcome, status=last.status, success=success, error=error, url=last.call.url, calls=calls)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, engine_call
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, engine_call
 
 __all__ = ["MindnanoDialect"]
 
@@ -19,7 +19,7 @@ RULES = AnswerRules(
 class MindnanoDialect(Dialect):
     """Clears mindnano's prefix cache; a 429 means a request is running."""
 
-    kind = "mindnano"
+    kind = EngineKind.MINDNANO
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """POST /v1/cache/clear."""

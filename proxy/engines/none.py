@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, unsupported
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, unsupported
 
 __all__ = ["NoResetDialect"]
 
@@ -17,7 +17,7 @@ NONE_HINT = (
 class NoResetDialect(Dialect):
     """Answers every reset `unsupported` without calling the engine."""
 
-    kind = "none"
+    kind = EngineKind.NONE
 
     def __init__(self, hint: str = NONE_HINT, health_path: str = "/health") -> None:
         """`hint` says how to get a reset."""

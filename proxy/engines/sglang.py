@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, engine_call
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, engine_call
 
 __all__ = ["SglangDialect"]
 
@@ -27,7 +27,7 @@ RULES = AnswerRules(
 class SglangDialect(Dialect):
     """Flushes SGLang's radix cache; a 400 is a refusal (busy, or another flush running)."""
 
-    kind = "sglang"
+    kind = EngineKind.SGLANG
 
     def __init__(self, api_key: str | None = None) -> None:
         """`api_key`: the engine's admin key (sent as a bearer token), if it has one."""

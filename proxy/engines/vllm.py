@@ -7,7 +7,7 @@ from dataclasses import replace
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, engine_call
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, engine_call
 
 __all__ = ["VllmDialect"]
 
@@ -41,7 +41,7 @@ FORCED_RULES = replace(
 class VllmDialect(Dialect):
     """Resets vLLM's prefix cache; `{"success": false}` is a refusal to retry."""
 
-    kind = "vllm"
+    kind = EngineKind.VLLM
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """POST /reset_prefix_cache?reset_external=true and read the `success` field."""

@@ -158,7 +158,7 @@ class Metrics:
         self._overhead_response = self.overhead.labels("response")
         self._upstream_errors = {kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERROR_KINDS}
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
-        self._resets = {
+        self._resets: dict[tuple[str, str], Counter] = {
             (engine, answer): self.resets.labels(engine, answer)
             for engine in ENGINE_LABELS
             for answer in OUTCOMES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from proxy.engines.base import EngineKind
 from proxy.observe import OBSERVED_PATHS
 
 PREFIX = "cachewitness_"
@@ -14,9 +15,8 @@ ROUTES: tuple[str, ...] = (*sorted(OBSERVED_PATHS), "/v1/models", OTHER)
 # `code` is the status class; "none" when no response head reached the client (it left first).
 CODES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx", "none")
 _CLASS_OF = {status: f"{status // 100}xx" for status in range(200, 600)}
-# `engine` of cache_resets_total: the kinds the sidecar can detect or be told (config.ENGINE_KINDS
-# less "auto"), plus "unknown" while `--engine auto` has not reached the upstream.
-ENGINE_LABELS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "generic", "none", "unknown")
+# `engine` of cache_resets_total: every kind the sidecar knows, "unknown" included.
+ENGINE_LABELS: tuple[str, ...] = tuple(EngineKind)
 VERDICTS: tuple[str, ...] = ("consistent", "contradicted", "unobservable")
 EVENT_TYPES: tuple[str, ...] = ("infer.cache_state", "infer.cache_observation", "infer.cache_verification")
 # connection: no answer head (refused, reset, DNS); broken_response: the engine broke a response

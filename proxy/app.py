@@ -38,7 +38,9 @@ def build_app(settings: Settings) -> web.Application:
       5. admission       — the drain gate (no lifetime);
       6. metrics         — learns model ids at start; its background fetches stop first;
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
-      8. reset service   — a reset in progress ends before the pool and evidence close;
+      8. reset service   — stopped before the pool and evidence close: a reset in progress
+                           finishes within the grace period (`serve` starts it for requests
+                           and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
      10. auth, routes    — the admin middleware, forwarding's memory, then the routes.
 

@@ -48,6 +48,7 @@ class Settings:
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
     upstream_connection_limit: int = 0
+    upstream_keepalive_timeout: float = 4.0
     health_interval: float = 1.0
     health_path: str | None = None
     shutdown_delay: float = 0.0
@@ -249,6 +250,12 @@ OPTIONS: tuple[Option, ...] = (
         _positive_int,
         "upstream connections (0 = no limit)",
         "a whole number ≥ 0",
+    ),
+    Option(
+        "upstream_keepalive_timeout",
+        _positive_float,
+        "seconds an idle upstream connection stays pooled (below the engine's own: uvicorn's is 5)",
+        "seconds ≥ 0 (0 = never reuse)",
     ),
     Option("health_interval", _positive_float, "seconds between upstream health probes", "seconds > 0"),
     Option(

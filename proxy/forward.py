@@ -32,7 +32,7 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
-from proxy.pool import UPSTREAM_POOL
+from proxy.pool import UPSTREAM_POOL, send_upstream
 from proxy.recorder import RECORDER
 
 __all__ = ["HOP_BY_HOP", "INJECTION_REFUSALS", "Exchange", "forward", "setup_forward"]
@@ -349,8 +349,8 @@ async def _exchange(
         data = _limited_body(request, limit) if request.body_exists else None
     exchange.upstream_sent_ns = time.time_ns()
     try:
-        upstream = await client.request(
-            request.method, url, headers=headers, data=data, allow_redirects=False
+        upstream = await send_upstream(
+            client, request.method, url, headers=headers, data=data, allow_redirects=False
         )
     except BodyTooLarge:
         return _rejected(exchange, _too_large(limit))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -38,6 +39,7 @@ from proxy.recorder import RECORDER
 from proxy.reset_params import CLUSTER, BadInput, ResetParams, read_params
 
 __all__ = [
+    "INTERRUPTED_BY_SHUTDOWN",
     "RESETS",
     "RESET_RETRY_INTERVAL_SECONDS",
     "ResetService",
@@ -50,6 +52,8 @@ log = logging.getLogger("cachewitness.reset")
 
 # vLLM refuses while blocks are held and says callers may retry: every half second, as the reference client.
 RESET_RETRY_INTERVAL_SECONDS = 0.5
+# The error of a reset that shutdown cut short past the grace period.
+INTERRUPTED_BY_SHUTDOWN = "interrupted by shutdown"
 # An answer lists every engine call, but a long retry window against llama.cpp makes hundreds:
 # keep the first and the last ones and say how many were left out.
 _CALLS_HEAD = 16
@@ -147,6 +151,7 @@ class ResetService:
         self._running: _Round | None = None
         self._next: _Round | None = None
         self._driver: asyncio.Task[None] | None = None
+        self._stop_by: float | None = None  # monotonic end of the shutdown's grace period
 
     @property
     def busy(self) -> bool:
@@ -171,14 +176,28 @@ class ResetService:
         # Shielded: a caller who hangs up must not cancel the reset others share.
         return await asyncio.shield(caller.answer)
 
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Shutdown began: a reset in progress has `grace_s` from now to finish."""
+        self._stop_by = time.monotonic() + grace_s
+
     async def close(self) -> None:
-        """Stop at shutdown: cancel the reset in progress (its drain gate is released)."""
-        if self._driver is not None and not self._driver.done():
-            self._driver.cancel()
-            try:
-                await self._driver
-            except asyncio.CancelledError:
-                pass
+        """Stop at shutdown, while the upstream pool and the evidence writer are still open.
+
+        The reset in progress (and any caller waiting for the next) may finish until the
+        grace period ends; past it the reset is cut short, its drain gate released, and
+        each caller answered and recorded `interrupted by shutdown`.
+        """
+        driver = self._driver
+        if driver is None or driver.done():
+            return
+        stop_by = self._stop_by
+        if stop_by is None:  # no `serve` shutdown before it (an app run by a bare runner)
+            stop_by = time.monotonic() + self._app[SETTINGS].grace_period
+        await asyncio.wait({driver}, timeout=max(0.0, stop_by - time.monotonic()))
+        if not driver.done():
+            driver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await driver
 
     async def _drive(self) -> None:
         """Run rounds until no caller waits."""
@@ -221,27 +240,27 @@ class ResetService:
         session = app[UPSTREAM_POOL]
         recorder = app[RECORDER]
         params = current.params
-        # Detection first: traffic is not held while an unreachable upstream is probed.
-        await engine.ensure_detected(session)
-        info, dialect = engine.info, engine.dialect
-        # A held request waits out the whole reset at worst: the drain, the retry window,
-        # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
-        hold = (
-            admission.hold(settings.drain_timeout + 2 * params.retry_seconds + settings.reset_attempt_timeout)
-            if params.drain
-            else None
-        )
+        started_ns = time.time_ns()
+        info = engine.info
+        drain: dict[str, Any] = {
+            "waited_s": 0.0,
+            "inflight_at_start": admission.inflight,
+            "held": 0,
+            "enabled": params.drain,
+        }
+        hold = None
         try:
+            # Detection first: traffic is not held while an unreachable upstream is probed.
+            await engine.ensure_detected(session)
+            info, dialect = engine.info, engine.dialect
             if params.drain:
+                # A held request waits out the whole reset at worst: the drain, the retry window,
+                # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
+                hold = admission.hold(
+                    settings.drain_timeout + 2 * params.retry_seconds + settings.reset_attempt_timeout
+                )
                 drained = await admission.wait_idle(settings.drain_timeout)
                 drain = {**drained.to_json(), "enabled": True, "inflight_at_end": drained.inflight_at_end}
-            else:
-                drain = {
-                    "waited_s": 0.0,
-                    "inflight_at_start": admission.inflight,
-                    "held": 0,
-                    "enabled": False,
-                }
             reset = await retry_reset(
                 dialect,
                 session,
@@ -258,6 +277,11 @@ class ResetService:
                     case_id=params.case_id,
                     at_ns=reset.answered_at_ns or reset.at_ns,
                 )
+        except asyncio.CancelledError:
+            # Only close() cancels a round, past the grace period: answer and record it now,
+            # while the evidence writer is still open.
+            self._finish(current, _Outcome(_interrupted(settings.upstream_base, started_ns), info, drain))
+            raise
         finally:
             if hold is not None:
                 admission.release(hold)
@@ -387,11 +411,23 @@ def _answer_all(current: _Round, status: int, body: dict[str, Any]) -> None:
             caller.answer.set_result((status, body))
 
 
+def _interrupted(url: str, at_ns: int) -> CacheReset:
+    """The outcome of a round that shutdown cut short: whether the engine reset is not known."""
+    cut_short = Attempt(ERROR, error=INTERRUPTED_BY_SHUTDOWN, url=url)
+    return CacheReset.from_attempts(
+        cut_short, at_ns=at_ns, attempts=0, calls=(), answered_at_ns=time.time_ns()
+    )
+
+
 RESETS = web.AppKey("resets", ResetService)
 
 
 def setup_reset(app: web.Application) -> None:
-    """The reset service: stopped at shutdown before the pool and the evidence writer it uses."""
+    """The reset service: stopped at shutdown before the pool and the evidence writer it uses.
+
+    `serve` calls `begin_shutdown` when the grace period starts, so a reset under way gets
+    the same grace period as the requests in flight, not a second one when its turn comes.
+    """
     service = ResetService(app)
     app[RESETS] = service
 

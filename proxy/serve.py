@@ -20,6 +20,7 @@ from proxy.connections import CONNECTIONS, GuardedSite
 from proxy.health import HEALTH
 from proxy.logs import log_event
 from proxy.redact import redact_url
+from proxy.reset import RESETS
 
 __all__ = ["ListenError", "make_runner", "make_site", "points_at_itself", "run", "serve"]
 
@@ -182,6 +183,8 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     )
     if settings.shutdown_delay:
         await asyncio.sleep(settings.shutdown_delay)
+    # The grace period starts now for the requests in flight and for a reset under way alike.
+    app[RESETS].begin_shutdown(settings.grace_period)
     await _finish_in_flight(runner, site, settings.grace_period)
     # Runs cleanup_ctx: the evidence flushed (fsync'd), the client session closed.
     await runner.cleanup()

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from proxy.pool import send_upstream
 from proxy.redact import redact_url
 
 __all__ = [
@@ -370,14 +371,16 @@ async def engine_call(
     started = time.monotonic()
     recorded = redact_url(url)
     try:
-        async with session.request(
+        response = await send_upstream(
+            session,
             method,
             url,
             data=b"" if method in ("POST", "PUT") else None,
             headers=headers or {},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             allow_redirects=False,
-        ) as response:
+        )
+        async with response:
             body = await _read_bounded(response.content, _BODY_READ_LIMIT)
             call = EngineCall(method, recorded, response.status, _excerpt(body), time.monotonic() - started)
             return Reply(call, body)

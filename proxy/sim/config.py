@@ -32,6 +32,9 @@ class SimConfig:
     cache_blocks: int = 4096  # prefix-cache capacity in blocks (per namespace)
     max_concurrency: int = 0  # running requests at once; 0 = unlimited; extra ones wait
     default_max_tokens: int = 16
+    # Seconds an idle client connection stays open (uvicorn, under vLLM and SGLang: 5);
+    # None: aiohttp's default.
+    keepalive_timeout: float | None = None
     # vllm
     legacy_empty_body: bool = False
     dev_mode: bool = True
@@ -58,6 +61,8 @@ class SimConfig:
             raise ValueError("max_concurrency must be >= 0 (0 = unlimited)")
         if self.slots < 1:
             raise ValueError("slots must be >= 1")
+        if self.keepalive_timeout is not None and self.keepalive_timeout <= 0:
+            raise ValueError("keepalive_timeout must be > 0 seconds")
         if self.default_max_tokens < 0:
             raise ValueError("default_max_tokens must be >= 0")
 
@@ -109,6 +114,13 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.max_concurrency,
         help="running requests at once (0 = unlimited); extra ones wait",
     )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="close a client connection idle this long (uvicorn: 5); default aiohttp's",
+    )
     vllm = parser.add_argument_group("vllm dialect")
     vllm.add_argument(
         "--legacy-empty-body",
@@ -151,6 +163,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         block_size=ns.block_size,
         cache_blocks=ns.cache_blocks,
         max_concurrency=ns.max_concurrency,
+        keepalive_timeout=ns.keepalive_timeout,
         legacy_empty_body=ns.legacy_empty_body,
         dev_mode=not ns.no_dev_mode,
         prompt_tokens_details=not ns.no_prompt_tokens_details,

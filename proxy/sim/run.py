@@ -23,8 +23,13 @@ def _runner(config: SimConfig) -> web.AppRunner:
     """An AppRunner whose handlers are cancelled when their client disconnects."""
     # handler_cancellation=True: a disconnecting client cancels the handler, so the
     # engine aborts the sequence and frees its slot (aiohttp does not by default).
+    keepalive = {} if config.keepalive_timeout is None else {"keepalive_timeout": config.keepalive_timeout}
     return web.AppRunner(
-        build_sim_app(config), handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S
+        build_sim_app(config),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT_S,
+        **keepalive,
     )
 
 

@@ -1,0 +1,123 @@
+"""Pooled upstream connections the engine has closed: no 502 for inference or resets (issue 13, item 4)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.conftest import SidecarFactory, serve_app
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+ROUNDS = 6
+
+
+@dataclass
+class Connections:
+    """What the engine saw of the sidecar's connections."""
+
+    # Connections that answered one request already (held, so that no new one can take their id).
+    served: set[asyncio.BaseTransport] = field(default_factory=set)
+    fresh: list[str] = field(default_factory=list)  # paths of requests that came on a new connection
+    dropped: list[str] = field(default_factory=list)  # paths of requests on an old one, closed unanswered
+
+
+CONNECTIONS = web.AppKey("connections", Connections)
+
+
+def closes_every_idle_connection() -> web.Application:
+    """An engine that has always just closed a connection it served before (uvicorn's idle close, lost race).
+
+    A request that comes on a connection that already served one is never answered:
+    the connection closes as if the engine's keep-alive timer had fired just before.
+    """
+    seen = Connections()
+
+    @web.middleware
+    async def stale_after_first(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+        assert request.transport is not None
+        connection = request.transport
+        if connection in seen.served:
+            seen.dropped.append(request.path)
+            request.transport.close()
+            raise asyncio.CancelledError  # no answer on this connection
+        seen.served.add(connection)
+        seen.fresh.append(request.path)
+        return await handler(request)
+
+    async def chat(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    async def reset(request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
+
+    app = web.Application(middlewares=[stale_after_first])
+    app[CONNECTIONS] = seen
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/reset_prefix_cache", reset)
+    return app
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "engine_path"),
+    [
+        ("/v1/chat/completions", CHAT, "/v1/chat/completions"),
+        ("/cache/reset", {"retry_seconds": 0}, "/reset_prefix_cache"),  # 200: acknowledged, not unreachable
+    ],
+)
+async def test_request_on_a_stale_pooled_connection_is_sent_again_not_502(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict, engine_path: str
+) -> None:
+    engine = closes_every_idle_connection()
+    async with serve_app(engine) as upstream:
+        proxy = await sidecar(upstream, engine="vllm", health_interval=3600)
+        statuses = []
+        for _ in range(ROUNDS):
+            async with http.post(f"{proxy}{path}", json=body) as response:
+                await response.read()
+                statuses.append(response.status)
+    seen = engine[CONNECTIONS]
+    assert statuses == [200] * ROUNDS
+    assert seen.dropped.count(engine_path) >= ROUNDS - 1  # the pool did hand out stale connections
+    assert seen.fresh.count(engine_path) == ROUNDS  # and each request was answered on a fresh one
+
+
+async def test_a_fresh_connection_that_fails_is_not_sent_again(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """Only a reused connection is presumed stale: an engine that drops a new one gets one try, and a 502."""
+    tries = []
+
+    async def drop(request: web.Request) -> web.Response:
+        tries.append(request.path)
+        assert request.transport is not None
+        request.transport.close()
+        raise asyncio.CancelledError
+
+    engine = web.Application()
+    engine.router.add_post("/v1/chat/completions", drop)
+    async with serve_app(engine) as upstream:
+        # Keep-alive 0: nothing is pooled, every connection is a new one.
+        proxy = await sidecar(upstream, engine="vllm", health_interval=3600, upstream_keepalive_timeout=0)
+        async with http.post(f"{proxy}/v1/chat/completions", json=CHAT) as response:
+            assert response.status == 502
+    assert tries == ["/v1/chat/completions"]
+
+
+async def test_idle_connections_leave_the_pool_after_upstream_keepalive_timeout(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    engine = closes_every_idle_connection()
+    async with serve_app(engine) as upstream:
+        proxy = await sidecar(upstream, engine="vllm", health_interval=3600, upstream_keepalive_timeout=0.05)
+        for _ in range(3):
+            await asyncio.sleep(0.15)  # idle past the pool's keep-alive: the pool drops the connection
+            async with http.post(f"{proxy}/v1/chat/completions", json=CHAT) as response:
+                assert response.status == 200
+    seen = engine[CONNECTIONS]
+    path = "/v1/chat/completions"
+    assert (seen.fresh.count(path), seen.dropped.count(path)) == (3, 0)

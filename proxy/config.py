@@ -15,9 +15,8 @@ from typing import Any
 from aiohttp import web
 from yarl import URL
 
-from proxy.redact import redact_url
-
 from proxy.engines.base import EngineKind
+from proxy.redact import redact_url
 
 __all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "load_settings", "parse_listen"]
 

@@ -34,7 +34,7 @@ test: lint
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not real" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py --ignore=tests/test_helm_cluster.py
+	$(PY) -m pytest -q -m "not real" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
 
 ## make test-real: only the real llama-server / vLLM tests
 test-real: $(STAMP)
@@ -44,7 +44,7 @@ test-real: $(STAMP)
 test-deploy: $(STAMP)
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
-	$(PY) -m pytest -q tests/test_helm.py tests/test_helm_cluster.py tests/test_helm_cluster.py
+	$(PY) -m pytest -q tests/test_helm.py tests/test_helm_cluster.py
 
 ## make bench: the side-by-side overhead table (direct, cachewitness, nginx)
 bench: $(STAMP)

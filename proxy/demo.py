@@ -55,13 +55,16 @@ class Session:
         print(line, flush=True)
         self.lines.append(line)
 
-    async def chat(self, case: str, max_tokens: int = 8, stream: bool = False) -> dict[str, Any]:
+    async def chat(
+        self, case: str, max_tokens: int = 8, stream: bool = False, **extra: Any
+    ) -> dict[str, Any]:
         """One chat completion tagged with the case; returns the usage the client saw."""
         body = {
             "model": "sim-model",
             "messages": [{"role": "user", "content": PROMPT}],
             "max_tokens": max_tokens,
             "stream": stream,
+            **extra,
         }
         headers = {"X-Session-Id": SESSION, "X-Case-Id": case}
         async with self.http.post(self.base + "/v1/chat/completions", json=body, headers=headers) as response:
@@ -157,6 +160,38 @@ async def _ram_cache_scene(tmp: Path) -> None:
             )
 
 
+async def _mindnano_scene(tmp: Path) -> None:
+    """mindnano: one cache entry for everyone, tagged with its user; a reset retried past its 429s."""
+    print("\n6. mindnano: one cache entry for everyone, tagged with its `user`; 429 while busy")
+    sim = SimConfig(dialect="mindnano", decode_rate=40, prefill_rate=0)
+    async with running_sim(sim) as engine, _sidecar(engine, tmp / "mindnano.jsonl") as base:
+        async with aiohttp.ClientSession() as http:
+            session = Session(http, base)
+            await session.wait_ready()
+            session.say(f"   alice      : {_cached(await session.chat('mn-warm', user='alice'))}")
+            session.say(
+                f"   alice again: {_cached(await session.chat('mn-warm', user='alice'))}"
+                "  <- exact repeat: saved state reused"
+            )
+            session.say(f"   bob, same  : {_cached(await session.chat('mn-warm', user='bob'))}")
+            session.say(
+                f"   alice again: {_cached(await session.chat('mn-warm', user='alice'))}"
+                "  <- bob's request replaced the one entry"
+            )
+            # cache_prompt false: the busy request leaves alice's entry for the reset to clear.
+            long_stream = asyncio.create_task(
+                session.chat("background", max_tokens=60, stream=True, cache_prompt=False)
+            )
+            await asyncio.sleep(0.3)  # let the stream start decoding
+            answer = await session.reset("mn-cold", drain=False, retry_seconds=10)
+            session.say(f"   reset while busy: {_reset_line(answer)}  <- 429 until the stream ended")
+            await long_stream
+            session.say(f"   after the reset : {_cached(await session.chat('mn-cold', user='alice'))}")
+            async with http.get(base + "/cache/state") as response:
+                state = await response.json()
+            session.say(f"   /cache/state verdict: {state.get('verdict')}")
+
+
 async def _demo() -> int:
     with tempfile.TemporaryDirectory(prefix="cachewitness-demo-") as tmp:
         evidence = Path(tmp) / "cachewitness.jsonl"
@@ -170,6 +205,7 @@ async def _demo() -> int:
                 async with http.get(base + "/cache/evidence", params={"session_id": SESSION}) as response:
                     lines = (await response.read()).splitlines()
             await _ram_cache_scene(Path(tmp))
+            await _mindnano_scene(Path(tmp))
         records = [orjson.loads(line) for line in lines if line.strip()]
         cases: list[CaseSummary] = summarize(records)
         print("\nevidence summary (from GET /cache/evidence):")

@@ -17,3 +17,8 @@ def test_demo_runs_the_session_and_prints_the_report() -> None:
     assert "/cache/state verdict: consistent" in out
     assert "/cache/state verdict: contradicted" in out
     assert "cold-case   acknowledged  consistent" in out
+    mindnano = out[out.index("6. mindnano") :]
+    assert "alice again: 669 of 669 prompt tokens cached" in mindnano
+    assert "bob, same  : 0 of 669 prompt tokens cached" in mindnano
+    assert "after the reset : 0 of 669 prompt tokens cached" in mindnano
+    assert "/cache/state verdict: consistent" in mindnano

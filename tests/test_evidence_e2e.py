@@ -62,7 +62,12 @@ async def test_cached_tokens_observed_zero_then_more(
         first, second = await observations(http, proxy)
     assert first["cached_tokens"] == 0
     assert second["cached_tokens"] > 0
-    assert first["prompt_tokens"] == second["prompt_tokens"] > second["cached_tokens"]
+    assert first["prompt_tokens"] == second["prompt_tokens"]
+    # An exact repeat: mindnano reuses its saved logits, the others recompute the last token.
+    if dialect == "mindnano":
+        assert second["cached_tokens"] == second["prompt_tokens"]
+    else:
+        assert second["cached_tokens"] < second["prompt_tokens"]
     assert first["stream"] is stream and first["outcome"] == "ok" and first["status"] == 200
     assert first["session_id"] == "s" and first["case_id"] == "c"
     assert first["cached_tokens_source"] is not None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.sim.cache import NamespacedPrefixCache, PrefixCache, cacheable_prefix_len
+from proxy.sim.cache import PrefixCache, cacheable_prefix_len
 
 
 def toks(n: int, tag: str = "t") -> list[str]:
@@ -61,11 +61,3 @@ def test_clear_drops_every_block() -> None:
     cache.insert(toks(9))
     assert cache.clear() == 2
     assert cache.lookup(toks(9)) == 0
-
-
-def test_namespaces_are_isolated() -> None:
-    caches = NamespacedPrefixCache(block_size=4, capacity_blocks=8)
-    caches.insert(toks(9), "alice")
-    assert caches.lookup(toks(9), "alice") == 8
-    assert caches.lookup(toks(9), "bob") == 0
-    assert caches.lookup(toks(9)) == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-__all__ = ["NamespacedPrefixCache", "PrefixCache", "cacheable_prefix_len"]
+__all__ = ["PrefixCache", "cacheable_prefix_len"]
 
 
 def cacheable_prefix_len(n_tokens: int, block_size: int) -> int:
@@ -94,43 +94,3 @@ class PrefixCache:
         n = len(self._blocks)
         self._blocks.clear()
         return n
-
-
-class NamespacedPrefixCache:
-    """One PrefixCache per namespace (mindnano isolates its cache per `user`).
-
-    Capacity is per namespace; the default namespace is "".
-    """
-
-    __slots__ = ("_caches", "block_size", "capacity")
-
-    def __init__(self, block_size: int = 16, capacity_blocks: int = 4096) -> None:
-        """Make an empty set of caches sharing a block size and per-namespace capacity."""
-        self.block_size = block_size
-        self.capacity = capacity_blocks
-        self._caches: dict[str, PrefixCache] = {}
-
-    def namespace(self, name: str = "") -> PrefixCache:
-        """The cache of one namespace, created on first use."""
-        cache = self._caches.get(name)
-        if cache is None:
-            cache = self._caches[name] = PrefixCache(self.block_size, self.capacity)
-        return cache
-
-    def lookup(self, tokens: Sequence[str], name: str = "") -> int:
-        """Cached token count of `tokens` in namespace `name`."""
-        return self.namespace(name).lookup(tokens)
-
-    def insert(self, tokens: Sequence[str], name: str = "") -> int:
-        """Cache the full blocks of `tokens` in namespace `name`."""
-        return self.namespace(name).insert(tokens)
-
-    def clear(self) -> int:
-        """Drop every block of every namespace; return how many there were."""
-        n = sum(c.clear() for c in self._caches.values())
-        self._caches.clear()
-        return n
-
-    def blocks(self) -> int:
-        """Cached blocks over all namespaces."""
-        return sum(len(c) for c in self._caches.values())

@@ -18,18 +18,27 @@ DEFAULT_VERSIONS: dict[str, str] = {
     "openai": "sim",
 }
 
+# The model id each dialect serves when --model is not given.
+DEFAULT_MODELS: dict[str, str] = {
+    "vllm": "sim-model",
+    "sglang": "sim-model",
+    "llamacpp": "sim-model",
+    "mindnano": "mindnano-ling3-tiny",
+    "openai": "sim-model",
+}
+
 
 @dataclass(frozen=True)
 class SimConfig:
     """Every option of the simulated engine."""
 
     dialect: str = "vllm"
-    model: str = "sim-model"
+    model: str | None = None  # None: the dialect's default (DEFAULT_MODELS)
     version: str | None = None  # None: the dialect's default (DEFAULT_VERSIONS)
     decode_rate: float = 50.0  # tokens/s per sequence; 0 = unthrottled
     prefill_rate: float = 5000.0  # uncached prompt tokens/s; 0 = instant
     block_size: int = 16
-    cache_blocks: int = 4096  # prefix-cache capacity in blocks (per namespace)
+    cache_blocks: int = 4096  # prefix-cache capacity in blocks (not mindnano: it holds one prompt)
     max_concurrency: int = 0  # running requests at once; 0 = unlimited; extra ones wait
     default_max_tokens: int = 16
     # Seconds an idle client connection stays open (uvicorn, under vLLM and SGLang: 5);
@@ -67,6 +76,11 @@ class SimConfig:
             raise ValueError("default_max_tokens must be >= 0")
 
     @property
+    def served_model(self) -> str:
+        """The model id the simulated engine serves."""
+        return self.model if self.model is not None else DEFAULT_MODELS[self.dialect]
+
+    @property
     def engine_version(self) -> str:
         """The version string the simulated engine reports."""
         return self.version if self.version is not None else DEFAULT_VERSIONS[self.dialect]
@@ -88,7 +102,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--listen", default="127.0.0.1:8000", metavar="HOST:PORT", help="default 127.0.0.1:8000"
     )
-    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="served model name (default: sim-model; mindnano-ling3-tiny for mindnano)",
+    )
     parser.add_argument("--version", dest="engine_version", default=None, help="engine version to report")
     parser.add_argument(
         "--decode-rate",

@@ -9,8 +9,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import Metric
 
-from proxy.sim.cache import NamespacedPrefixCache
+from proxy.sim.cache import PrefixCache
 from proxy.sim.engine import Engine, Sequence
+from proxy.sim.text import CHATML, ChatTemplate
 from proxy.sim.wire import error_response, json_body
 
 __all__ = ["Dialect", "NullUsage"]
@@ -38,12 +39,14 @@ class Dialect:
     completions_usage_on_finish_chunk = False
     # OpenAI writes `"usage": null` on every other chunk once include_usage is on.
     null_usage = NullUsage.WITH_INCLUDE_USAGE
+    # How messages and prompts become tokens.
+    template: ChatTemplate = CHATML
 
     def __init__(self, engine: Engine) -> None:
         """Attach to the engine and build the prefix cache."""
         self.engine = engine
         self.config = engine.config
-        self.cache = NamespacedPrefixCache(self.config.block_size, self.config.cache_blocks)
+        self.cache = PrefixCache(self.config.block_size, self.config.cache_blocks)
         self._slots: asyncio.Semaphore | None = (
             asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
         )
@@ -69,18 +72,18 @@ class Dialect:
         if self._slots is not None:
             self._slots.release()
         if seq.cache_prompt:
-            self.cache.insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt, seq.namespace)
+            self.cache.insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt)
 
     def lookup(self, seq: Sequence) -> int:
         """Cached prompt tokens for a sequence about to prefill."""
         if not seq.cache_prompt:
             return 0
-        return self.cache.lookup(seq.prompt, seq.namespace)
+        return self.cache.lookup(seq.prompt)
 
     def prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists now: its full blocks become hits for later requests."""
         if seq.cache_prompt:
-            self.cache.insert(seq.kv_tokens(), seq.namespace)
+            self.cache.insert(seq.kv_tokens())
 
     def decoded(self, seq: Sequence, token: str) -> None:
         """One token was generated (llama.cpp's slot grows)."""
@@ -142,7 +145,7 @@ class Dialect:
 
     def stats(self) -> dict[str, object]:
         """Dialect-specific members of `/sim/stats`."""
-        return {"cache_blocks": self.cache.blocks()}
+        return {"cache_blocks": len(self.cache)}
 
     def clear_cache(self) -> int:
         """Drop the whole prefix cache and count a reset."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -42,7 +43,7 @@ class Sequence:
 
     prompt: list[str]
     max_tokens: int
-    namespace: str = ""  # prefix-cache namespace (mindnano: the `user`)
+    user: str | None = None  # mindnano: the tag of the cache entry it reads and writes
     cache_prompt: bool = True
     reuse_generated_state: bool = True
     id_slot: int = -1  # llama.cpp: pin to a slot; -1 = any free slot
@@ -51,11 +52,20 @@ class Sequence:
     output: list[str] = field(default_factory=list)  # token texts, each with its leading space
     slot: int = -1  # llama.cpp: the slot it runs on
     preempted: bool = False  # vLLM reset_running_requests: blocks freed, recompute needed
-    cancel_requested: bool = False
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel()
     finished: bool = False  # decoding ran to max_tokens
     prefill_s: float = 0.0
     decode_s: float = 0.0
     _tokens: Iterator[str] | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this sequence (it ends at its next step, or at once in prefill)."""
+        self.cancelled.set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """Whether cancel() was called."""
+        return self.cancelled.is_set()
 
     @property
     def prompt_tokens(self) -> int:
@@ -166,16 +176,20 @@ class Engine:
         self.prompt_tokens_total += seq.prompt_tokens
         self.cached_tokens_total += seq.cached
         started = time.perf_counter()
-        await self._compute(seq.prompt_tokens - seq.cached)
+        await self._compute(seq.prompt_tokens - seq.cached, seq.cancelled)
         seq.prefill_s = time.perf_counter() - started
+        if seq.cancel_requested:
+            # Cancelled during the prefill: no KV is kept and no token is generated.
+            raise SequenceCancelled()
         self.dialect.prefilled(seq)
         seq._tokens = output_tokens(seq.prompt, seq.max_tokens)
 
-    async def _compute(self, n_tokens: int) -> None:
-        """Sleep for the prefill of n tokens, or just yield to the loop when instant."""
+    async def _compute(self, n_tokens: int, interrupt: asyncio.Event) -> None:
+        """Spend the prefill time of n tokens, cut short by `interrupt`; just yield when instant."""
         rate = self.config.prefill_rate
         if rate > 0 and n_tokens > 0:
-            await asyncio.sleep(n_tokens / rate)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(interrupt.wait(), n_tokens / rate)
         else:
             await asyncio.sleep(0)
 
@@ -198,7 +212,7 @@ class Engine:
                     # vLLM reset_running_requests preempts: the sequence recomputes its
                     # whole KV (prompt + output so far) and then goes on decoding.
                     seq.preempted = False
-                    await self._compute(len(seq.prompt) + len(seq.output))
+                    await self._compute(len(seq.prompt) + len(seq.output), seq.cancelled)
                     self.dialect.prefilled(seq)
                     start = loop.time() - i / rate if rate > 0 else start
                 if rate > 0:

@@ -8,7 +8,6 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence as Tokens
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from proxy.sim.dialect import Dialect
 from proxy.sim.engine import Sequence
-from proxy.sim.text import PromptError, completion_prompt_tokens
+from proxy.sim.text import PromptError, common_prefix, completion_prompt_tokens
 from proxy.sim.wire import (
     json_body,
     read_json,
@@ -42,15 +41,6 @@ NOT_SUPPORTED = {
 def _llama_error(status: int, message: str, err_type: str = "invalid_request_error") -> web.Response:
     """llama-server's error shape."""
     return json_body({"error": {"code": status, "message": message, "type": err_type}}, status)
-
-
-def common_prefix(a: Tokens[str], b: Tokens[str]) -> int:
-    """Length of the common prefix of two token lists."""
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 @dataclass(eq=False)
@@ -262,7 +252,7 @@ class LlamacppDialect(Dialect):
                     "params": {"n_predict": -1, "cache_prompt": True},
                 },
                 "total_slots": len(self.slots),
-                "model_path": self.config.model,
+                "model_path": self.config.served_model,
                 "chat_template": "chatml",
                 "build_info": self.config.engine_version,
                 "endpoint_slots": True,
@@ -390,7 +380,7 @@ class LlamacppDialect(Dialect):
                 "tokens": [],
                 "id_slot": seq.slot,
                 "stop": True,
-                "model": self.config.model,
+                "model": self.config.served_model,
                 "tokens_predicted": seq.completion_tokens,
                 "tokens_evaluated": seq.prompt_tokens,
                 "stop_type": "limit",

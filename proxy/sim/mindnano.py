@@ -1,4 +1,14 @@
-"""mindnano dialect: one request at a time (429), /v1/cache/clear, /v1/cancel, per-user cache."""
+"""mindnano dialect: one request at a time (429), one cache entry tagged with its `user`, clear, cancel.
+
+mindnano's semantics (issue 18), in the simulator's terms:
+- one token per code point; a 16-token preamble, `start role content... end` per message and
+  `start assistant` as the generation prompt (one user message of n code points: n + 21 tokens);
+- the cache is the prompt of the last completed request with `cache_prompt` (default true),
+  tagged with its `user`, without the generated tokens unless `reuse_generated_state`;
+- reuse only for the same `user`: the whole prompt on an exact repeat, else a 256-token
+  checkpoint (checkpoint_cache.py);
+- `/v1/cancel` ends the active request with 409 and discards the cache.
+"""
 
 from __future__ import annotations
 
@@ -6,11 +16,21 @@ from typing import Any
 
 from aiohttp import web
 
+from proxy.sim.checkpoint_cache import CheckpointCache
 from proxy.sim.dialect import Dialect
 from proxy.sim.engine import AdmissionRefused, Sequence
+from proxy.sim.text import ChatTemplate
 from proxy.sim.wire import error_response, json_body
 
-__all__ = ["MindnanoDialect"]
+__all__ = ["TEMPLATE", "MindnanoDialect"]
+
+# One token per Unicode code point ("1" and "请" are one token each) and a 16-token preamble.
+TEMPLATE = ChatTemplate(
+    tokenize=list,
+    preamble=tuple(f"<|preamble_{i}|>" for i in range(16)),
+    start="<|start|>",
+    end="<|end|>",
+)
 
 
 def _busy() -> web.Response:
@@ -19,14 +39,16 @@ def _busy() -> web.Response:
 
 
 class MindnanoDialect(Dialect):
-    """mindnano: a single-sequence engine whose prefix cache is isolated per `user`."""
+    """mindnano: a single-sequence engine with one prompt-cache entry for everyone."""
 
     name = "mindnano"
+    template = TEMPLATE
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        """No active request at start."""
+        """No active request and an empty cache at start."""
         super().__init__(*args, **kwargs)
         self.active: Sequence | None = None
+        self.prompt_cache = CheckpointCache()
 
     async def admit(self, seq: Sequence) -> None:
         """One at a time: a second request while one is active is refused with 429, never queued."""
@@ -35,17 +57,35 @@ class MindnanoDialect(Dialect):
         self.active = seq
 
     def release(self, seq: Sequence, completed: bool) -> None:
-        """Free the engine and keep the computed prompt (and output with reuse_generated_state)."""
+        """Free the engine; a completed cached request's prompt becomes the one entry."""
         if self.active is seq:
             self.active = None
-        super().release(seq, completed)
+        # A cancelled request never writes: the cancel discarded the cache for good.
+        if completed and seq.cache_prompt and not seq.cancel_requested:
+            self.prompt_cache.store(self._state_tokens(seq), seq.user)
+
+    def _state_tokens(self, seq: Sequence) -> list[str]:
+        """What the saved state covers: the prompt, plus the reply's code points if kept."""
+        if seq.reuse_generated_state:
+            return seq.prompt + self.template.tokenize(seq.text)
+        return seq.prompt
+
+    def lookup(self, seq: Sequence) -> int:
+        """Cached tokens: none without cache_prompt, else the entry's exact or checkpoint reuse."""
+        if not seq.cache_prompt:
+            return 0
+        return self.prompt_cache.lookup(seq.prompt, seq.user)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """Nothing is cached until the request completes."""
 
     def parse_options(self, body: dict[str, Any], seq: Sequence) -> web.Response | None:
-        """`user` (cache namespace), `cache_prompt`, `reuse_generated_state`."""
+        """`user` (the cache entry's tag), `cache_prompt`, `reuse_generated_state` (default false)."""
         user = body.get("user")
         if user is not None and not isinstance(user, str):
             return error_response(400, "'user' must be a string")
-        seq.namespace = user or ""
+        seq.user = user
+        seq.reuse_generated_state = False
         for name in ("cache_prompt", "reuse_generated_state"):
             value = body.get(name)
             if value is None:
@@ -87,15 +127,25 @@ class MindnanoDialect(Dialect):
         return json_body({"status": "ok", "active": self.active is not None})
 
     async def handle_clear(self, request: web.Request) -> web.Response:
-        """POST /v1/cache/clear: 429 while a request is active, else clears every user's cache."""
+        """POST /v1/cache/clear: 429 while a request is active, else empties the cache."""
         if self.active is not None:
             return _busy()
         self.clear_cache()
         return json_body({"cleared": True})
 
     async def handle_cancel(self, request: web.Request) -> web.Response:
-        """POST /v1/cancel: the active request stops at its next token (409 or a cancelled stream end)."""
+        """POST /v1/cancel: the active request stops (409, or a cancelled stream end) and the cache goes."""
         if self.active is None:
             return json_body({"cancel_requested": False})
-        self.active.cancel_requested = True
+        self.active.cancel()
+        self.prompt_cache.clear()
         return json_body({"cancel_requested": True})
+
+    def clear_cache(self) -> int:
+        """Drop the cache entry and count a reset."""
+        self.engine.resets_total += 1
+        return self.prompt_cache.clear()
+
+    def stats(self) -> dict[str, object]:
+        """Tokens held by the one cache entry (`/sim/stats`)."""
+        return {"cache_entry_tokens": len(self.prompt_cache)}

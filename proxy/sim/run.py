@@ -58,7 +58,7 @@ async def _serve(config: SimConfig, host: str, port: int) -> int:
             print(f"cachewitness sim: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
             return 2
         print(
-            f"cachewitness sim: {config.dialect} engine on http://{host}:{port} (model {config.model})",
+            f"cachewitness sim: {config.dialect} engine on http://{host}:{port} (model {config.served_model})",
             file=sys.stderr,
             flush=True,
         )

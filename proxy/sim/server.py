@@ -18,7 +18,7 @@ from proxy.sim.llamacpp import LlamacppDialect
 from proxy.sim.mindnano import MindnanoDialect
 from proxy.sim.openai import OpenaiDialect
 from proxy.sim.sglang import SglangDialect
-from proxy.sim.text import PromptError, chat_prompt_tokens, completion_prompt_tokens
+from proxy.sim.text import PromptError
 from proxy.sim.vllm import VllmDialect
 from proxy.sim.wire import (
     DONE,
@@ -85,11 +85,8 @@ class OpenAIRoutes:
             stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
         )
         try:
-            prompt = (
-                chat_prompt_tokens(body.get("messages"))
-                if chat
-                else completion_prompt_tokens(body.get("prompt"))
-            )
+            template = self.dialect.template
+            prompt = template.chat(body.get("messages")) if chat else template.completion(body.get("prompt"))
         except PromptError as exc:
             return error_response(400, str(exc))
         names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
@@ -100,13 +97,13 @@ class OpenAIRoutes:
         bad = self.dialect.parse_options(body, seq)
         if bad is not None:
             return bad
-        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model
+        model = body.get("model") if isinstance(body.get("model"), str) else self.config.served_model
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         async with self.engine.session(seq):
-            await self.engine.prefill(seq)
-            if stream:
-                return await self._stream(request, seq, chat, include_usage, ident, model)
             try:
+                await self.engine.prefill(seq)
+                if stream:
+                    return await self._stream(request, seq, chat, include_usage, ident, model)
                 await self.engine.generate(seq)
             except SequenceCancelled:
                 return self.dialect.cancelled_response(seq)
@@ -209,7 +206,7 @@ class OpenAIRoutes:
     async def models(self, request: web.Request) -> web.Response:
         """GET /v1/models with this dialect's `owned_by`."""
         card = {
-            "id": self.config.model,
+            "id": self.config.served_model,
             "object": "model",
             "created": int(self.engine.started_at),
             "owned_by": self.dialect.name,

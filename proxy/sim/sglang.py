@@ -57,8 +57,8 @@ class SglangDialect(Dialect):
         return web.json_response(
             {
                 "version": self.config.engine_version,
-                "model_path": self.config.model,
-                "served_model_name": self.config.model,
+                "model_path": self.config.served_model,
+                "served_model_name": self.config.served_model,
                 "page_size": self.config.block_size,
                 "max_running_requests": self.config.max_concurrency or None,
                 "enable_cache_report": True,
@@ -67,7 +67,7 @@ class SglangDialect(Dialect):
 
     async def handle_model_info(self, request: web.Request) -> web.Response:
         """GET /get_model_info."""
-        return web.json_response({"model_path": self.config.model, "is_generation": True})
+        return web.json_response({"model_path": self.config.served_model, "is_generation": True})
 
     def _authorized(self, request: web.Request) -> bool:
         """With --admin-api-key set, admin routes need `Authorization: Bearer KEY`."""
@@ -161,7 +161,7 @@ class SglangDialect(Dialect):
 
     def metric_families(self) -> list[Metric]:
         """sglang: families of --enable-metrics."""
-        engine, model = self.engine, self.config.model
+        engine, model = self.engine, self.config.served_model
         cached = CounterMetricFamily(
             "sglang:cached_tokens", "Number of cached prompt tokens.", labels=["model_name"]
         )

@@ -1,13 +1,23 @@
-"""Deterministic tokenizer, ChatML chat template and output text of the simulator."""
+"""Deterministic tokenizers, chat templates and output text of the simulator."""
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PromptError", "chat_prompt_tokens", "completion_prompt_tokens", "output_tokens", "tokenize"]
+__all__ = [
+    "CHATML",
+    "ChatTemplate",
+    "PromptError",
+    "chat_prompt_tokens",
+    "common_prefix",
+    "completion_prompt_tokens",
+    "output_tokens",
+    "tokenize",
+]
 
 # Words and single punctuation marks: cheap (one C-level regex pass) and stable.
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
@@ -49,36 +59,73 @@ def _content_text(content: Any) -> str:
     raise PromptError("message content must be a string or a list of content parts")
 
 
+@dataclass(frozen=True)
+class ChatTemplate:
+    """How an engine turns OpenAI messages and prompts into tokens.
+
+    A chat prompt is the preamble, then `start role content... end` per message, then
+    `start assistant`. An assistant turn in the history begins with the same two tokens
+    as the generation prompt, so a conversation's prompt is a token prefix of the same
+    conversation continued.
+    """
+
+    tokenize: Callable[[str], list[str]]
+    preamble: tuple[str, ...] = ()
+    start: str = "<|im_start|>"
+    end: str = "<|im_end|>"
+
+    def chat(self, messages: Any) -> list[str]:
+        """The prompt tokens of a list of OpenAI messages."""
+        if not isinstance(messages, list) or not messages:
+            raise PromptError("'messages' must be a non-empty list")
+        tokens = list(self.preamble)
+        for message in messages:
+            if not isinstance(message, dict):
+                raise PromptError("each message must be an object")
+            role = message.get("role")
+            if not isinstance(role, str):
+                raise PromptError("each message needs a string 'role'")
+            tokens.append(self.start)
+            tokens.append(role)
+            tokens.extend(self.tokenize(_content_text(message.get("content"))))
+            tokens.append(self.end)
+        tokens.append(self.start)
+        tokens.append("assistant")
+        return tokens
+
+    def completion(self, prompt: Any) -> list[str]:
+        """Tokens of a completions prompt: a string, a list of token ids, or a one-item list."""
+        if isinstance(prompt, str):
+            return self.tokenize(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            # Token ids pass through as opaque tokens so equal id lists share a prefix.
+            return [f"<{t}>" for t in prompt]
+        if isinstance(prompt, list) and len(prompt) == 1:
+            return self.completion(prompt[0])
+        raise PromptError("'prompt' must be a string or a list of token ids (batches are not simulated)")
+
+
+# The template of vLLM, SGLang, llama.cpp and plain OpenAI servers in the simulator.
+CHATML = ChatTemplate(tokenize=tokenize)
+
+
 def chat_prompt_tokens(messages: Any) -> list[str]:
-    """Apply a ChatML-like template to OpenAI messages and tokenize the result."""
-    if not isinstance(messages, list) or not messages:
-        raise PromptError("'messages' must be a non-empty list")
-    tokens: list[str] = []
-    for message in messages:
-        if not isinstance(message, dict):
-            raise PromptError("each message must be an object")
-        role = message.get("role")
-        if not isinstance(role, str):
-            raise PromptError("each message needs a string 'role'")
-        tokens.append("<|im_start|>")
-        tokens.append(role)
-        tokens.extend(tokenize(_content_text(message.get("content"))))
-        tokens.append("<|im_end|>")
-    tokens.append("<|im_start|>")
-    tokens.append("assistant")
-    return tokens
+    """Apply the ChatML template to OpenAI messages and tokenize the result."""
+    return CHATML.chat(messages)
 
 
 def completion_prompt_tokens(prompt: Any) -> list[str]:
-    """Tokens of a completions prompt: a string, a list of token ids, or a one-item list."""
-    if isinstance(prompt, str):
-        return tokenize(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        # Token ids pass through as opaque tokens so equal id lists share a prefix.
-        return [f"<{t}>" for t in prompt]
-    if isinstance(prompt, list) and len(prompt) == 1:
-        return completion_prompt_tokens(prompt[0])
-    raise PromptError("'prompt' must be a string or a list of token ids (batches are not simulated)")
+    """Tokens of a completions prompt under the word tokenizer."""
+    return CHATML.completion(prompt)
+
+
+def common_prefix(a: Sequence[str], b: Sequence[str]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def output_tokens(prompt: Sequence[str], count: int) -> Iterator[str]:

@@ -38,7 +38,7 @@ class VllmDialect(Dialect):
 
     def model_card_extras(self) -> dict[str, Any]:
         """vLLM's model card members."""
-        return {"root": self.config.model, "parent": None, "max_model_len": 4096}
+        return {"root": self.config.served_model, "parent": None, "max_model_len": 4096}
 
     def add_routes(self, app: web.Application) -> None:
         """/health, /ping, /version, and /reset_prefix_cache only in dev mode."""
@@ -76,7 +76,7 @@ class VllmDialect(Dialect):
 
     def metric_families(self) -> list[Metric]:
         """vllm: families read by dashboards (names of vLLM 0.25+)."""
-        engine, model = self.engine, self.config.model
+        engine, model = self.engine, self.config.served_model
         queries = CounterMetricFamily(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
@@ -117,6 +117,6 @@ class VllmDialect(Dialect):
             "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=["model_name"]
         )
         usage.add_metric(
-            [model], self.cache.blocks() / self.config.cache_blocks if self.config.cache_blocks else 0.0
+            [model], len(self.cache) / self.config.cache_blocks if self.config.cache_blocks else 0.0
         )
         return [queries, hits, cached, prompt, gen, running, waiting, usage]

@@ -17,7 +17,11 @@ from proxy.evidence_summary import summarize, summary_table
 from proxy.redact import redact_url
 
 __all__ = [
+    "EXIT_ADMIN_REFUSED",
+    "EXIT_BAD_INPUT",
     "EXIT_CODES",
+    "EXIT_FAILED",
+    "EXIT_SIDECAR_UNREACHABLE",
     "add_evidence_arguments",
     "add_reset_arguments",
     "run_evidence",
@@ -38,8 +42,11 @@ EXIT_CODES = {
     # A cluster reset that could not reach every pod.
     "partial": 6,
 }
-EXIT_FAILED = 6
-EXIT_BAD_INPUT = 2
+# The exit codes that are not an answer (README, "Exit codes", has the whole table).
+EXIT_BAD_INPUT = 2  # a bad option, an unreadable --token-file, input the sidecar rejected (400)
+EXIT_FAILED = 6  # the engine unreachable, or another error the sidecar reported
+EXIT_SIDECAR_UNREACHABLE = 8  # no sidecar answer at --url (refused, timeout, or not a sidecar's reply)
+EXIT_ADMIN_REFUSED = 9  # the sidecar refused the admin token (401) or this client (403)
 
 
 class _NoRedirect(urllib.request.HTTPRedirectHandler):
@@ -159,13 +166,53 @@ def _request(url: str, token: str | None, *, data: bytes | None = None) -> urlli
     )
 
 
-def _error_message(body: bytes) -> str:
-    """The message of an OpenAI-style error body, else its start."""
+def _sidecar_error(body: bytes) -> str | None:
+    """The message of an OpenAI-style error body (what the sidecar sends), else None."""
     try:
         payload = json.loads(body.decode("utf-8"))
         return str(payload["error"]["message"])
     except (UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return body[:300].decode("utf-8", errors="replace").strip() or "(no body)"
+        return None
+
+
+def _error_message(body: bytes) -> str:
+    """The message of an OpenAI-style error body, else its start."""
+    message = _sidecar_error(body)
+    if message is not None:
+        return message
+    return body[:300].decode("utf-8", errors="replace").strip() or "(no body)"
+
+
+def _unreachable(command: str, base: str, exc: BaseException) -> int:
+    """No HTTP answer at all from --url: say so, exit EXIT_SIDECAR_UNREACHABLE."""
+    reason = getattr(exc, "reason", exc)
+    print(
+        f"cachewitness {command}: the sidecar at {redact_url(base)} cannot be reached: {reason}; "
+        "check --url (or CACHEWITNESS_URL)",
+        file=sys.stderr,
+    )
+    return EXIT_SIDECAR_UNREACHABLE
+
+
+def _http_failure(command: str, status: int, raw: bytes, url: str) -> int:
+    """An HTTP error without a reset answer: say why in one line and pick the exit code."""
+    message = _sidecar_error(raw)
+    shown = message if message is not None else _error_message(raw)
+    if status == 401:
+        why = f"the sidecar refused the admin token (401: {shown}); pass --token-file or set CACHEWITNESS_ADMIN_TOKEN"
+        code = EXIT_ADMIN_REFUSED
+    elif status == 403:
+        why, code = f"the sidecar refused this client (403: {shown})", EXIT_ADMIN_REFUSED
+    elif status == 400:
+        why, code = f"the sidecar rejected the input: {shown}", EXIT_BAD_INPUT
+    elif message is not None:
+        why, code = f"HTTP {status} from {redact_url(url)}: {message}", EXIT_FAILED
+    else:
+        # Not the sidecar's error shape: something else answers at that URL (a proxy's 502, a 404).
+        why = f"HTTP {status} from {redact_url(url)} is not a cachewitness answer ({shown}); check --url"
+        code = EXIT_SIDECAR_UNREACHABLE
+    print(f"cachewitness {command}: {why}", file=sys.stderr)
+    return code
 
 
 def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
@@ -208,7 +255,7 @@ def _human_line(answer: dict[str, Any]) -> str:
 
 
 def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """POST /cache/reset; print the answer; exit 0/3/4/5/6 by answer (2 for input the sidecar rejected)."""
+    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and the README)."""
     env = os.environ if env is None else env
     base = _base_url(ns, env)
     try:
@@ -218,26 +265,22 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
             f"cachewitness reset: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
             file=sys.stderr,
         )
-        return EXIT_FAILED
-    request = _request(f"{base}/cache/reset", token, data=json.dumps(_reset_body(ns)).encode())
+        return EXIT_BAD_INPUT
+    url = f"{base}/cache/reset"
+    request = _request(url, token, data=json.dumps(_reset_body(ns)).encode())
     try:
         with _OPENER.open(request, timeout=ns.timeout) as response:
             status, raw = response.status, response.read()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read()
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        print(
-            f"cachewitness reset: the sidecar at {redact_url(base)} cannot be reached: {reason}",
-            file=sys.stderr,
-        )
-        return EXIT_FAILED
+        return _unreachable("reset", base, exc)
     try:
         answer = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         answer = None
     if not isinstance(answer, dict) or "answer" not in answer:
-        return _report_failure(status, raw, base)
+        return _http_failure("reset", status, raw, url)
     if ns.json:
         print(json.dumps(answer, indent=2))
     elif answer.get("scope") == "cluster":
@@ -247,22 +290,6 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
     if answer.get("scope") == "cluster":
         return worst_exit_code(answer, EXIT_CODES, EXIT_FAILED)
     return EXIT_CODES.get(str(answer["answer"]), EXIT_FAILED)
-
-
-def _report_failure(status: int, raw: bytes, base: str) -> int:
-    """Say why the sidecar gave no reset answer (auth, bad input, other) and pick the exit code."""
-    message = _error_message(raw)
-    if status == 401:
-        why = f"the sidecar wants its admin token (401: {message}); pass --token-file or set CACHEWITNESS_ADMIN_TOKEN"
-    elif status == 403:
-        why = f"the sidecar refused this client (403: {message})"
-    elif status == 400:
-        print(f"cachewitness reset: the sidecar rejected the input: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    else:
-        why = f"HTTP {status} from {redact_url(base)}/cache/reset: {message}"
-    print(f"cachewitness reset: {why}", file=sys.stderr)
-    return EXIT_FAILED
 
 
 def _evidence_url(ns: argparse.Namespace, base: str) -> str:
@@ -295,7 +322,7 @@ def _records(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
 def run_evidence(
     ns: argparse.Namespace, env: Mapping[str, str] | None = None, out: IO[bytes] | None = None
 ) -> int:
-    """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0 on success, 6 on failure."""
+    """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0, or 2/6/8/9 (EXIT_*)."""
     env = os.environ if env is None else env
     base = _base_url(ns, env)
     try:
@@ -305,12 +332,13 @@ def run_evidence(
             f"cachewitness evidence: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
             file=sys.stderr,
         )
-        return EXIT_FAILED
+        return EXIT_BAD_INPUT
     sink = out if out is not None else sys.stdout.buffer
     # With scope cluster, the last line names the pods that could not be read.
     trailers: list[dict[str, Any]] = []
+    url = _evidence_url(ns, base)
     try:
-        with _OPENER.open(_request(_evidence_url(ns, base), token), timeout=ns.timeout) as response:
+        with _OPENER.open(_request(url, token), timeout=ns.timeout) as response:
             if ns.summary:
                 records = list(_records(iter(response.readline, b"")))
                 trailers = [r for r in records if r.get("event_type") == CLUSTER_READ_EVENT]
@@ -323,17 +351,11 @@ def run_evidence(
                         trailers.extend(_records(iter([line])))
             sink.flush()
     except urllib.error.HTTPError as exc:
-        print(f"cachewitness evidence: HTTP {exc.code}: {_error_message(exc.read())}", file=sys.stderr)
-        return EXIT_FAILED
+        return _http_failure("evidence", exc.code, exc.read(), url)
     except BrokenPipeError:
         return 0  # the reader (e.g. `head`) has had enough
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        print(
-            f"cachewitness evidence: the sidecar at {redact_url(base)} cannot be reached: {reason}",
-            file=sys.stderr,
-        )
-        return EXIT_FAILED
+        return _unreachable("evidence", base, exc)
     missing = unreadable_pods(trailers)
     if missing:
         print(f"cachewitness evidence: pods not read: {'; '.join(missing)}", file=sys.stderr)

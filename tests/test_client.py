@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from proxy.app import build_app
 from proxy.sim import SimConfig
@@ -107,17 +108,69 @@ async def test_unreachable_engine_exits_6(tmp_path) -> None:
     assert run.code == 6 and run.stdout.startswith("unreachable")
 
 
-async def test_unreachable_sidecar_exits_6_and_says_so() -> None:
-    run = await cli("reset", "--url", closed_port_url())
-    assert run.code == 6
-    assert "cannot be reached" in run.stderr
+@pytest.mark.parametrize("command", ["reset", "evidence"])
+async def test_unreachable_sidecar_exits_8_and_says_so(command: str) -> None:
+    run = await cli(command, "--url", closed_port_url())
+    assert run.code == 8
+    assert "cannot be reached" in run.stderr and len(run.stderr.strip().splitlines()) == 1
 
 
-async def test_missing_token_exits_6_and_says_why(tmp_path) -> None:
+@pytest.mark.parametrize("command", ["reset", "evidence"])
+async def test_url_of_something_that_is_not_a_sidecar_exits_8(tmp_path, command: str) -> None:
+    # The engine itself at --url: it answers, but not as a sidecar (its own 404).
+    async with sim(fast("vllm")) as engine:
+        run = await cli(command, "--url", engine.url)
+    assert run.code == 8
+    assert "not a cachewitness answer" in run.stderr and "--url" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["reset", "evidence"])
+async def test_missing_token_exits_9_and_says_why(tmp_path, command: str) -> None:
     async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
-        run = await cli("reset", "--url", url)
-    assert run.code == 6
+        run = await cli(command, "--url", url)
+    assert run.code == 9
     assert "401" in run.stderr and "CACHEWITNESS_ADMIN_TOKEN" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["reset", "evidence"])
+async def test_wrong_token_exits_9(tmp_path, command: str) -> None:
+    async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
+        run = await cli(command, "--url", url, env={"CACHEWITNESS_ADMIN_TOKEN": "not-" + TOKEN})
+    assert run.code == 9 and "wrong admin token" in run.stderr
+
+
+@pytest.mark.parametrize("command", ["reset", "evidence"])
+async def test_unreadable_token_file_exits_2(tmp_path, command: str) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url):
+        run = await cli(command, "--url", url, "--token-file", str(tmp_path / "missing"))
+    assert run.code == 2 and "--token-file" in run.stderr
+
+
+async def test_evidence_filter_the_sidecar_rejects_exits_2(tmp_path) -> None:
+    async with sidecar(fast("vllm"), tmp_path) as (_, url):
+        run = await cli("evidence", "--url", url, "--event-type", "infer.nonsense")
+    assert run.code == 2 and "event_type" in run.stderr
+
+
+def test_readme_exit_code_table_matches_the_client() -> None:
+    from proxy import client
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    documented = {
+        int(cells[1].strip()): cells[2]
+        for line in section.splitlines()
+        if line.startswith("|") and (cells := line.split("|"))[1].strip().isdigit()
+    }
+    expected = set(client.EXIT_CODES.values()) | {
+        client.EXIT_BAD_INPUT,
+        client.EXIT_FAILED,
+        client.EXIT_SIDECAR_UNREACHABLE,
+        client.EXIT_ADMIN_REFUSED,
+    }
+    assert set(documented) == expected
+    for answer, code in client.EXIT_CODES.items():
+        assert f"`{answer}`" in documented[code], (answer, code)
 
 
 async def test_token_file_is_sent(tmp_path) -> None:
@@ -176,9 +229,3 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
     ]
     row = [r.split() for r in rows if r.split()[:2] == ["s1", "c1"]]
     assert row and row[0][2] == "acknowledged" and row[0][4] == "2"
-
-
-async def test_evidence_without_token_exits_6(tmp_path) -> None:
-    async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
-        run = await cli("evidence", "--url", url)
-    assert run.code == 6 and "401" in run.stderr

@@ -32,8 +32,9 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
-from proxy.pool import UPSTREAM_POOL, send_upstream
+from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
+from proxy.resend import send_upstream
 
 __all__ = ["HOP_BY_HOP", "INJECTION_REFUSALS", "Exchange", "forward", "setup_forward"]
 

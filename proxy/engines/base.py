@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 
 import aiohttp
 
-from proxy.pool import send_upstream
 from proxy.redact import redact_url
+from proxy.resend import send_upstream
 
 __all__ = [
     "ACCEPTED_UNVERIFIED",

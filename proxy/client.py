@@ -288,8 +288,17 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
     else:
         print(_human_line(answer))
     if answer.get("scope") == "cluster":
-        return worst_exit_code(answer, EXIT_CODES, EXIT_FAILED)
+        return worst_exit_code(answer, _pod_exit_code, EXIT_FAILED)
     return EXIT_CODES.get(str(answer["answer"]), EXIT_FAILED)
+
+
+def _pod_exit_code(pod: Mapping[str, Any]) -> int:
+    """One pod of a cluster reset as if reset alone: its answer's code, 8 not reached, 9 token refused."""
+    if pod.get("status") is None:
+        return EXIT_SIDECAR_UNREACHABLE
+    if pod.get("status") in (401, 403):
+        return EXIT_ADMIN_REFUSED
+    return EXIT_CODES.get(str(pod.get("answer")), EXIT_FAILED)
 
 
 def _evidence_url(ns: argparse.Namespace, base: str) -> str:

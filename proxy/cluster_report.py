@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 __all__ = ["CLUSTER_READ_EVENT", "pod_table", "unreadable_pods", "worst_exit_code"]
@@ -11,12 +11,14 @@ __all__ = ["CLUSTER_READ_EVENT", "pod_table", "unreadable_pods", "worst_exit_cod
 CLUSTER_READ_EVENT = "cachewitness.cluster_read"
 
 
-def worst_exit_code(answer: Mapping[str, Any], codes: Mapping[str, int], failed: int) -> int:
-    """The highest exit code among the pods' answers; `failed` when there is no pod at all."""
-    pods = answer.get("pods")
-    if not isinstance(pods, list) or not pods:
+def worst_exit_code(
+    answer: Mapping[str, Any], code_of: Callable[[Mapping[str, Any]], int], failed: int
+) -> int:
+    """The highest of the pods' exit codes (`code_of` one pod's entry); `failed` when there is no pod at all."""
+    pods = [pod for pod in answer.get("pods") or [] if isinstance(pod, dict)]
+    if not pods:
         return failed
-    return max(codes.get(str(pod.get("answer")), failed) for pod in pods if isinstance(pod, dict))
+    return max(code_of(pod) for pod in pods)
 
 
 def pod_table(answer: Mapping[str, Any]) -> str:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.cluster_helpers import cluster
+from proxy.app import build_app
+from tests.cluster_helpers import TOKEN, cluster
+from tests.conftest import make_settings, serve_app
 from tests.sim_helpers import chat, fast, slow
 from tests.test_client import cli
 
@@ -23,7 +25,7 @@ async def test_cluster_reset_prints_a_row_per_pod_and_exits_0(tmp_path: Path) ->
 
 
 async def test_cluster_reset_exits_with_the_worst_pods_code(tmp_path: Path) -> None:
-    """One pod refused (4), one unreachable (6): exit 6, both named in the table."""
+    """One pod refused (4), one not reached (8): exit 8, both named in the table."""
     async with cluster(tmp_path, [fast("vllm"), slow("vllm")]) as c:
         busy = c.pods[1]
         c.serve([c.pods[0].host, busy.host, "127.0.0.4"])
@@ -37,7 +39,7 @@ async def test_cluster_reset_exits_with_the_worst_pods_code(tmp_path: Path) -> N
             )
         finally:
             stream.close()
-        assert run.code == 6, run.stdout + run.stderr
+        assert run.code == 8, run.stdout + run.stderr
         answers = {line.split()[0]: line.split()[2] for line in run.stdout.splitlines()[2:]}
         assert answers == {
             c.pods[0].address: "acknowledged",
@@ -61,6 +63,21 @@ async def test_cluster_reset_refused_only_exits_4(tmp_path: Path) -> None:
         finally:
             stream.close()
         assert run.code == 4, run.stdout + run.stderr
+
+
+async def test_cluster_reset_with_a_pod_refusing_the_token_exits_9(tmp_path: Path) -> None:
+    """A pod with another admin token did not reset: exit 9, the admin-refused code."""
+    async with cluster(tmp_path, [fast("vllm")], token=TOKEN) as c:
+        settings = make_settings(
+            c.pods[0].engine.url, tmp_path / "x", evidence=str(tmp_path / "x.jsonl"), admin_token="other"
+        )
+        async with serve_app(build_app(settings), "127.0.0.2", c.port):
+            c.serve([c.pods[0].host, "127.0.0.2"])
+            run = await cli(
+                "reset", "--url", c.pods[0].url, "--scope", "cluster", env={"CACHEWITNESS_ADMIN_TOKEN": TOKEN}
+            )
+        assert run.code == 9, run.stdout + run.stderr
+        assert "401" in run.stdout
 
 
 async def test_cluster_evidence_prints_every_pods_records(tmp_path: Path) -> None:

@@ -13,9 +13,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.app import build_app
 from proxy.sim import SimConfig
-from tests.conftest import make_settings, serve_app
+from tests.conftest import serve_sidecar
 from tests.dns_server import DnsServer, dns_server
 from tests.sim_helpers import Sim, sim
 
@@ -112,16 +111,19 @@ async def cluster(
         for index, (host, config) in enumerate(zip(hosts, configs, strict=True)):
             engine = await stack.enter_async_context(sim(config))
             evidence = tmp_path / f"pod{index}" / "cachewitness.jsonl"
-            settings = make_settings(
-                engine.url,
-                tmp_path,
-                evidence=str(evidence),
-                peers_dns=f"{SERVICE}:{port}",
-                peers_dns_server=dns.address,
-                admin_token=token,
-                **overrides,
+            sidecar = await stack.enter_async_context(
+                serve_sidecar(
+                    engine.url,
+                    tmp_path,
+                    host=host,
+                    port=port,
+                    evidence=str(evidence),
+                    peers_dns=f"{SERVICE}:{port}",
+                    peers_dns_server=dns.address,
+                    admin_token=token,
+                    **overrides,
+                )
             )
-            app = build_app(settings)
-            url = await stack.enter_async_context(serve_app(app, host, port))
+            url, app = sidecar.url, sidecar.app
             pods.append(Pod(host, engine, url, app, evidence))
         yield Cluster(pods, dns, port, http, token)

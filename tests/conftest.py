@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import SETTINGS, Settings
 from proxy.serve import make_runner, make_site
+from proxy.sim import SimConfig
+from tests.sim_helpers import Sim, chat, sim, words
 
 
 @asynccontextmanager
@@ -90,37 +96,89 @@ def make_settings(upstream: str, tmp_path: Path, **overrides: Any) -> Settings:
     return dataclasses.replace(base, **overrides)
 
 
+@dataclass(frozen=True)
+class Sidecar:
+    """A sidecar under test: its URL and its app (for looking at its objects)."""
+
+    url: str
+    app: web.Application
+
+
+@asynccontextmanager
+async def serve_sidecar(
+    upstream: str, tmp_path: Path, *, host: str = "127.0.0.1", port: int = 0, **overrides: Any
+) -> AsyncIterator[Sidecar]:
+    """The one way tests build a sidecar: `build_app` for `upstream`, served by serve.py's runner."""
+    app = build_app(make_settings(upstream, tmp_path, **overrides))
+    async with serve_app(app, host, port) as url:
+        yield Sidecar(url, app)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A simulator, a sidecar in front of it, the sidecar's app, and a client."""
+
+    engine: Sim
+    url: str
+    app: web.Application
+    http: aiohttp.ClientSession
+
+    async def reset(self, body: dict[str, Any] | None = None, query: str = "") -> tuple[int, dict[str, Any]]:
+        """POST /cache/reset; status and JSON body."""
+        data = orjson.dumps(body) if body is not None else None
+        async with self.http.post(f"{self.url}/cache/reset{query}", data=data) as resp:
+            return resp.status, await resp.json()
+
+    async def chat(self, max_tokens: int, content: str = "hello") -> int:
+        """A chat completion through the sidecar; its status."""
+        async with self.http.post(
+            f"{self.url}/v1/chat/completions", json=chat(words(8, content), max_tokens)
+        ) as r:
+            await r.read()
+            return r.status
+
+
+@asynccontextmanager
+async def stack(
+    config: SimConfig, tmp_path: Path, *, host: str = "127.0.0.1", **overrides: Any
+) -> AsyncIterator[Stack]:
+    """A simulator with a sidecar in front of it, on real loopback sockets."""
+    async with (
+        sim(config) as engine,
+        serve_sidecar(engine.url, tmp_path, host=host, **overrides) as sidecar,
+        aiohttp.ClientSession() as http,
+    ):
+        yield Stack(engine, sidecar.url, sidecar.app, http)
+
+
+@asynccontextmanager
+async def running_request(
+    s: Stack, max_tokens: int = 5000, content: str = "hello"
+) -> AsyncIterator[asyncio.Task[int]]:
+    """A chat generating at the engine for the whole block (the busy engine a reset meets).
+
+    At the end of the block it is cancelled unless it already finished.
+    """
+    request = asyncio.create_task(s.chat(max_tokens, content))
+    await s.engine.wait_stats(lambda st: st["running"] >= 1)
+    try:
+        yield request
+    finally:
+        if not request.done():
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+
+
 SidecarFactory = Callable[..., Awaitable[str]]
 
 
 @pytest.fixture
 async def sidecar(tmp_path: Path) -> AsyncIterator[SidecarFactory]:
     """Start sidecars in front of a given upstream: `url = await sidecar(upstream, **settings)`."""
-    async with _Stack() as stack:
+    async with AsyncExitStack() as started:
 
         async def start(upstream: str, **overrides: Any) -> str:
-            app = build_app(make_settings(upstream, tmp_path, **overrides))
-            stack.apps.append(app)
-            return await stack.enter(serve_app(app))
+            return (await started.enter_async_context(serve_sidecar(upstream, tmp_path, **overrides))).url
 
         yield start
-
-
-class _Stack:
-    """A tiny AsyncExitStack that also remembers the apps it started."""
-
-    def __init__(self) -> None:
-        from contextlib import AsyncExitStack
-
-        self._stack = AsyncExitStack()
-        self.apps: list[web.Application] = []
-
-    async def __aenter__(self) -> _Stack:
-        await self._stack.__aenter__()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stack.__aexit__(*exc)
-
-    async def enter(self, cm: Any) -> Any:
-        return await self._stack.enter_async_context(cm)

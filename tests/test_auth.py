@@ -12,10 +12,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import build_app
 from proxy.auth import is_loopback
-from tests.conftest import make_settings, serve_app
-from tests.sim_helpers import fast, sim
+from tests.conftest import stack
+from tests.sim_helpers import fast
 
 TOKEN = "t0k3n-for-tests"
 
@@ -43,9 +42,8 @@ def non_loopback_ipv4() -> str | None:
 @asynccontextmanager
 async def sidecar(tmp_path: Path, host: str = "127.0.0.1", **overrides: Any) -> AsyncIterator[str]:
     """A vLLM simulator and a sidecar bound on `host`; yields the sidecar's URL."""
-    async with sim(fast("vllm")) as engine:
-        async with serve_app(build_app(make_settings(engine.url, tmp_path, **overrides)), host=host) as url:
-            yield url
+    async with stack(fast("vllm"), tmp_path, host=host, **overrides) as s:
+        yield s.url
 
 
 async def post_reset(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:

@@ -15,9 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.app import build_app
 from proxy.sim import SimConfig
-from tests.conftest import closed_port_url, make_settings, serve_app
+from tests.conftest import closed_port_url, serve_sidecar, stack
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,9 +53,8 @@ async def cli(*args: str, env: dict[str, str] | None = None) -> Run:
 @asynccontextmanager
 async def sidecar(config: SimConfig, tmp_path: Path, **overrides: Any) -> AsyncIterator[tuple[Sim, str]]:
     """A simulator and a sidecar in front of it; yields both."""
-    async with sim(config) as engine:
-        async with serve_app(build_app(make_settings(engine.url, tmp_path, **overrides))) as url:
-            yield engine, url
+    async with stack(config, tmp_path, **overrides) as s:
+        yield s.engine, s.url
 
 
 async def test_acknowledged_exits_0_with_one_readable_line(tmp_path) -> None:
@@ -103,8 +101,8 @@ async def test_unsupported_exits_5_and_prints_the_hint(tmp_path) -> None:
 
 
 async def test_unreachable_engine_exits_6(tmp_path) -> None:
-    async with serve_app(build_app(make_settings(closed_port_url(), tmp_path))) as url:
-        run = await cli("reset", "--url", url)
+    async with serve_sidecar(closed_port_url(), tmp_path) as sidecar:
+        run = await cli("reset", "--url", sidecar.url)
     assert run.code == 6 and run.stdout.startswith("unreachable")
 
 

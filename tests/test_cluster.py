@@ -14,11 +14,10 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.app import build_app
 from proxy.config import ConfigError, load_settings
 from proxy.evidence import EVIDENCE
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, cluster, shared_port
-from tests.conftest import make_settings, serve_app
+from tests.conftest import serve_sidecar, stack
 from tests.sim_helpers import chat, fast, sim, slow, words
 
 
@@ -138,14 +137,11 @@ async def test_empty_peer_set_is_a_502_with_a_hint(tmp_path: Path) -> None:
 
 async def test_no_peers_configured_is_a_502_with_a_hint(tmp_path: Path) -> None:
     """A sidecar with neither peers nor peers_dns says how to set them."""
-    async with sim(fast("vllm")) as engine:
-        app = build_app(make_settings(engine.url, tmp_path))
-        async with serve_app(app) as url, aiohttp.ClientSession() as http:
-            async with http.post(f"{url}/cache/reset?scope=cluster") as resp:
-                body = await resp.json()
-                assert resp.status == 502, body
-            assert "peers_dns" in body["hint"]
-            assert (await engine.stats())["resets_total"] == 0
+    async with stack(fast("vllm"), tmp_path) as s:
+        status, body = await s.reset(query="?scope=cluster")
+        assert status == 502, body
+        assert "peers_dns" in body["hint"]
+        assert (await s.engine.stats())["resets_total"] == 0
 
 
 async def test_static_peers_list_reaches_every_pod(tmp_path: Path) -> None:
@@ -156,10 +152,14 @@ async def test_static_peers_list_reaches_every_pod(tmp_path: Path) -> None:
         peers = tuple(f"127.0.0.1:{port}" for port in ports)
         urls = []
         for index, (engine, port) in enumerate(zip(engines, ports, strict=True)):
-            settings = make_settings(
-                engine.url, tmp_path / f"pod{index}", evidence=str(tmp_path / f"e{index}.jsonl"), peers=peers
+            pod = serve_sidecar(
+                engine.url,
+                tmp_path / f"pod{index}",
+                port=port,
+                evidence=str(tmp_path / f"e{index}.jsonl"),
+                peers=peers,
             )
-            urls.append(await stack.enter_async_context(serve_app(build_app(settings), port=port)))
+            urls.append((await stack.enter_async_context(pod)).url)
         async with aiohttp.ClientSession() as http, http.post(f"{urls[1]}/cache/reset?scope=cluster") as resp:
             body = await resp.json()
         assert resp.status == 200, body
@@ -179,10 +179,14 @@ async def test_a_pod_with_another_token_is_named_in_a_partial(tmp_path: Path) ->
     """A pod that refuses the token did not reset: 502 partial naming it with its 401."""
     async with cluster(tmp_path, [fast("vllm")] * 2, token=TOKEN) as c:
         stranger_engine = c.pods[1].engine
-        settings = make_settings(
-            stranger_engine.url, tmp_path / "x", evidence=str(tmp_path / "x.jsonl"), admin_token="other"
-        )
-        async with serve_app(build_app(settings), "127.0.0.3", c.port):
+        async with serve_sidecar(
+            stranger_engine.url,
+            tmp_path / "x",
+            host="127.0.0.3",
+            port=c.port,
+            evidence=str(tmp_path / "x.jsonl"),
+            admin_token="other",
+        ):
             c.serve([c.pods[0].host, "127.0.0.3"])
             status, body = await c.reset()
         assert status == 502, body

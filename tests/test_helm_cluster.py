@@ -8,9 +8,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.app import build_app
 from proxy.config import load_settings
-from tests.conftest import closed_port_url, make_settings, serve_app
+from tests.conftest import closed_port_url, serve_sidecar
 from tests.test_helm import (  # the chart helpers, and the fixture that insists on the pinned tools
     KUBE_VERSIONS,
     Manifest,
@@ -155,9 +154,8 @@ def _series_labels(text: str) -> dict[str, list[dict[str, str]]]:
 
 async def test_every_alert_selects_series_the_sidecar_exports(tmp_path: Path) -> None:
     """Each metric an alert reads exists in a live sidecar's /metrics, with the label values it matches."""
-    app = build_app(make_settings(closed_port_url(), tmp_path))
-    async with serve_app(app) as url, aiohttp.ClientSession() as http:
-        async with http.get(f"{url}/metrics") as response:
+    async with serve_sidecar(closed_port_url(), tmp_path) as sidecar, aiohttp.ClientSession() as http:
+        async with http.get(f"{sidecar.url}/metrics") as response:
             exported = _series_labels(await response.text())
     for rule in rules():
         selectors = SELECTOR.findall(rule["expr"])

@@ -15,11 +15,10 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import build_app
 from proxy.evidence import EVIDENCE
 from proxy.metrics import ENGINE_METRICS_MAX_AGE_S, METRICS
 from proxy.sim import SimConfig, build_sim_app, running_sim
-from tests.conftest import SidecarFactory, closed_port_url, make_settings, serve_app
+from tests.conftest import SidecarFactory, closed_port_url, serve_app, serve_sidecar
 from tests.sim_helpers import sim as sim_client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -448,8 +447,8 @@ async def test_reset_answered_counts_and_bounds_its_labels(
 ) -> None:
     """reset_answered: counted under its engine and answer; unknown words land on "other"."""
     async with running_sim(fast("vllm")) as engine:
-        app = build_app(make_settings(engine, tmp_path))
-        async with serve_app(app) as url:
+        async with serve_sidecar(engine, tmp_path) as sidecar:
+            app, url = sidecar.app, sidecar.url
             app[METRICS].reset_answered("vllm", "refused", 1.5, 3)
             app[METRICS].reset_answered("some-new-engine", "maybe", 0.2, 1)
             result = await scrape(http, url)
@@ -480,8 +479,8 @@ async def test_evidence_records_are_counted_as_the_writer_wrote_them(
 ) -> None:
     """After the writer flushed one observation, evidence_records_total says 1 for its event type."""
     async with running_sim(fast("vllm")) as engine:
-        app = build_app(make_settings(engine, tmp_path))
-        async with serve_app(app) as url:
+        async with serve_sidecar(engine, tmp_path) as sidecar:
+            app, url = sidecar.app, sidecar.url
             await post_chat(http, url, chat(PROMPT))
             await app[EVIDENCE].flush()
             result = await scrape(http, url)

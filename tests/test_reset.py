@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-from aiohttp import web
 
 from proxy.admission import ADMISSION
-from proxy.app import build_app
 from proxy.reset import RESETS
 from proxy.sim import SimConfig
-from tests.conftest import closed_port_url, make_settings, serve_app
-from tests.sim_helpers import WAIT_S, Sim, chat, fast, sim, slow, words
+from tests.conftest import Stack, closed_port_url, running_request, serve_sidecar, stack
+from tests.sim_helpers import WAIT_S, fast, slow, words
 
 REFERENCE_RECORD_KEYS = {
     "schema_version",
@@ -39,39 +34,6 @@ LONG_CHAT_TOKENS = 1000
 REFERENCE_RESET_KEYS = {"url", "at_ns", "status", "error", "success", "answer", "attempts", "answered_at_ns"}
 
 
-@dataclass
-class Stack:
-    """A simulator, a sidecar in front of it, the sidecar's app, and a client."""
-
-    engine: Sim
-    url: str
-    app: web.Application
-    http: aiohttp.ClientSession
-
-    async def reset(self, body: dict[str, Any] | None = None, query: str = "") -> tuple[int, dict[str, Any]]:
-        """POST /cache/reset; status and JSON body."""
-        data = orjson.dumps(body) if body is not None else None
-        async with self.http.post(f"{self.url}/cache/reset{query}", data=data) as resp:
-            return resp.status, await resp.json()
-
-    async def chat(self, max_tokens: int, content: str = "hello") -> int:
-        """A chat completion through the sidecar; its status."""
-        async with self.http.post(
-            f"{self.url}/v1/chat/completions", json=chat(words(8, content), max_tokens)
-        ) as r:
-            await r.read()
-            return r.status
-
-
-@asynccontextmanager
-async def stack(config: SimConfig, tmp_path: Path, **overrides: Any) -> AsyncIterator[Stack]:
-    """The simulator and a sidecar (build_app) on real loopback sockets."""
-    async with sim(config) as engine:
-        app = build_app(make_settings(engine.url, tmp_path, **overrides))
-        async with serve_app(app) as url, aiohttp.ClientSession() as http:
-            yield Stack(engine, url, app, http)
-
-
 async def wait_until(predicate: Callable[[], bool]) -> None:
     """Poll a condition of the running app (bounded by WAIT_S)."""
     loop = asyncio.get_running_loop()
@@ -85,15 +47,10 @@ async def reset_while_generating(
     s: Stack, body: dict[str, Any], max_tokens: int
 ) -> tuple[int, dict[str, Any]]:
     """Reset while one chat generates; the chat then runs to its end, or is cut if it is a long one."""
-    request = asyncio.create_task(s.chat(max_tokens=max_tokens))
-    await s.engine.wait_stats(lambda st: st["running"] == 1)
-    answer = await s.reset(body)
-    if max_tokens > LONG_CHAT_TOKENS:
-        request.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await request
-    else:
-        assert await request == 200
+    async with running_request(s, max_tokens) as request:
+        answer = await s.reset(body)
+        if max_tokens <= LONG_CHAT_TOKENS:
+            assert await request == 200
     return answer
 
 
@@ -166,9 +123,8 @@ async def test_unsupported_reset_is_501_with_hint(tmp_path, config: SimConfig, h
 
 
 async def test_unreachable_engine_is_502(tmp_path) -> None:
-    app = build_app(make_settings(closed_port_url(), tmp_path))
-    async with serve_app(app) as url, aiohttp.ClientSession() as http:
-        async with http.post(f"{url}/cache/reset") as resp:
+    async with serve_sidecar(closed_port_url(), tmp_path) as sidecar, aiohttp.ClientSession() as http:
+        async with http.post(f"{sidecar.url}/cache/reset") as resp:
             status, body = resp.status, await resp.json()
     assert status == 502
     assert body["success"] is False and body["answer"] == "unreachable"

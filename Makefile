@@ -30,7 +30,7 @@ test: lint
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
 	bash scripts/setup-real-engines.sh
-	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q
+	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)

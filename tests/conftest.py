@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -16,12 +17,37 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
 
 from proxy.app import build_app
 from proxy.config import SETTINGS, Settings
 from proxy.serve import make_runner, make_site
 from proxy.sim import SimConfig
 from tests.sim_helpers import Sim, chat, sim, words
+
+# Property tests (hypothesis). A failing example is saved to the example database and is
+# replayed first on every later run until it passes; CI may keep the database between runs
+# by pointing CACHEWITNESS_HYPOTHESIS_DB at a cached directory, and prints each failure's
+# reproduction blob (`@reproduce_failure`) in the log either way. `dev` (the default) runs
+# a few hundred examples per property; `ci` (`make test`: --hypothesis-profile=ci) 10,000.
+# No deadline: one example may carry a 2 MiB event, and a timing is not a failure.
+_EXAMPLES = DirectoryBasedExampleDatabase(
+    os.environ.get("CACHEWITNESS_HYPOTHESIS_DB", ".hypothesis/examples")
+)
+_SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    "dev", max_examples=300, deadline=None, database=_EXAMPLES, suppress_health_check=_SLOW_DATA
+)
+settings.register_profile(
+    "ci",
+    max_examples=10_000,
+    deadline=None,
+    database=_EXAMPLES,
+    print_blob=True,
+    suppress_health_check=_SLOW_DATA,
+)
+settings.load_profile("dev")
 
 
 @asynccontextmanager

@@ -10,8 +10,20 @@ import re
 from dataclasses import dataclass
 
 from proxy.engines.base import EngineInfo
+from proxy.observe.jsonscan import Buffer, find_members, skip_ws, trailing_members
 
-__all__ = ["STREAM_RULES", "InjectionRefusals", "StreamRules", "rules_for"]
+__all__ = [
+    "STREAM_RULES",
+    "InjectionRefusals",
+    "StreamRules",
+    "has_finish",
+    "is_usage_only",
+    "moved_members",
+    "rules_for",
+    "with_members",
+]
+
+_FINISH_KEY = b'"finish_reason"'
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,58 @@ def rules_for(info: EngineInfo | None) -> StreamRules:
         if entry.kind == info.kind and (not entry.since or (version and version >= entry.since)):
             chosen = entry.rules
     return chosen
+
+
+# -- the byte-level facts the rules are applied with ------------------------------------
+def has_finish(data: Buffer, start: int, end: int) -> bool:
+    """Whether data[start:end] sets a `finish_reason` (to a string: null is not set)."""
+    pos = data.find(_FINISH_KEY, start, end)
+    while pos != -1:
+        colon = skip_ws(data, pos + len(_FINISH_KEY), end)
+        if colon < end and data[colon] == 0x3A:
+            value = skip_ws(data, colon + 1, end)
+            if value < end and data[value] == 0x22:
+                return True
+        pos = data.find(_FINISH_KEY, pos + 1, end)
+    return False
+
+
+def is_usage_only(data: Buffer, start: int, end: int) -> bool:
+    """The include_usage chunk: `"choices": []` (OpenAI's empty choices on the usage chunk)."""
+    pos = data.find(b'"choices"', start, end)
+    if pos == -1:
+        return False
+    colon = skip_ws(data, pos + 9, end)
+    if colon >= end or data[colon] != 0x3A:
+        return False
+    bracket = skip_ws(data, colon + 1, end)
+    if bracket >= end or data[bracket] != 0x5B:
+        return False
+    close = skip_ws(data, bracket + 1, end)
+    return close < end and data[close] == 0x5D
+
+
+def moved_members(usage_payload: bytes, finish_event: bytes, names: frozenset[bytes] | None) -> bytes:
+    """Raw `,"k":v` members after `usage` on the usage chunk that belong on the finish chunk."""
+    objects = [m for m in find_members(usage_payload, b'"usage"', 0, len(usage_payload)) if m.is_object]
+    close = usage_payload.rfind(b"}")
+    if not objects or close == -1:
+        return b""
+    return b"".join(
+        raw
+        for key, raw in trailing_members(usage_payload, objects[-1].value_end, close)
+        if (names is None or key in names)
+        and key + b":" not in finish_event
+        and key + b" :" not in finish_event
+    )
+
+
+def with_members(event: bytes, members: bytes) -> bytes:
+    """The event with raw `,"k":v` members added before its JSON's closing brace."""
+    close = event.rfind(b"}")
+    if close == -1 or not members:
+        return event
+    return event[:close] + members + event[close:]
 
 
 class InjectionRefusals:

@@ -7,13 +7,15 @@ spec allows and no engine writes, is not recognised.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from proxy.observe.jsonscan import Buffer
 
-__all__ = ["MAX_EVENT_BYTES", "DataLines", "data_lines", "events", "next_separator", "single_data_line"]
+__all__ = ["CRLF_BLANK", "LF_BLANK", "MAX_EVENT_BYTES", "DataLines", "data_lines", "next_separator"]
 
+# A blank line ends an event; `\n\r\n` also ends `\r\n\r\n` and `\n` + `\r\n`.
+LF_BLANK = b"\n\n"
+CRLF_BLANK = b"\n\r\n"
 # An event larger than this is not held whole: it passes through while only a bounded
 # tail of it is kept (usage sits at the end of an event, and the carry stays bounded).
 MAX_EVENT_BYTES = 1 << 20
@@ -28,41 +30,6 @@ def next_separator(data: Buffer, pos: int, end: int) -> tuple[int, int]:
     if lf != -1:
         return lf, lf + 2
     return -1, -1
-
-
-def events(data: Buffer, pos: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(start, body_end, event_end) of each complete event in data[pos:end], in order.
-
-    Each separator kind is searched again only once the cursor has passed its last hit:
-    searching both afresh for every event rescans the rest of the chunk each time, which is
-    quadratic in a 60 KB burst of 256 events (an engine at full speed).
-    """
-    lf = crlf = -2
-    cursor = pos
-    while True:
-        if lf != -1 and lf < cursor:
-            lf = data.find(b"\n\n", cursor, end)
-        if crlf != -1 and crlf < cursor:
-            crlf = data.find(b"\n\r\n", cursor, end)
-        if crlf != -1 and (lf == -1 or crlf < lf):
-            yield cursor, crlf, crlf + 3
-            cursor = crlf + 3
-        elif lf != -1:
-            yield cursor, lf, lf + 2
-            cursor = lf + 2
-        else:
-            return
-
-
-def single_data_line(data: Buffer, start: int, body_end: int) -> tuple[int, int]:
-    """(start, end) of the value of an event that is one `data:` line (the engines' way); (-1, -1) if not."""
-    if not data.startswith(b"data:", start) or data.find(b"\n", start, body_end) != -1:
-        return -1, -1
-    value = start + 5
-    if value < body_end and data[value] == 0x20:
-        value += 1
-    end = body_end - 1 if body_end > value and data[body_end - 1] == 0x0D else body_end
-    return value, end
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +49,12 @@ class DataLines:
         return self.spans[-1][1]
 
 
-def data_lines(data: Buffer, start: int, body_end: int) -> DataLines | None:
-    """The data lines of the event data[start:body_end]; None when it has none (comments, `event:` only)."""
+def data_lines(data: Buffer, start: int, body_end: int, *, mid_line: bool = False) -> DataLines | None:
+    """The data lines of the event data[start:body_end]; None when it has none (comments, `event:` only).
+
+    `mid_line`: data[start:] is the end of an event whose start is gone (an event over
+    MAX_EVENT_BYTES): its first line is taken to be the rest of a data line.
+    """
     spans: list[tuple[int, int]] = []
     pos = start
     while pos < body_end:
@@ -91,7 +62,9 @@ def data_lines(data: Buffer, start: int, body_end: int) -> DataLines | None:
         if line_end == -1:
             line_end = body_end
         end = line_end - 1 if line_end > pos and data[line_end - 1] == 0x0D else line_end
-        if data.startswith(b"data", pos) and (pos + 4 == end or data[pos + 4] == 0x3A):
+        if mid_line and pos == start:
+            spans.append((pos, end))
+        elif data.startswith(b"data", pos) and (pos + 4 == end or data[pos + 4] == 0x3A):
             value = min(pos + 5, end)
             if value < end and data[value] == 0x20:
                 value += 1

@@ -14,9 +14,9 @@ No other event is ever held back.
 
 from __future__ import annotations
 
-from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, skip_ws, trailing_members, without
-from proxy.observe.rules import StreamRules
-from proxy.observe.sse import MAX_EVENT_BYTES, DataLines, data_lines, events, next_separator, single_data_line
+from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, without
+from proxy.observe.rules import StreamRules, has_finish, is_usage_only, moved_members, with_members
+from proxy.observe.sse import CRLF_BLANK, LF_BLANK, MAX_EVENT_BYTES, DataLines, data_lines, next_separator
 from proxy.observe.usage import NO_USAGE, Usage, first_id, usage_from_fragment, usage_from_json
 
 __all__ = ["StreamScanner", "decode_count"]
@@ -27,7 +27,8 @@ _SIDE_MARKERS = (b'"timings"', b'"meta_info"', b'"mindnano_metrics"')
 # How an injected `"usage":null` usually ends a content chunk (compact JSON, usage last).
 _NULL_TAIL = b',"usage":null}'
 _NULL_TAIL_LEN = len(_NULL_TAIL)
-_FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
+_FINISH_KEY = b'"finish_reason"'
+_FINISH_KEY_LEN = len(_FINISH_KEY)
 # What is kept unsent of an event over MAX_EVENT_BYTES: its end, where usage and the
 # closing brace (for members moved back) are.
 _BIG_TAIL = 64 * 1024
@@ -41,49 +42,6 @@ class _DecodeCounter:
 
 
 decode_count = _DecodeCounter()
-
-
-def _has_finish(data: Buffer, start: int, end: int) -> bool:
-    """Whether data[start:end] sets a `finish_reason`."""
-    return data.find(_FINISH_MARKERS[0], start, end) != -1 or data.find(_FINISH_MARKERS[1], start, end) != -1
-
-
-def _is_usage_only(data: Buffer, start: int, end: int) -> bool:
-    """The include_usage chunk: `"choices": []` (OpenAI's empty choices on the usage chunk)."""
-    pos = data.find(b'"choices"', start, end)
-    if pos == -1:
-        return False
-    colon = skip_ws(data, pos + 9, end)
-    if colon >= end or data[colon] != 0x3A:
-        return False
-    bracket = skip_ws(data, colon + 1, end)
-    if bracket >= end or data[bracket] != 0x5B:
-        return False
-    close = skip_ws(data, bracket + 1, end)
-    return close < end and data[close] == 0x5D
-
-
-def _moved_members(usage_payload: bytes, finish_event: bytes, names: frozenset[bytes] | None) -> bytes:
-    """Raw `,"k":v` members after `usage` on the usage chunk that belong on the finish chunk."""
-    objects = [m for m in find_members(usage_payload, _USAGE_KEY, 0, len(usage_payload)) if m.is_object]
-    close = usage_payload.rfind(b"}")
-    if not objects or close == -1:
-        return b""
-    return b"".join(
-        raw
-        for key, raw in trailing_members(usage_payload, objects[-1].value_end, close)
-        if (names is None or key in names)
-        and key + b":" not in finish_event
-        and key + b" :" not in finish_event
-    )
-
-
-def _with_members(event: bytes, members: bytes) -> bytes:
-    """The event with raw `,"k":v` members added before its JSON's closing brace."""
-    close = event.rfind(b"}")
-    if close == -1 or not members:
-        return event
-    return event[:close] + members + event[close:]
 
 
 class StreamScanner:
@@ -123,11 +81,42 @@ class StreamScanner:
         return self._engine_id
 
     def feed(self, chunk: bytes) -> bytes:
-        """Scan one chunk of the answer and return the bytes to write to the client now."""
+        """Scan one chunk of the answer and return the bytes to write to the client now.
+
+        Passing through, that is `chunk` itself; stripping, what of it (and of what came
+        before) can go now.
+        """
+        strip = self._rules is not None
         if not chunk:
             return chunk
-        emitted = self._push(chunk)
-        return emitted if self._rules is not None else chunk
+        if self._big is not None:
+            emitted = self._feed_big(chunk)
+            return emitted if strip else chunk
+        # Frame the chunk in place when nothing is carried (the usual case: engines write
+        # whole events); otherwise append to the carry and frame that.
+        data: bytes | bytearray = chunk
+        search_from = 0
+        if self._carry:
+            search_from = max(0, len(self._carry) - 2)  # a separator may straddle the reads
+            self._carry += chunk
+            data = self._carry
+        out, consumed = self._frame(data, search_from)
+        emitted = b""
+        if strip:
+            if out is not None:
+                emitted = out
+            elif data is chunk and consumed == len(chunk):
+                emitted = chunk
+            else:
+                emitted = bytes(data[:consumed])
+        if data is self._carry:
+            del self._carry[:consumed]
+        elif consumed < len(chunk):
+            self._carry += memoryview(chunk)[consumed:]
+        if len(self._carry) > MAX_EVENT_BYTES:
+            self._big, self._carry, self._big_finish = self._carry, bytearray(), False
+            emitted += self._release_hold() + self._big_emit()
+        return emitted if strip else chunk
 
     def finish(self) -> bytes:
         """At the end of the answer: scan and return whatever is still buffered."""
@@ -146,40 +135,27 @@ class StreamScanner:
         return self._release_hold() + piece if self._rules is not None else b""
 
     # -- framing ---------------------------------------------------------------------------
-    def _push(self, chunk: bytes) -> bytes:
-        """Frame and scan one chunk; the bytes to emit (meaningful only when stripping)."""
-        if self._big is not None:
-            return self._feed_big(chunk)
-        # Frame the chunk in place when nothing is carried (the usual case: engines write
-        # whole events); otherwise append to the carry and frame that.
-        data: bytes | bytearray = chunk
-        if self._carry:
-            self._carry += chunk
-            data = self._carry
-        out, consumed = self._frame(data)
-        emitted = b""
-        if self._rules is not None:
-            if out is not None:
-                emitted = out
-            elif data is chunk and consumed == len(chunk):
-                emitted = chunk
-            else:
-                emitted = bytes(data[:consumed])
-        if data is self._carry:
-            del self._carry[:consumed]
-        elif consumed < len(chunk):
-            self._carry += memoryview(chunk)[consumed:]
-        if len(self._carry) > MAX_EVENT_BYTES:
-            self._big, self._carry, self._big_finish = self._carry, bytearray(), False
-            emitted += self._release_hold() + self._big_emit()
-        return emitted
-
-    def _frame(self, data: Buffer) -> tuple[bytes | None, int]:
+    def _frame(self, data: Buffer, search_from: int = 0) -> tuple[bytes | None, int]:
         """Scan every complete event in data: (replacement or None if nothing changed, bytes consumed)."""
         pieces: list[bytes] | None = None
         cursor = 0
         strip = self._rules is not None
-        for start, body_end, event_end in events(data, 0, len(data)):
+        end = len(data)
+        # Each blank-line kind (sse.py) is searched again only once the cursor has passed its
+        # last hit: searching both afresh per event is quadratic in a burst of 256 events. The
+        # loop is written out here, not a generator: that costs a tenth of a µs per event.
+        lf = crlf = -2
+        while True:
+            if lf != -1 and lf < cursor:
+                lf = data.find(LF_BLANK, max(cursor, search_from), end)
+            if crlf != -1 and crlf < cursor:
+                crlf = data.find(CRLF_BLANK, max(cursor, search_from), end)
+            if crlf != -1 and (lf == -1 or crlf < lf):
+                start, body_end, event_end = cursor, crlf, crlf + 3
+            elif lf != -1:
+                start, body_end, event_end = cursor, lf, lf + 2
+            else:
+                break
             changed = self._event(data, start, body_end, event_end)
             if strip and (self._held is not None or self._finish or self._dropped):
                 if pieces is None:
@@ -196,12 +172,16 @@ class StreamScanner:
     # -- one event -------------------------------------------------------------------------
     def _event(self, data: Buffer, start: int, body_end: int, event_end: int) -> bytes | None:
         """Scan the event data[start:event_end]; its stripped bytes, or None if unchanged."""
-        self._finish = self._dropped = self._no_data = False
         rules = self._rules
-        s, e = single_data_line(data, start, body_end)
+        if rules is not None:
+            self._finish = self._dropped = self._no_data = False
         lines: DataLines | None = None
         buf: Buffer = data
-        if s == -1:
+        if data.startswith(b"data:", start) and data.find(b"\n", start, body_end) == -1:
+            # One `data:` line, as engines write events (inlined: this runs for every token).
+            # s may keep the value's leading space: nothing searched for starts with one.
+            s, e = start + 5, body_end - 1 if data[body_end - 1] == 0x0D else body_end
+        else:
             lines = data_lines(data, start, body_end)
             if lines is None:
                 self._no_data = True
@@ -211,7 +191,12 @@ class StreamScanner:
             self._id_read = True
             self._engine_id = first_id(buf, s, e)
         if rules is not None:
-            self._finish = _has_finish(buf, s, e)
+            pos = buf.find(_FINISH_KEY, s, e)
+            if pos != -1:
+                # `"finish_reason":null` on every content chunk, `:"stop"` on the finish chunk:
+                # the compact forms answered at once, any other spacing by the scanner.
+                follows = buf[pos + _FINISH_KEY_LEN : pos + _FINISH_KEY_LEN + 2]
+                self._finish = follows == b':"' or (follows != b":n" and has_finish(buf, pos, e))
         first = buf.find(_USAGE_KEY, s, e)
         if first == -1:
             self._note_side_markers(buf, s, e)
@@ -236,7 +221,7 @@ class StreamScanner:
         self._saw_usage = True
         if rules is None:
             return None
-        if _is_usage_only(buf, s, e):
+        if is_usage_only(buf, s, e):
             self._dropped = True
             self._usage_chunk = bytes(buf[s:e])
             return b""
@@ -258,7 +243,7 @@ class StreamScanner:
             if self._held is None:
                 return b""
             names = self._rules.last_event_members if self._rules is not None else None
-            self._held = _with_members(self._held, _moved_members(self._usage_chunk, self._held, names))
+            self._held = with_members(self._held, moved_members(self._usage_chunk, self._held, names))
             return self._release_hold()
         if self._held is not None:
             if self._no_data:
@@ -293,8 +278,8 @@ class StreamScanner:
         out = b""
         if self._rules is not None:
             out = bytes(big[:cut])
-            # A marker may straddle the cut: look a marker's length past it.
-            self._big_finish = self._big_finish or _has_finish(big, 0, cut + len(_FINISH_MARKERS[1]) - 1)
+            # The member may straddle the cut: look a little past it.
+            self._big_finish = self._big_finish or has_finish(big, 0, cut + 64)
         del big[:cut]
         return out
 
@@ -309,15 +294,20 @@ class StreamScanner:
             return self._big_emit()
         self._big = None
         rest = bytes(big[event_end:])
-        finish = self._big_finish or _has_finish(big, 0, body_end)
+        finish = self._big_finish or has_finish(big, 0, body_end)
         piece = self._big_event(big, body_end, event_end)
         self._finish, self._dropped, self._no_data = finish, False, False
         emitted = self._through_hold(piece) if self._rules is not None else b""
-        return emitted + self._push(rest) if rest else emitted
+        # Passing through, feed() hands back `rest` itself and what is returned here is unused.
+        return emitted + self.feed(rest) if rest else emitted
 
     def _big_event(self, big: bytearray, body_end: int, event_end: int) -> bytes:
         """The kept end of a big event: its usage read member by member, the injection's traces cut."""
-        usage = usage_from_fragment(big, 0, body_end)
+        lines = data_lines(big, 0, body_end, mid_line=True)
+        if lines is None:
+            return bytes(big[:event_end])
+        payload = lines.payload
+        usage = usage_from_fragment(payload, 0, len(payload))
         if usage is not None:
             self._apply_deferred()
             self._usage = self._usage.merged(usage)
@@ -326,9 +316,11 @@ class StreamScanner:
         if rules is None:
             return b""
         members = [
-            m for m in find_members(big, _USAGE_KEY, 0, body_end) if m.is_object or rules.null_usage_added
+            m
+            for m in find_members(payload, _USAGE_KEY, 0, len(payload))
+            if m.is_object or rules.null_usage_added
         ]
-        return without(big, 0, event_end, removal_cuts(big, 0, body_end, members))
+        return self._cut(big, 0, event_end, lines, removal_cuts(payload, 0, len(payload), members))
 
     # -- lazily decoded metrics blocks -------------------------------------------------------
     def _note_side_markers(self, data: Buffer, start: int, end: int) -> None:

@@ -10,21 +10,15 @@ import aiohttp
 from tests.real.conftest import Pair
 from tests.real.sidecar_client import (
     JSON,
-    cache_state,
     cache_state_record,
-    chunk_shapes,
-    complete,
     engine_info_labels,
     eventually,
-    find_key,
     long_prompt,
     metric_value,
     new_case,
     observations,
     reset,
-    stream,
     tags,
-    verification,
 )
 
 MODEL = "tiny"
@@ -107,57 +101,6 @@ async def test_reset_in_dev_mode_is_acknowledged_from_the_body(vllm: Pair) -> No
     (call,) = answer["calls"]
     assert "/reset_prefix_cache" in json.dumps(call) and "reset_external=true" in json.dumps(call)
     assert "success" in json.dumps(call) and "true" in json.dumps(call), call  # the body excerpt
-
-
-async def test_repeated_prompt_is_cold_after_reset_then_cached(vllm: Pair) -> None:
-    """After a reset the first request shows 0 cached tokens and the same prompt again shows > 0."""
-    session_id, case_id = new_case()
-    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
-        status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id)
-        assert status == 200, answer
-        first = await complete(s, vllm.url, body, tags(session_id, case_id))
-        second = await complete(s, vllm.url, body, tags(session_id, case_id))
-        records = await observations(s, vllm.url, case_id, 2)
-        verdict = await verification(s, vllm.url, answer["reset_id"])
-        state = await cache_state(s, vllm.url)
-    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert cached > 0  # block-granular: a multiple of the block size
-    assert [r["cached_tokens"] for r in records] == [0, cached]
-    assert [r["cached_tokens_source"] for r in records] == ["usage.prompt_tokens_details.cached_tokens"] * 2
-    assert [r["ordinal_since_reset"] for r in records] == [1, 2]
-    assert verdict["verdict"] == "consistent", verdict
-    assert "consistent" in find_key(state, "verdict"), state
-
-
-async def test_streamed_repeat_is_cold_then_cached(vllm: Pair) -> None:
-    """Streams without include_usage are observed through injection: 0 then > 0 cached tokens."""
-    session_id, case_id = new_case()
-    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
-        status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id)
-        assert status == 200, answer
-        first = await stream(s, vllm.url, body, tags(session_id, case_id))
-        second = await stream(s, vllm.url, body, tags(session_id, case_id))
-        records = await observations(s, vllm.url, case_id, 2)
-    assert first.done and second.done
-    assert all(r["usage_injected"] is True and r["stream"] is True for r in records), records
-    assert records[0]["cached_tokens"] == 0
-    assert records[1]["cached_tokens"] > 0
-    assert [r["ordinal_since_reset"] for r in records] == [1, 2]
-
-
-async def test_stream_reaches_the_client_without_the_injected_usage(vllm: Pair) -> None:
-    """The client's stream has the engine's own chunk shapes: no usage chunk, no `usage: null`."""
-    body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
-        direct = await stream(s, vllm.engine_url, body)
-        seen = await stream(s, vllm.url, {**body, "prompt": long_prompt()})
-    assert not any("usage" in e for e in direct.events)  # vLLM sends no usage unasked
-    assert seen.done
-    assert all(e.get("choices") for e in seen.events), "the usage-only chunk reached the client"
-    assert chunk_shapes(seen.events) == chunk_shapes(direct.events)
 
 
 async def test_reset_without_drain_is_refused_then_retried_until_acknowledged(vllm: Pair) -> None:

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client.core import Metric
 
 from proxy.sim.cache import PrefixCache
+from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, Sequence
 from proxy.sim.text import CHATML, ChatTemplate
 from proxy.sim.wire import error_response, json_body
@@ -42,15 +43,14 @@ class Dialect:
     # How messages and prompts become tokens.
     template: ChatTemplate = CHATML
 
-    def __init__(self, engine: Engine) -> None:
-        """Attach to the engine and build the prefix cache."""
-        self.engine = engine
-        self.config = engine.config
+    def __init__(self, config: SimConfig) -> None:
+        """Build this dialect's engine, with this dialect as its hooks, and the prefix cache."""
+        self.config = config
+        self.engine = Engine(config, self)
         self.cache = PrefixCache(self.config.block_size, self.config.cache_blocks)
         self._slots: asyncio.Semaphore | None = (
             asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
         )
-        engine.dialect = self
 
     # -- scheduling hooks ------------------------------------------------------------------
     async def admit(self, seq: Sequence) -> None:

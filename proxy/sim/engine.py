@@ -6,20 +6,17 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
 from proxy.sim.config import SimConfig
 from proxy.sim.text import output_tokens
 
-if TYPE_CHECKING:
-    from proxy.sim.dialect import Dialect
-
-__all__ = ["AdmissionRefused", "Engine", "Sequence", "SequenceCancelled"]
+__all__ = ["AdmissionRefused", "Engine", "EngineHooks", "Sequence", "SequenceCancelled"]
 
 _seq_ids = itertools.count(1)
 
@@ -87,13 +84,39 @@ class Sequence:
         return self.prompt + [t.strip() for t in self.output]
 
 
-class Engine:
-    """Shared state of one simulated engine: running set, waiting count, counters."""
+class EngineHooks(Protocol):
+    """The engine's rules that differ by dialect: admission, cache reads and writes, stats."""
 
-    def __init__(self, config: SimConfig) -> None:
-        """Make an idle engine; the dialect attaches itself afterwards."""
+    async def admit(self, seq: Sequence) -> None:
+        """Wait for room to run `seq`, or raise AdmissionRefused."""
+
+    def release(self, seq: Sequence, completed: bool) -> None:
+        """`seq` stopped running (`completed`: its generation ran to the end)."""
+
+    def lookup(self, seq: Sequence) -> int:
+        """Cached prompt tokens for `seq`, about to prefill."""
+
+    def prefilled(self, seq: Sequence) -> None:
+        """The KV of `seq`'s prompt (and output so far) exists now."""
+
+    def decoded(self, seq: Sequence, token: str) -> None:
+        """`seq` generated one more token."""
+
+    def stats(self) -> dict[str, object]:
+        """Dialect-specific members of `/sim/stats`."""
+
+
+class Engine:
+    """Shared state of one simulated engine: running set, waiting count, counters.
+
+    The engine runs sequences; what differs by engine (admission, the cache) it asks
+    its hooks, which each dialect passes in when it builds its engine.
+    """
+
+    def __init__(self, config: SimConfig, hooks: EngineHooks) -> None:
+        """Make an idle engine that applies `hooks`' rules."""
         self.config = config
-        self.dialect: Dialect | None = None
+        self.hooks = hooks
         self.running: set[Sequence] = set()
         self.waiting = 0
         self.requests_total = 0
@@ -127,7 +150,6 @@ class Engine:
 
     def stats(self) -> dict[str, object]:
         """Counters for `/sim/stats`."""
-        assert self.dialect is not None
         return {
             "dialect": self.config.dialect,
             "running": len(self.running),
@@ -140,7 +162,7 @@ class Engine:
             "cached_tokens_total": self.cached_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "metrics_scrapes_total": self.metrics_scrapes_total,
-            **self.dialect.stats(),
+            **self.hooks.stats(),
         }
 
     # -- one request ---------------------------------------------------------------------
@@ -151,9 +173,8 @@ class Engine:
         Anything but a generation that ran to its end counts aborted: a client
         disconnect (CancelledError under handler_cancellation), a broken write, a cancel.
         """
-        assert self.dialect is not None
         self.requests_total += 1
-        await self.dialect.admit(seq)
+        await self.hooks.admit(seq)
         self.running.add(seq)
         self.state_changed()
         completed = False
@@ -166,13 +187,12 @@ class Engine:
                 self.completed_total += 1
             else:
                 self.aborted_total += 1
-            self.dialect.release(seq, completed)
+            self.hooks.release(seq, completed)
             self.state_changed()
 
     async def prefill(self, seq: Sequence) -> None:
         """Look the prompt up in the cache and spend the prefill time of the rest."""
-        assert self.dialect is not None
-        seq.cached = self.dialect.lookup(seq)
+        seq.cached = self.hooks.lookup(seq)
         self.prompt_tokens_total += seq.prompt_tokens
         self.cached_tokens_total += seq.cached
         started = time.perf_counter()
@@ -181,7 +201,7 @@ class Engine:
         if seq.cancel_requested:
             # Cancelled during the prefill: no KV is kept and no token is generated.
             raise SequenceCancelled()
-        self.dialect.prefilled(seq)
+        self.hooks.prefilled(seq)
         seq._tokens = output_tokens(seq.prompt, seq.max_tokens)
 
     async def _compute(self, n_tokens: int, interrupt: asyncio.Event) -> None:
@@ -193,13 +213,13 @@ class Engine:
         else:
             await asyncio.sleep(0)
 
-    async def decode(self, seq: Sequence) -> AsyncIterator[str]:
+    async def decode(self, seq: Sequence) -> AsyncGenerator[str, None]:
         """Yield the generated tokens at the configured decode rate.
 
         Deadlines are absolute from the start of decoding, so timer slack does not
         accumulate over a long generation.
         """
-        assert seq._tokens is not None and self.dialect is not None
+        assert seq._tokens is not None
         rate = self.config.decode_rate
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -213,7 +233,7 @@ class Engine:
                     # whole KV (prompt + output so far) and then goes on decoding.
                     seq.preempted = False
                     await self._compute(len(seq.prompt) + len(seq.output), seq.cancelled)
-                    self.dialect.prefilled(seq)
+                    self.hooks.prefilled(seq)
                     start = loop.time() - i / rate if rate > 0 else start
                 if rate > 0:
                     delay = start + (i + 1) / rate - loop.time()
@@ -223,7 +243,7 @@ class Engine:
                         raise SequenceCancelled()
                 seq.output.append(token)
                 self.generation_tokens_total += 1
-                self.dialect.decoded(seq, token)
+                self.hooks.decoded(seq, token)
                 yield token
             seq.finished = True
         finally:

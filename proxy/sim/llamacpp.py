@@ -109,19 +109,21 @@ class LlamacppDialect(Dialect):
                 oldest = slot
         return best if best is not None else oldest
 
+    async def _wait_free(self, seq: Sequence) -> Slot:
+        """The best free slot, deferring (counted waiting) while none is free."""
+        while (slot := self._pick_free(seq)) is None:
+            freed = self._freed
+            self.engine.waiting += 1
+            self.engine.state_changed()
+            try:
+                await freed.wait()
+            finally:
+                self.engine.waiting -= 1
+        return slot
+
     async def admit(self, seq: Sequence) -> None:
         """Take the pinned slot (`id_slot`) or any free one; defer while none is free."""
-        if seq.id_slot >= 0:
-            slot = self.slots[seq.id_slot]
-        else:
-            while (slot := self._pick_free(seq)) is None:
-                freed = self._freed
-                self.engine.waiting += 1
-                self.engine.state_changed()
-                try:
-                    await freed.wait()
-                finally:
-                    self.engine.waiting -= 1
+        slot = self.slots[seq.id_slot] if seq.id_slot >= 0 else await self._wait_free(seq)
         await self._take(slot)
         slot.processing = True
         seq.slot = slot.id

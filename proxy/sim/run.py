@@ -7,6 +7,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from aiohttp import web
 
@@ -23,7 +24,9 @@ def _runner(config: SimConfig) -> web.AppRunner:
     """An AppRunner whose handlers are cancelled when their client disconnects."""
     # handler_cancellation=True: a disconnecting client cancels the handler, so the
     # engine aborts the sequence and frees its slot (aiohttp does not by default).
-    keepalive = {} if config.keepalive_timeout is None else {"keepalive_timeout": config.keepalive_timeout}
+    keepalive: dict[str, Any] = (
+        {} if config.keepalive_timeout is None else {"keepalive_timeout": config.keepalive_timeout}
+    )
     return web.AppRunner(
         build_sim_app(config),
         handler_cancellation=True,

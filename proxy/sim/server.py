@@ -8,6 +8,7 @@ from contextlib import aclosing
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
@@ -97,7 +98,8 @@ class OpenAIRoutes:
         bad = self.dialect.parse_options(body, seq)
         if bad is not None:
             return bad
-        model = body.get("model") if isinstance(body.get("model"), str) else self.config.served_model
+        requested_model = body.get("model")
+        model = requested_model if isinstance(requested_model, str) else self.config.served_model
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         async with self.engine.session(seq):
             try:
@@ -231,7 +233,7 @@ def _answers_middleware(dialect: Dialect) -> Any:
     """Answer unknown routes with the dialect's own 404 body (FastAPI's `{"detail":"Not Found"}` for vLLM)."""
 
     @web.middleware
-    async def not_found(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def not_found(request: web.Request, handler: Handler) -> web.StreamResponse:
         """Replace aiohttp's text 404; send the answer of a refused admission."""
         try:
             return await handler(request)
@@ -245,8 +247,8 @@ def _answers_middleware(dialect: Dialect) -> Any:
 
 def build_sim_app(config: SimConfig) -> web.Application:
     """Build the simulator app for one dialect (serve it with handler_cancellation=True)."""
-    engine = Engine(config)
-    dialect = _DIALECTS[config.dialect](engine)
+    dialect = _DIALECTS[config.dialect](config)
+    engine = dialect.engine
     app = web.Application(middlewares=[_answers_middleware(dialect)])
     app[SIM_ENGINE] = engine
     routes = OpenAIRoutes(engine, dialect)

@@ -8,7 +8,8 @@ from pathlib import Path
 from aiohttp import web
 
 from proxy.admission import ADMISSION
-from proxy.cluster_views import cluster_evidence, cluster_state
+from proxy.cluster_evidence import cluster_evidence
+from proxy.cluster_views import cluster_state
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.errors import error_response

@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from proxy.config import ConfigError, load_settings
 from proxy.evidence import EVIDENCE
@@ -304,3 +305,47 @@ def test_peer_settings_parse_from_env() -> None:
         "10.0.0.5:9000",
         "[::1]:9001",
     )
+
+
+async def test_merged_evidence_of_many_records_keeps_every_line_in_time_order(tmp_path: Path) -> None:
+    """Many lines per pod (several network reads each): all of them, merged in at_ns order."""
+    async with cluster(tmp_path, [fast("vllm")] * 3) as c:
+        for round_ in range(40):
+            for index, pod in enumerate(c.pods):
+                await chat_on(pod, c.http, "sess-many", f"round {round_} pod {index} " + words(40))
+        status, raw = await c.get("/cache/evidence?scope=cluster&session_id=sess-many")
+        assert status == 200
+        *records, trailer = evidence_lines(raw)
+        assert trailer["records"] == len(records) == 120
+        assert [r["at_ns"] for r in records] == sorted(r["at_ns"] for r in records)
+        for pod in c.pods:
+            status, own = await c.get("/cache/evidence?session_id=sess-many", via=c.pods.index(pod))
+            mine = [r for r in records if r["pod"] == pod.address]
+            assert [r["request_id"] for r in mine] == [r["request_id"] for r in evidence_lines(own)]
+
+
+async def test_merged_evidence_names_a_pod_that_breaks_off_mid_answer(tmp_path: Path) -> None:
+    """A peer that sends two lines then drops the connection mid-answer is named in the trailer."""
+
+    async def breaks_off(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await response.prepare(request)
+        await response.write(b'{"event_type": "infer.cache_observation", "at_ns": 1}\n{"at_ns": 2}\n{"at_n')
+        assert request.transport is not None
+        request.transport.close()  # FIN, not RST: the two lines sent arrive, the chunked body never ends
+        return response
+
+    dying = web.Application()
+    dying.router.add_get("/cache/evidence", breaks_off)
+    async with cluster(tmp_path, [fast("vllm")]) as c:
+        async with serve_app(dying, "127.0.0.2", c.port):
+            c.serve([c.pods[0].host, "127.0.0.2"])
+            status, raw = await c.get("/cache/evidence?scope=cluster")
+        assert status == 200
+        *records, trailer = evidence_lines(raw)
+        # Lines that arrived before the break may or may not be handed over (aiohttp raises a
+        # payload error before buffered data), so only the healthy pod's count is pinned.
+        assert trailer["pods_read"] == [c.pods[0].address]
+        (broken,) = trailer["unreadable"]
+        assert broken["pod"] == f"127.0.0.2:{c.port}" and "the read broke off after" in broken["error"]
+        assert all(r["pod"] in (c.pods[0].address, broken["pod"]) for r in records)

@@ -18,7 +18,7 @@ from aiohttp import web
 from proxy.config import ConfigError, load_settings
 from proxy.evidence import EVIDENCE
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, cluster, shared_port
-from tests.conftest import serve_sidecar, stack
+from tests.conftest import serve_app, serve_sidecar, stack
 from tests.sim_helpers import chat, fast, sim, slow, words
 
 

@@ -119,6 +119,12 @@ def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="vLLM: reset_running_requests=true (preempts running requests)"
     )
+    parser.add_argument(
+        "--verify",
+        choices=("canary", "none"),
+        default=None,
+        help="prove the reset with a canary (the sidecar's default) or not",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer's JSON body")
 
 
@@ -218,7 +224,7 @@ def _http_failure(command: str, status: int, raw: bytes, url: str) -> int:
 def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
     """The JSON body of the reset call: only what the user gave."""
     body: dict[str, Any] = {}
-    for name in ("session_id", "case_id", "requested", "warmup_requests", "retry_seconds"):
+    for name in ("session_id", "case_id", "requested", "warmup_requests", "retry_seconds", "verify"):
         value = getattr(ns, name, None)
         if value is not None:
             body[name] = value
@@ -247,6 +253,8 @@ def _human_line(answer: dict[str, Any]) -> str:
         parts.append(
             f"drained {drain.get('inflight_at_start', 0)} in flight in {drain.get('waited_s', 0):.2f}s"
         )
+    if answer.get("verified"):
+        parts.append(f"{answer['verified']} ({(answer.get('verification') or {}).get('reason')})")
     line = ", ".join(parts)
     for key in ("detail", "hint", "warning"):
         if answer.get(key):

@@ -23,6 +23,7 @@ __all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "lo
 # What `engine` may be set to: every kind the sidecar knows, or "auto" to detect it.
 ENGINE_KINDS = ("auto", *(kind.value for kind in EngineKind if kind is not EngineKind.UNKNOWN))
 LOG_LEVELS = ("debug", "info", "warning", "error")
+VERIFY_MODES = ("canary", "none")  # proxy.verification.VerifyMode (config stays a leaf)
 
 
 class ConfigError(Exception):
@@ -59,6 +60,7 @@ class Settings:
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
     reset_attempt_timeout: float = 30.0
+    verify: str = "canary"
     inject_usage: bool = True
     observe: bool = True
     request_id_header: bool = False
@@ -284,6 +286,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_timeout", _positive_float, "longest drain before a reset", "seconds ≥ 0"),
     Option("retry_seconds", _positive_float, "default retry window for refused resets", "seconds 0..120"),
     Option("reset_attempt_timeout", _positive_float, "timeout of one engine reset call", "seconds > 0"),
+    Option(
+        "verify",
+        _choice(VERIFY_MODES),
+        "how a reset proves itself by default: canary (a private prompt cached before, cold after) or none",
+        "canary or none",
+    ),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option("observe", _bool, "observe inference requests and write evidence", "true or false"),
     Option(

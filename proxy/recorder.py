@@ -15,6 +15,7 @@ from proxy.evidence import EVIDENCE, EvidenceWriter
 from proxy.exchange import Forwarded
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
+from proxy.verification import CanaryOutcome, Verified
 from proxy.witness import WITNESS, Witness
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
@@ -45,10 +46,22 @@ class Recorder:
         self._metrics.forwarded(forwarded)
 
     def reset_accepted(
-        self, *, reset_id: str, session_id: str | None, case_id: str | None, at_ns: int
+        self,
+        *,
+        reset_id: str,
+        session_id: str | None,
+        case_id: str | None,
+        at_ns: int,
+        verified: Verified = Verified.UNVERIFIED,
     ) -> None:
         """An engine reset succeeded: requests from now on are numbered after it."""
-        self.witness.reset_accepted(reset_id=reset_id, session_id=session_id, case_id=case_id, at_ns=at_ns)
+        self.witness.reset_accepted(
+            reset_id=reset_id, session_id=session_id, case_id=case_id, at_ns=at_ns, verified=verified
+        )
+
+    def canary_request(self, outcome: CanaryOutcome) -> None:
+        """Count one canary request (never an observation: it is no client traffic)."""
+        self._metrics.canary_request(outcome)
 
     def reset_answered(
         self,
@@ -58,6 +71,7 @@ class Recorder:
         engine_kind: str,
         answer: str,
         attempts: int,
+        verified: Verified = Verified.UNVERIFIED,
     ) -> None:
         """One engine reset answered: each caller's record, the witness's summary, the counters once."""
         for record in records:
@@ -65,6 +79,7 @@ class Recorder:
         self.witness.reset_answered(summary)
         # Once per engine reset: coalesced callers count once.
         self._metrics.reset_answered(engine_kind, answer, summary["duration_s"], attempts)
+        self._metrics.reset_verified(verified)
 
     def cluster_reset(self, record: dict[str, Any]) -> None:
         """The receiving pod's record of a cluster-scope reset (each pod records its own part)."""

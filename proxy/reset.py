@@ -16,6 +16,7 @@ import orjson
 from aiohttp import web
 
 from proxy.admission import ADMISSION
+from proxy.canary import Canary, verify_reset
 from proxy.cluster import cluster_reset
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
@@ -37,6 +38,7 @@ from proxy.logs import log_event
 from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
 from proxy.reset_params import CLUSTER, BadInput, ResetParams, read_params
+from proxy.verification import Verification, VerifyMode, answer_of, not_run, record_with
 
 __all__ = [
     "INTERRUPTED_BY_SHUTDOWN",
@@ -140,6 +142,7 @@ class _Outcome:
     reset: CacheReset
     engine: EngineInfo
     drain: dict[str, Any]
+    verification: Verification
 
 
 class ResetService:
@@ -253,22 +256,34 @@ class ResetService:
             # Detection first: traffic is not held while an unreachable upstream is probed.
             await engine.ensure_detected(session)
             info, dialect = engine.info, engine.dialect
+            canary = self._canary(params, info)
             if params.drain:
                 # A held request waits out the whole reset at worst: the drain, the retry window,
                 # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
-                hold = admission.hold(
-                    settings.drain_timeout + 2 * params.retry_seconds + settings.reset_attempt_timeout
+                one_reset = 2 * params.retry_seconds + settings.reset_attempt_timeout
+                # A canary adds five requests and two more resets, each bounded.
+                canary_s = (
+                    5 * settings.reset_attempt_timeout + 2 * one_reset if isinstance(canary, Canary) else 0.0
                 )
+                hold = admission.hold(settings.drain_timeout + one_reset + canary_s)
                 drained = await admission.wait_idle(settings.drain_timeout)
                 drain = {**drained.to_json(), "enabled": True, "inflight_at_end": drained.inflight_at_end}
-            reset = await retry_reset(
-                dialect,
-                session,
-                settings.upstream_base,
-                force=params.force,
-                retry_seconds=params.retry_seconds,
-                timeout_s=settings.reset_attempt_timeout,
-            )
+
+            async def engine_reset() -> CacheReset:
+                return await retry_reset(
+                    dialect,
+                    session,
+                    settings.upstream_base,
+                    force=params.force,
+                    retry_seconds=params.retry_seconds,
+                    timeout_s=settings.reset_attempt_timeout,
+                )
+
+            # The canary (inside the drain window) wraps the engine reset: see proxy/canary.py.
+            if isinstance(canary, Canary):
+                reset, verification = await verify_reset(canary, engine_reset)
+            else:
+                reset, verification = await engine_reset(), not_run(canary)
             if reset.succeeded:
                 # Before the gate opens: requests held by the drain belong to this reset.
                 recorder.reset_accepted(
@@ -276,16 +291,35 @@ class ResetService:
                     session_id=params.session_id,
                     case_id=params.case_id,
                     at_ns=reset.answered_at_ns or reset.at_ns,
+                    verified=verification.verified,
                 )
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,
             # while the evidence writer is still open.
-            self._finish(current, _Outcome(_interrupted(settings.upstream_base, started_ns), info, drain))
+            interrupted = _interrupted(settings.upstream_base, started_ns)
+            self._finish(current, _Outcome(interrupted, info, drain, not_run("interrupted by shutdown")))
             raise
         finally:
             if hold is not None:
                 admission.release(hold)
-        self._finish(current, _Outcome(reset, info, drain))
+        self._finish(current, _Outcome(reset, info, drain, verification))
+
+    def _canary(self, params: ResetParams, engine: EngineInfo) -> Canary | str:
+        """The canary that will prove this reset, or why none is sent."""
+        settings = self._app[SETTINGS]
+        if params.verify == VerifyMode.NONE:
+            return "verify none: no canary was sent"
+        if not params.drain:
+            return "the canary runs inside the drain window only, and this reset had drain false"
+        if engine.kind in ("none", "unknown") or (engine.kind == "generic" and not settings.reset_path):
+            return "the engine has no reset to verify"
+        return Canary(
+            self._app[UPSTREAM_POOL],
+            settings.upstream_base,
+            engine.kind,
+            settings.reset_attempt_timeout,
+            count=self._app[RECORDER].canary_request,
+        )
 
     def _finish(self, current: _Round, outcome: _Outcome) -> None:
         """Record each caller's record and the reset once, log, and hand out the answers."""
@@ -300,6 +334,7 @@ class ResetService:
             engine_kind=outcome.engine.kind,
             answer=reset.outcome,
             attempts=reset.attempts,
+            verified=outcome.verification.verified,
         )
         log_event(
             log,
@@ -317,6 +352,8 @@ class ResetService:
             duration_s=summary["duration_s"],
             callers=len(current.callers),
             drain_waited_s=outcome.drain["waited_s"],
+            verified=outcome.verification.verified.value,
+            verify_reason=outcome.verification.reason,
         )
         for caller, answer in zip(current.callers, answers, strict=True):
             if not caller.answer.done():
@@ -327,7 +364,7 @@ def _answer(
     params: ResetParams, current: _Round, outcome: _Outcome, index: int
 ) -> tuple[int, dict[str, Any]]:
     """One caller's answer (SPEC §4) with its own `infer.cache_state` record."""
-    reset = outcome.reset
+    reset, verification = outcome.reset, outcome.verification
     record = cache_state_record(
         session_id=params.session_id,
         case_id=params.case_id,
@@ -339,14 +376,18 @@ def _answer(
     )
     if params.parent_reset_id is not None:
         record["parent_reset_id"] = params.parent_reset_id
+    record = record_with(record, reset, verification)
+    answer, status = answer_of(reset, verification)
     body: dict[str, Any] = {}
-    if reset.outcome != ACCEPTED_UNVERIFIED:
+    if answer != ACCEPTED_UNVERIFIED:
         # Absent, not null, when unconfirmed: a client reading `success` must see no field.
-        body["success"] = reset.outcome == ACKNOWLEDGED
+        body["success"] = answer == ACKNOWLEDGED
     calls, omitted = _calls_json(reset.calls)
     body.update(
         {
-            "answer": reset.outcome,
+            "answer": answer,
+            "verified": verification.verified.value,
+            "verification": verification.to_json(),
             "reset_id": current.reset_id,
             "engine": outcome.engine.to_json(),
             "attempts": reset.attempts,
@@ -367,11 +408,12 @@ def _answer(
         body["calls_omitted"] = omitted
     if reset.error:
         body["detail"] = reset.error
-    if reset.hint:
-        body["hint"] = reset.hint
+    hint = verification.hint or reset.hint
+    if hint:
+        body["hint"] = hint
     if reset.warning:
         body["warning"] = reset.warning
-    return reset.http_status, body
+    return status, body
 
 
 def _summary(current: _Round, outcome: _Outcome, first_record: dict[str, Any]) -> dict[str, Any]:
@@ -380,7 +422,9 @@ def _summary(current: _Round, outcome: _Outcome, first_record: dict[str, Any]) -
     answered = reset.answered_at_ns or reset.at_ns
     return {
         "reset_id": current.reset_id,
-        "answer": reset.outcome,
+        "answer": answer_of(reset, outcome.verification)[0],
+        "verified": outcome.verification.verified.value,
+        "verification": outcome.verification.to_json(),
         "reference_answer": reset.answer,
         "succeeded": reset.succeeded,
         "acknowledged": reset.acknowledged,

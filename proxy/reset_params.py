@@ -13,6 +13,7 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.engines.base import COLD, UNSPECIFIED
+from proxy.verification import VerifyMode
 
 __all__ = [
     "CLUSTER",
@@ -45,6 +46,7 @@ _FIELDS = (
     "force",
     "scope",
     "parent_reset_id",
+    "verify",
 )
 # `scope`: this pod's engine, or every peer's (proxy/cluster.py).
 POD = "pod"
@@ -77,6 +79,7 @@ class ResetParams:
     scope: str = POD
     # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
     parent_reset_id: str | None = None
+    verify: VerifyMode = VerifyMode.CANARY
 
 
 def _text_bool(name: str, text: str) -> bool:
@@ -95,6 +98,10 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
         if not is_valid_id(value):
             raise BadInput(name, f"{name} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
         return value
+    if name == "verify":
+        if value not in tuple(VerifyMode):
+            raise BadInput(name, 'verify must be "canary" or "none"')
+        return VerifyMode(value)
     if name == "scope":
         if value not in (POD, CLUSTER):
             raise BadInput(name, 'scope must be "pod" or "cluster"')
@@ -136,7 +143,11 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
 
 def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Settings) -> ResetParams:
     """Validated parameters from query text and a JSON object (the body wins); raises BadInput."""
-    values: dict[str, Any] = {"drain": settings.drain, "retry_seconds": float(settings.retry_seconds)}
+    values: dict[str, Any] = {
+        "drain": settings.drain,
+        "retry_seconds": float(settings.retry_seconds),
+        "verify": VerifyMode(settings.verify),
+    }
     for source, from_query in ((query, True), (body, False)):
         for name, value in source.items():
             if name not in _FIELDS:

@@ -1,21 +1,40 @@
-"""Reset sequences, request ordinals, verdicts (SPEC §5.3) and the counters behind /cache/state."""
+"""Reset sequences, request ordinals, traffic verdicts (SPEC §5.3) and the counters behind /cache/state.
+
+The traffic verdict is the second witness of a reset, after the canary (proxy/canary.py): the
+first request after a reset that answers with a cached-token count decides it. A cached answer
+contradicts the reset only when that request had the engine to itself until its first byte;
+when another request after the same reset reached the engine first, the engine may have run
+that one first and filled the cache, so the verdict is `inconclusive`.
+"""
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
 
 from proxy.observe import Observation
+from proxy.verification import Verified
 
-__all__ = ["UNVERIFIED", "WITNESS", "Witness"]
+__all__ = ["WITNESS", "Verdict", "Witness"]
 
-UNVERIFIED = "unverified"
-CONSISTENT = "consistent"
-CONTRADICTED = "contradicted"
-UNOBSERVABLE = "unobservable"
+
+class Verdict(StrEnum):
+    """The traffic verdict of an accepted reset (SPEC §5.3)."""
+
+    CONSISTENT = "consistent"
+    CONTRADICTED = "contradicted"
+    INCONCLUSIVE = "inconclusive"
+    UNOBSERVABLE = "unobservable"
+    PENDING = "pending"
+
+
+# Start times are kept for the first ordinals only: a candidate further on always has an
+# earlier request of its reset before it, so it is inconclusive whatever the times say.
+_TIMED_ORDINALS = 64
 
 
 @dataclass(frozen=True)
@@ -26,6 +45,7 @@ class _Sequence:
     session_id: str | None
     case_id: str | None
     at_ns: int
+    verified: Verified
 
 
 @dataclass(frozen=True)
@@ -33,7 +53,7 @@ class _Candidate:
     """A finished request that could decide the verdict once nothing lower is in flight."""
 
     ordinal: int
-    verdict: str
+    verdict: Verdict
     request_id: str
     cached_tokens: int | None
 
@@ -58,9 +78,11 @@ class Witness:
         self._next_ordinal = 1
         self._in_flight: set[int] = set()
         self._best: _Candidate | None = None
-        self._verdict = UNVERIFIED
+        self._verdict = Verdict.PENDING
         self._decided: _Candidate | None = None
         self._last_reset: dict[str, Any] | None = None
+        # Ordinal → when it reached the engine (time.time_ns()), while the verdict is pending.
+        self._started: dict[int, int] = {}
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -72,18 +94,26 @@ class Witness:
         self._ratio_prompt = 0
         self._ratio_cached = 0
 
-    def begin_request(self) -> tuple[str | None, int | None]:
-        """(reset_id, ordinal_since_reset) for a request being admitted; (None, None) before any reset."""
+    def begin_request(self, now_ns: int | None = None) -> tuple[str | None, int | None]:
+        """(reset_id, ordinal_since_reset) for a request about to reach the engine; (None, None) before any reset."""
         if self._sequence is None:
             return None, None
         ordinal = self._next_ordinal
         self._next_ordinal += 1
-        if self._verdict == UNVERIFIED:
+        if self._verdict == Verdict.PENDING:
             self._in_flight.add(ordinal)
+            if ordinal <= _TIMED_ORDINALS:
+                self._started[ordinal] = time.time_ns() if now_ns is None else now_ns
         return self._sequence.reset_id, ordinal
 
     def reset_accepted(
-        self, *, reset_id: str, session_id: str | None, case_id: str | None, at_ns: int
+        self,
+        *,
+        reset_id: str,
+        session_id: str | None,
+        case_id: str | None,
+        at_ns: int,
+        verified: Verified = Verified.UNVERIFIED,
     ) -> None:
         """Start a new sequence (acknowledged or accepted_unverified resets only).
 
@@ -92,11 +122,12 @@ class Witness:
         """
         if self._sequence is not None and self._sequence.reset_id == reset_id:
             return
-        self._sequence = _Sequence(reset_id, session_id, case_id, at_ns)
+        self._sequence = _Sequence(reset_id, session_id, case_id, at_ns, verified)
         self._next_ordinal = 1
         self._in_flight = set()
+        self._started = {}
         self._best = None
-        self._verdict = UNVERIFIED
+        self._verdict = Verdict.PENDING
         self._decided = None
         self._reset_counters()
 
@@ -115,16 +146,33 @@ class Witness:
         if not self._current(obs.reset_id):
             return None  # a late request of an earlier sequence decides nothing now
         self._count(obs)
-        if self._verdict != UNVERIFIED or obs.ordinal_since_reset is None:
+        if self._verdict != Verdict.PENDING or obs.ordinal_since_reset is None:
             return None
         self._in_flight.discard(obs.ordinal_since_reset)
         if _decides(obs) and (self._best is None or obs.ordinal_since_reset < self._best.ordinal):
-            if obs.cached_tokens is None:
-                verdict = UNOBSERVABLE
-            else:
-                verdict = CONSISTENT if obs.cached_tokens == 0 else CONTRADICTED
-            self._best = _Candidate(obs.ordinal_since_reset, verdict, obs.request_id, obs.cached_tokens)
+            self._best = _Candidate(
+                obs.ordinal_since_reset, self._verdict_of(obs), obs.request_id, obs.cached_tokens
+            )
         return self._settle()
+
+    def _verdict_of(self, obs: Observation) -> Verdict:
+        """What one deciding request says of its reset."""
+        if obs.cached_tokens is None:
+            return Verdict.UNOBSERVABLE
+        if obs.cached_tokens == 0:
+            return Verdict.CONSISTENT
+        return Verdict.INCONCLUSIVE if self._had_company(obs) else Verdict.CONTRADICTED
+
+    def _had_company(self, obs: Observation) -> bool:
+        """Whether another request after the same reset reached the engine before this one's first byte."""
+        ordinal = obs.ordinal_since_reset
+        assert ordinal is not None
+        if ordinal > 1:
+            return True  # the earlier ordinals reached the engine before it
+        # Ordinals are given in the order requests reach the engine: the next one is the earliest other.
+        next_start = self._started.get(ordinal + 1)
+        first_byte = obs.first_byte_ns if obs.first_byte_ns is not None else obs.finished_ns
+        return next_start is not None and next_start < first_byte
 
     def _current(self, reset_id: str | None) -> bool:
         """Whether an observation belongs to the current sequence (or both are before any reset)."""
@@ -155,6 +203,7 @@ class Witness:
         self._decided = best
         self._best = None
         self._in_flight = set()
+        self._started = {}
         return {
             "schema_version": 1,
             "event_type": "infer.cache_verification",
@@ -162,14 +211,14 @@ class Witness:
             "reset_id": self._sequence.reset_id,
             "session_id": self._sequence.session_id,
             "case_id": self._sequence.case_id,
-            "verdict": best.verdict,
+            "verdict": best.verdict.value,
             "request_id": best.request_id,
             "cached_tokens": best.cached_tokens,
         }
 
     @property
-    def verdict(self) -> str:
-        """The current sequence's verdict (`unverified` until known, and before any reset)."""
+    def verdict(self) -> Verdict:
+        """The current sequence's traffic verdict (`pending` until known, and before any reset)."""
         return self._verdict
 
     def state(self) -> dict[str, Any]:
@@ -184,7 +233,9 @@ class Witness:
             "session_id": sequence.session_id if sequence else None,
             "case_id": sequence.case_id if sequence else None,
             "reset_at_ns": sequence.at_ns if sequence else None,
-            "verdict": self._verdict,
+            # Two witnesses of the last accepted reset: its canary, and the traffic after it.
+            "verified": sequence.verified.value if sequence else None,
+            "verdict": self._verdict.value,
             "verdict_request_id": decided.request_id if decided else None,
             "verdict_cached_tokens": decided.cached_tokens if decided else None,
             "since_reset": {

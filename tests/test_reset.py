@@ -71,10 +71,10 @@ async def test_idle_engine_reset_is_acknowledged(tmp_path, dialect: str) -> None
 
 async def test_cache_state_record_has_the_reference_shape(tmp_path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
-        _, body = await s.reset({"session_id": "s1", "case_id": "c1", "warmup_requests": 0})
+        _, body = await s.reset({"session_id": "s1", "case_id": "c1", "warmup_requests": 0, "verify": "none"})
     record = body["cache_state"]
     assert REFERENCE_RECORD_KEYS <= set(record)
-    assert set(record) - REFERENCE_RECORD_KEYS == {"reset_id", "engine", "at_ns"}
+    assert set(record) - REFERENCE_RECORD_KEYS == {"reset_id", "engine", "at_ns", "verification"}
     assert set(record["reset"]) == REFERENCE_RESET_KEYS
     assert record["event_type"] == "infer.cache_state" and record["schema_version"] == 1
     assert (record["session_id"], record["case_id"], record["requested"]) == ("s1", "c1", "cold")
@@ -92,7 +92,7 @@ async def test_cache_state_record_has_the_reference_shape(tmp_path) -> None:
 
 
 async def test_accepted_unverified_answer_has_no_success_key(tmp_path) -> None:
-    async with stack(fast("vllm", legacy_empty_body=True), tmp_path) as s:
+    async with stack(fast("vllm", legacy_empty_body=True), tmp_path, verify="none") as s:
         status, body = await s.reset()
     assert status == 200
     assert "success" not in body
@@ -243,7 +243,7 @@ async def test_drain_lets_the_first_attempt_succeed_and_held_requests_complete(t
 
 
 async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path) -> None:
-    async with stack(slow("vllm"), tmp_path) as s:
+    async with stack(slow("vllm"), tmp_path, verify="none") as s:
         service = s.app[RESETS]
         running = asyncio.create_task(s.chat(max_tokens=5000))
         await s.engine.wait_stats(lambda st: st["running"] == 1)
@@ -317,7 +317,7 @@ async def test_sglang_admin_key_goes_to_flush_cache(tmp_path) -> None:
 
 
 async def test_llamacpp_reset_erases_every_slot_and_warns(tmp_path) -> None:
-    async with stack(fast("llamacpp", slots=3, slot_save_path=str(tmp_path)), tmp_path) as s:
+    async with stack(fast("llamacpp", slots=3, slot_save_path=str(tmp_path)), tmp_path, verify="none") as s:
         for slot in range(3):
             await s.engine.post_json(
                 "/completion", {"prompt": words(20, f"s{slot}"), "n_predict": 2, "id_slot": slot}

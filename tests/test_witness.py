@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from proxy.observe import Observation
+from proxy.verification import Verified
 from proxy.witness import Witness
 
 BASE = Observation(
@@ -34,7 +35,7 @@ def test_requests_before_any_reset_are_unnumbered() -> None:
     witness = Witness()
     assert witness.begin_request() == (None, None)
     assert finished(witness, (None, None)) is None
-    assert witness.state()["verdict"] == "unverified" and witness.state()["since_reset"]["requests"] == 1
+    assert witness.state()["verdict"] == "pending" and witness.state()["since_reset"]["requests"] == 1
 
 
 def test_ordinals_count_from_one_after_a_reset() -> None:
@@ -70,7 +71,7 @@ def test_later_ordinal_waits_for_an_earlier_one_in_flight() -> None:
     witness = accepted(Witness())
     first, second = witness.begin_request(), witness.begin_request()
     assert finished(witness, second, cached_tokens=50) is None
-    assert witness.state()["verdict"] == "unverified"
+    assert witness.state()["verdict"] == "pending"
     verification = finished(witness, first, cached_tokens=0)
     assert verification is not None and (verification["verdict"], verification["request_id"]) == (
         "consistent",
@@ -83,8 +84,9 @@ def test_later_ordinal_decides_once_the_earlier_one_fails() -> None:
     first, second = witness.begin_request(), witness.begin_request()
     assert finished(witness, second, cached_tokens=50) is None
     verification = finished(witness, first, outcome="client_disconnected", cached_tokens=None)
+    # The first request reached the engine before the second: its cached tokens prove nothing.
     assert verification is not None and (verification["verdict"], verification["request_id"]) == (
-        "contradicted",
+        "inconclusive",
         "r2",
     )
 
@@ -101,7 +103,7 @@ def test_abandoned_request_stops_blocking_the_verdict() -> None:
     witness = accepted(Witness())
     first, second = witness.begin_request(), witness.begin_request()
     finished(witness, second, cached_tokens=0)
-    assert witness.state()["verdict"] == "unverified"
+    assert witness.state()["verdict"] == "pending"
     witness.abandon(*first)
     assert witness.state()["verdict"] == "consistent"
 
@@ -117,7 +119,7 @@ def test_second_reset_starts_a_fresh_sequence_and_ignores_late_old_requests() ->
     witness = accepted(Witness(), "x1")
     old = witness.begin_request()
     accepted(witness, "x2")
-    assert witness.state()["verdict"] == "unverified"
+    assert witness.state()["verdict"] == "pending"
     assert finished(witness, old, cached_tokens=0) is None
     assert witness.state()["since_reset"]["requests"] == 0
     new = witness.begin_request()
@@ -165,3 +167,29 @@ def test_lowest_candidate_wins_after_many_later_requests() -> None:
         "r2",
         7,
     )
+
+
+def test_cached_first_request_with_a_later_one_at_the_engine_first_is_inconclusive() -> None:
+    witness = accepted(Witness())
+    first, second = witness.begin_request(now_ns=100), witness.begin_request(now_ns=150)
+    finished(witness, second, cached_tokens=0, first_byte_ns=180)  # the engine ran it first
+    verification = finished(witness, first, cached_tokens=64, first_byte_ns=200)
+    assert verification is not None and verification["verdict"] == "inconclusive"
+    assert witness.state()["verdict"] == "inconclusive"
+
+
+def test_cached_first_request_alone_at_the_engine_contradicts_the_reset() -> None:
+    witness = accepted(Witness())
+    first = witness.begin_request(now_ns=100)
+    verification = finished(witness, first, cached_tokens=64, first_byte_ns=200)
+    assert verification is not None and verification["verdict"] == "contradicted"
+    witness.begin_request(now_ns=300)  # after the first's first byte: no company
+    assert witness.state()["verdict"] == "contradicted"
+
+
+def test_state_shows_the_canary_and_the_traffic_verdict() -> None:
+    witness = Witness()
+    witness.reset_accepted(reset_id="x1", session_id="s", case_id="c", at_ns=10, verified=Verified.VERIFIED)
+    finished(witness, witness.begin_request(), cached_tokens=0)
+    state = witness.state()
+    assert (state["verified"], state["verdict"]) == ("verified", "consistent")

@@ -33,6 +33,7 @@ from proxy.metrics.labels import (
 )
 from proxy.metrics.models import ModelLabels
 from proxy.observe import Observation
+from proxy.verification import CanaryOutcome, Verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,18 @@ class Metrics:
             ("verdict",),
             registry=registry,
         )
+        self.canary_requests = Counter(
+            PREFIX + "canary_requests_total",
+            "Canary requests sent to verify resets (not client traffic), by outcome.",
+            ("outcome",),
+            registry=registry,
+        )
+        self.resets_verified = Counter(
+            PREFIX + "cache_resets_verified_total",
+            "Cache resets by what their canary proved (unverified: no canary, or it could not tell).",
+            ("verified",),
+            registry=registry,
+        )
         self.resets = Counter(
             PREFIX + "cache_resets_total",
             "Cache resets run against the engine, by engine kind and answer (coalesced calls count once).",
@@ -158,6 +171,8 @@ class Metrics:
         self._overhead_response = self.overhead.labels("response")
         self._upstream_errors = {kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERROR_KINDS}
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
+        self._canary = {outcome: self.canary_requests.labels(outcome.value) for outcome in CanaryOutcome}
+        self._verified = {verified: self.resets_verified.labels(verified.value) for verified in Verified}
         self._resets: dict[tuple[str, str], Counter] = {
             (engine, answer): self.resets.labels(engine, answer)
             for engine in ENGINE_LABELS
@@ -235,6 +250,14 @@ class Metrics:
         counter.inc()
         self.reset_duration.observe(max(0.0, duration_s))
         self.reset_attempts.observe(max(0, attempts))
+
+    def canary_request(self, outcome: CanaryOutcome) -> None:
+        """Count one canary request."""
+        self._canary[outcome].inc()
+
+    def reset_verified(self, verified: Verified) -> None:
+        """Count one engine reset by what its canary proved."""
+        self._verified[verified].inc()
 
     def exposition(self, engine_metrics_up: bool) -> bytes:
         """The sidecar's own text, with `upstream_metrics_up` saying what this very scrape merged."""

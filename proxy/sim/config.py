@@ -8,6 +8,8 @@ from dataclasses import dataclass
 __all__ = ["DIALECTS", "SimConfig", "add_sim_arguments", "parse_listen", "sim_config_from_args"]
 
 DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "openai")
+# vLLM's --scheduling-policy: with priority, a later request with a lower `priority` runs first.
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
 # The version each dialect reports when --version is not given.
 DEFAULT_VERSIONS: dict[str, str] = {
@@ -40,6 +42,7 @@ class SimConfig:
     block_size: int = 16
     cache_blocks: int = 4096  # prefix-cache capacity in blocks (not mindnano: it holds one prompt)
     max_concurrency: int = 0  # running requests at once; 0 = unlimited; extra ones wait
+    scheduling_policy: str = "fcfs"  # who of the waiting runs next: fcfs, or priority (lowest first)
     default_max_tokens: int = 16
     # Seconds an idle client connection stays open (uvicorn, under vLLM and SGLang: 5);
     # None: aiohttp's default.
@@ -66,6 +69,8 @@ class SimConfig:
             raise ValueError("block_size must be >= 1")
         if self.cache_blocks < 0:
             raise ValueError("cache_blocks must be >= 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_concurrency < 0:
             raise ValueError("max_concurrency must be >= 0 (0 = unlimited)")
         if self.slots < 1:
@@ -139,6 +144,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="close a client connection idle this long (uvicorn: 5); default aiohttp's",
     )
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=d.scheduling_policy,
+        help="who of the waiting requests runs next (priority: the request field `priority`, lowest first)",
+    )
     vllm = parser.add_argument_group("vllm dialect")
     vllm.add_argument(
         "--legacy-empty-body",
@@ -182,6 +193,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         cache_blocks=ns.cache_blocks,
         max_concurrency=ns.max_concurrency,
         keepalive_timeout=ns.keepalive_timeout,
+        scheduling_policy=ns.scheduling_policy,
         legacy_empty_body=ns.legacy_empty_body,
         dev_mode=not ns.no_dev_mode,
         prompt_tokens_details=not ns.no_prompt_tokens_details,

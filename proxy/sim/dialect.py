@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from enum import StrEnum
 from typing import Any
 
@@ -12,6 +11,7 @@ from prometheus_client.core import Metric
 from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, Sequence
+from proxy.sim.scheduler import Scheduler
 from proxy.sim.text import CHATML, ChatTemplate
 from proxy.sim.wire import error_response, json_body
 
@@ -48,29 +48,30 @@ class Dialect:
         self.config = config
         self.engine = Engine(config, self)
         self.cache = PrefixCache(self.config.block_size, self.config.cache_blocks)
-        self._slots: asyncio.Semaphore | None = (
-            asyncio.Semaphore(self.config.max_concurrency) if self.config.max_concurrency else None
+        self._places: Scheduler | None = (
+            Scheduler(self.config.max_concurrency, by_priority=self.config.scheduling_policy == "priority")
+            if self.config.max_concurrency
+            else None
         )
 
     # -- scheduling hooks ------------------------------------------------------------------
     async def admit(self, seq: Sequence) -> None:
-        """Wait for a running slot under --max-concurrency (the wait counts as waiting)."""
-        if self._slots is None:
+        """Wait for a running place under --max-concurrency (the wait counts as waiting)."""
+        if self._places is None:
             return
-        if not self._slots.locked():
-            await self._slots.acquire()
+        if self._places.try_enter():
             return
         self.engine.waiting += 1
         self.engine.state_changed()
         try:
-            await self._slots.acquire()
+            await self._places.enter(seq.priority)
         finally:
             self.engine.waiting -= 1
 
     def release(self, seq: Sequence, completed: bool) -> None:
-        """Give back the running slot; the KV computed so far stays cached (as vLLM frees blocks to the cache)."""
-        if self._slots is not None:
-            self._slots.release()
+        """Give back the running place; the KV computed so far stays cached (as vLLM frees blocks to the cache)."""
+        if self._places is not None:
+            self._places.leave()
         if seq.cache_prompt:
             self.cache.insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt)
 

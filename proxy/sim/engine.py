@@ -44,6 +44,7 @@ class Sequence:
     cache_prompt: bool = True
     reuse_generated_state: bool = True
     id_slot: int = -1  # llama.cpp: pin to a slot; -1 = any free slot
+    priority: int = 0  # vLLM: lower runs earlier under --scheduling-policy priority
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     cached: int = 0
     output: list[str] = field(default_factory=list)  # token texts, each with its leading space

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from proxy.sim.dialect import Dialect, NullUsage
 from proxy.sim.engine import Sequence
+from proxy.sim.wire import error_response
 
 __all__ = ["VllmDialect"]
 
@@ -24,6 +25,14 @@ class VllmDialect(Dialect):
     def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
         """vLLM 0.32 puts `system_fingerprint` on a stream's last chunk (the usage chunk if any)."""
         return {"system_fingerprint": f"vllm-{self.config.engine_version}-sim"}
+
+    def parse_options(self, body: dict[str, Any], seq: Sequence) -> web.Response | None:
+        """`priority` (lower runs earlier under --scheduling-policy priority; vLLM's request field)."""
+        priority = body.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            return error_response(400, "'priority' must be an integer")
+        seq.priority = priority
+        return None
 
     def usage(self, seq: Sequence) -> dict[str, Any]:
         """Usage; the cached field needs --enable-prompt-tokens-details, and <= 0.14 omitted a 0."""
@@ -119,4 +128,11 @@ class VllmDialect(Dialect):
         usage.add_metric(
             [model], len(self.cache) / self.config.cache_blocks if self.config.cache_blocks else 0.0
         )
-        return [queries, hits, cached, prompt, gen, running, waiting, usage]
+        # vLLM publishes its cache settings as labels of an info gauge (v1/metrics/loggers.py).
+        cache_config = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+        )
+        cache_config.add_metric([str(self.config.block_size), "True", str(self.config.cache_blocks)], 1.0)
+        return [queries, hits, cached, prompt, gen, running, waiting, usage, cache_config]

@@ -1,0 +1,129 @@
+"""What a reset's canary proved, and how the answer and the `infer.cache_state` record say it (SPEC §12.1).
+
+A reset the engine acknowledged but the canary contradicts did not clear the cache: its
+answer is `contradicted` (HTTP 409, `success: false`, a `hint`). The record keeps the
+reference client's shape; its `verified` and `reason` carry the canary's result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from proxy.engines.base import UNSPECIFIED, CacheReset
+
+__all__ = [
+    "CONTRADICTED_ANSWER",
+    "CanaryOutcome",
+    "Reading",
+    "Verification",
+    "Verified",
+    "VerifyMode",
+    "answer_of",
+    "not_run",
+    "record_with",
+]
+
+# The answer word (and `cachewitness reset` exit 7) of a reset the canary contradicts.
+CONTRADICTED_ANSWER = "contradicted"
+CONTRADICTED_STATUS = 409
+
+
+class Verified(StrEnum):
+    """What the canary proved about a reset (the record's `verified`)."""
+
+    VERIFIED = "verified"
+    CONTRADICTED = "contradicted"
+    UNVERIFIED = "unverified"
+
+
+class VerifyMode(StrEnum):
+    """How a reset is verified: input `verify`, config `verify`."""
+
+    CANARY = "canary"
+    NONE = "none"
+
+
+class CanaryOutcome(StrEnum):
+    """Label of `cachewitness_canary_requests_total`: how one canary request ended."""
+
+    OK = "ok"  # answered with a cached-token count
+    UNREPORTED = "unreported"  # answered 2xx without one
+    FAILED = "failed"  # no 2xx answer
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One canary answer's numbers: cached and prompt tokens (None where the engine did not say)."""
+
+    cached: int | None
+    prompt: int | None
+
+    def to_json(self) -> dict[str, int | None]:
+        """`{cached, prompt}` as in the answer's `verification`."""
+        return {"cached": self.cached, "prompt": self.prompt}
+
+    def quoted(self) -> str:
+        """`384 of 512` for reasons."""
+        return f"{self.cached} of {self.prompt}"
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The canary's result for one engine reset (the answer's `verified` and `verification`)."""
+
+    method: VerifyMode
+    verified: Verified
+    reason: str
+    canary_tokens: int | None = None
+    before: Reading | None = None
+    after: tuple[Reading, ...] = ()
+    elapsed_s: float = 0.0
+    hint: str | None = None
+
+    @property
+    def ran(self) -> bool:
+        """Whether a canary was sent at all."""
+        return self.method == VerifyMode.CANARY
+
+    def to_json(self) -> dict[str, Any]:
+        """The `verification` block of answers and records."""
+        return {
+            "method": self.method.value,
+            "canary_tokens": self.canary_tokens,
+            "before": self.before.to_json() if self.before is not None else None,
+            "after": [reading.to_json() for reading in self.after],
+            "elapsed_s": round(self.elapsed_s, 6),
+            "reason": self.reason,
+        }
+
+
+def not_run(reason: str) -> Verification:
+    """A reset that sent no canary: today's answers, `verified: unverified`."""
+    return Verification(VerifyMode.NONE, Verified.UNVERIFIED, reason)
+
+
+def answer_of(reset: CacheReset, verification: Verification) -> tuple[str, int]:
+    """The answer word and HTTP status: the engine's, unless the canary contradicts an accepted reset."""
+    if verification.verified == Verified.CONTRADICTED and reset.succeeded:
+        return CONTRADICTED_ANSWER, CONTRADICTED_STATUS
+    return reset.outcome, reset.http_status
+
+
+def record_with(record: dict[str, Any], reset: CacheReset, verification: Verification) -> dict[str, Any]:
+    """The `infer.cache_state` record with the canary's result in `verified`, `reason` and `verification`."""
+    updated = {**record, "verification": verification.to_json()}
+    if not verification.ran or not reset.succeeded:
+        return updated  # no canary, or a failed reset: the reference's words stand
+    updated["verified"] = verification.verified.value
+    if verification.verified == Verified.UNVERIFIED:
+        updated["reason"] = (
+            f"the engine accepted the cache reset, but the canary could not prove it: {verification.reason}"
+        )
+    else:
+        updated["reason"] = verification.reason
+    if verification.verified == Verified.CONTRADICTED and record["run_kind"] == "cold_start":
+        # As the reference says of a failed reset: a cold start that did not happen is unspecified.
+        updated["run_kind"] = UNSPECIFIED
+    return updated

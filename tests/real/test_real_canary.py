@@ -1,0 +1,65 @@
+"""Verified resets against real engines: the canary proves or contradicts each reset (SPEC §12.1)."""
+
+from __future__ import annotations
+
+import aiohttp
+
+from tests.real.conftest import Pair
+from tests.real.sidecar_client import cache_state, complete, long_prompt, new_case, reset
+
+MODEL = "tiny"
+
+
+async def _earlier_traffic(s: aiohttp.ClientSession, pair: Pair) -> None:
+    """Two different prompts through the sidecar: the engine's cache holds something to clear."""
+    for _ in range(2):
+        await complete(
+            s, pair.url, {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
+        )
+
+
+def _assert_verified(status: int, answer: dict) -> None:
+    """A reset the canary proved: cached before, cold on both probes after."""
+    assert status == 200 and answer["answer"] == "acknowledged" and answer["success"] is True, answer
+    assert answer["verified"] == "verified", answer["verification"]
+    verification = answer["verification"]
+    assert verification["before"]["cached"] > 0
+    assert [reading["cached"] for reading in verification["after"]] == [0, 0]
+    assert answer["cache_state"]["verified"] == "verified"
+    assert "ran cold after it" in answer["cache_state"]["reason"]
+
+
+async def test_llamacpp_with_cache_ram_0_is_verified(llama: Pair) -> None:
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        await _earlier_traffic(s, llama)
+        status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
+    _assert_verified(status, answer)
+
+
+async def test_llamacpp_default_ram_cache_after_traffic_is_contradicted(llama_ram_cache: Pair) -> None:
+    pair = llama_ram_cache
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        await _earlier_traffic(s, pair)
+        status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
+        state = await cache_state(s, pair.url)
+    assert status == 409, answer
+    assert answer["answer"] == "contradicted" and answer["success"] is False
+    assert answer["verified"] == "contradicted" and "--cache-ram 0" in answer["hint"]
+    assert any(reading["cached"] > 0 for reading in answer["verification"]["after"]), answer["verification"]
+    record = answer["cache_state"]
+    assert record["reset"]["answer"] == "acknowledged" and record["verified"] == "contradicted"
+    assert "was still cached after it" in record["reason"]
+    assert state["verified"] == "contradicted"
+
+
+async def test_vllm_dev_mode_is_verified_with_its_block_size(vllm: Pair) -> None:
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        await _earlier_traffic(s, vllm)
+        status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id)
+    _assert_verified(status, answer)
+    # Two of vLLM's CPU blocks (128 tokens) at least; block-granular hits on the repeat.
+    before = answer["verification"]["before"]
+    assert answer["verification"]["canary_tokens"] >= 256 and before["cached"] % 128 == 0, before

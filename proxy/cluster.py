@@ -15,7 +15,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 import aiohttp
@@ -37,6 +36,7 @@ from proxy.logs import log_event
 from proxy.peers import Peer, PeerSet, discover_peers
 from proxy.recorder import RECORDER
 from proxy.reset_params import POD, ResetParams
+from proxy.verification import Verified
 
 __all__ = [
     "PEER_CLIENT",
@@ -57,14 +57,6 @@ CONTRADICTED = "contradicted"
 CLUSTER_SLACK_S = 10.0
 # A pod's reset answer lists its engine calls (bounded by reset.py); more than this is not an answer.
 _ANSWER_READ_LIMIT = 1024 * 1024
-
-
-class Verified(StrEnum):
-    """A pod's canary result (SPEC §12.1); `unverified` also when the pod ran no canary."""
-
-    VERIFIED = "verified"
-    CONTRADICTED = "contradicted"
-    UNVERIFIED = "unverified"
 
 
 PEER_CLIENT = web.AppKey("peer_client", aiohttp.ClientSession)

@@ -28,10 +28,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.engines.base import CacheReset, EngineCall
+from proxy.engines.base import CacheReset, EngineCall, engine_call
 from proxy.metrics import fetch_engine_metrics, fetch_model_ids
 from proxy.observe import usage_from_json
-from proxy.redact import redact_url
 from proxy.verification import CanaryOutcome, Reading, Verification, Verified, VerifyMode
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
 
 # Without a block size from the engine (SPEC §12.1): long enough for any block we know of.
 DEFAULT_CANARY_TOKENS = 512
-_BODY_LIMIT = 1024 * 1024
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 # The engine flag that makes it report cached tokens.
 _REPORT_FLAGS = {
@@ -122,38 +120,27 @@ class Canary:
         }
         if self.kind == "mindnano":
             body["user"] = self.user  # mindnano caches per user
-        url = f"{self.base_url}/v1/chat/completions"
-        started = time.monotonic()
-        status: int | None = None
-        error: str | None = None
-        reading: Reading | None = None
-        try:
-            async with self.session.post(
-                url,
-                data=orjson.dumps(body),
-                headers={"Content-Type": "application/json"},
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                allow_redirects=False,
-            ) as response:
-                status = response.status
-                raw = await _read_bounded(response)
-            if 200 <= status < 300:
-                usage = usage_from_json(raw)
-                reading = Reading(usage.cached_tokens, usage.prompt_tokens)
-            else:
-                error = f"HTTP {status}"
-        except TimeoutError:
-            error = f"timeout: no answer within {self.timeout_s:g} s"
-        except (aiohttp.ClientError, OSError) as exc:
-            error = type(exc).__name__
-        if error is not None:
-            self.failure = error
+        # No `id_slot` on llama.cpp, though C2 "on C1's slot" was the plan: a pinned request
+        # skips the host-RAM prompt cache both ways (llama-server 7e4c0a9, skulk wheel 0.10434.0:
+        # pinned, C1 never reached the RAM cache; unpinned, C1 was cached there and its probe hit).
+        reply = await engine_call(
+            self.session,
+            "POST",
+            f"{self.base_url}/v1/chat/completions",
+            timeout_s=self.timeout_s,
+            headers={"Content-Type": "application/json"},
+            body=orjson.dumps(body),
+        )
+        reading = None
+        if reply.status is not None and 200 <= reply.status < 300:
+            usage = usage_from_json(reply.body)
+            reading = Reading(usage.cached_tokens, usage.prompt_tokens)
+        else:
+            self.failure = reply.call.error or f"HTTP {reply.status}"
         self.count(_outcome(reading))
         # Never the prompt or the completion: the excerpt holds the numbers only.
         excerpt = orjson.dumps({"canary": name, **(reading.to_json() if reading else {})}).decode()
-        self.calls.append(
-            EngineCall("POST", redact_url(url), status, excerpt, time.monotonic() - started, error)
-        )
+        self.calls.append(replace(reply.call, body_excerpt=excerpt))
         return reading
 
     def take_calls(self) -> list[EngineCall]:
@@ -167,18 +154,6 @@ def _outcome(reading: Reading | None) -> CanaryOutcome:
     if reading is None:
         return CanaryOutcome.FAILED
     return CanaryOutcome.OK if reading.cached is not None else CanaryOutcome.UNREPORTED
-
-
-async def _read_bounded(response: aiohttp.ClientResponse) -> bytes:
-    """The whole answer, at most `_BODY_LIMIT` bytes (a chat answer of one token is small)."""
-    parts: list[bytes] = []
-    size = 0
-    async for chunk in response.content.iter_any():
-        parts.append(chunk)
-        size += len(chunk)
-        if size > _BODY_LIMIT:
-            break
-    return b"".join(parts)
 
 
 ResetCall = Callable[[], Awaitable[CacheReset]]

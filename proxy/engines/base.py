@@ -366,6 +366,7 @@ async def engine_call(
     *,
     timeout_s: float,
     headers: dict[str, str] | None = None,
+    body: bytes | None = None,
 ) -> Reply:
     """Make one bounded call to the engine and record it; never raises (except cancellation)."""
     started = time.monotonic()
@@ -375,7 +376,7 @@ async def engine_call(
             session,
             method,
             url,
-            data=b"" if method in ("POST", "PUT") else None,
+            data=body if body is not None else (b"" if method in ("POST", "PUT") else None),
             headers=headers or {},
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             allow_redirects=False,

@@ -107,7 +107,16 @@ def _reset_line(answer: dict[str, Any]) -> str:
         )
     else:
         drained = f"no drain, {drain.get('inflight_at_start', 0)} in flight"
-    return f"HTTP {answer['http_status']} answer={answer.get('answer')} attempts={answer.get('attempts')}, {drained}"
+    return (
+        f"HTTP {answer['http_status']} answer={answer.get('answer')} attempts={answer.get('attempts')}, "
+        f"{drained}, verified={answer.get('verified')}"
+    )
+
+
+def _canary_line(answer: dict[str, Any]) -> str:
+    """What the reset's canary proved, in the engine's numbers."""
+    verification = answer.get("verification") or {}
+    return f"canary ({verification.get('elapsed_s', 0) * 1000:.0f} ms): {verification.get('reason')}"
 
 
 async def _script(s: Session) -> None:
@@ -122,10 +131,13 @@ async def _script(s: Session) -> None:
     s.say(f"   {_reset_line(await s.reset('undrained', drain=False, retry_seconds=10))}")
     await long_stream
 
-    s.say("3. reset WITH drain while a long stream runs: the sidecar waits, the engine acknowledges at once")
+    s.say("3. reset WITH drain while a long stream runs: the sidecar waits, the engine acknowledges at once,")
+    s.say("   and a canary proves the reset inside the drain window")
     long_stream = asyncio.create_task(s.chat("background", max_tokens=60, stream=True))
     await asyncio.sleep(0.3)
-    s.say(f"   {_reset_line(await s.reset('cold-case', drain=True))}")
+    answer = await s.reset("cold-case", drain=True)
+    s.say(f"   {_reset_line(answer)}")
+    s.say(f"   {_canary_line(answer)}")
     await long_stream
 
     s.say("4. the cold case: the same prompt twice after the reset")
@@ -133,7 +145,9 @@ async def _script(s: Session) -> None:
     s.say(f"   second: {_cached(await s.chat('cold-case'))}")
     async with s.http.get(s.base + "/cache/state") as response:
         state = await response.json()
-    s.say(f"   /cache/state verdict: {state.get('verdict')}")
+    s.say(
+        f"   /cache/state verified: {state.get('verified')} (the canary), verdict: {state.get('verdict')} (the traffic)"
+    )
 
 
 async def _ram_cache_scene(tmp: Path) -> None:
@@ -150,13 +164,15 @@ async def _ram_cache_scene(tmp: Path) -> None:
             await session.wait_ready()
             await session.chat("ram-warm")
             answer = await session.reset("ram-cold")
-            session.say(f"   {_reset_line(answer)}")
-            session.say(f"   warning: {answer.get('warning')}")
+            session.say(f"   {_reset_line(answer)}  <- the engine acknowledged; the canary says otherwise")
+            session.say(f"   {_canary_line(answer)}")
+            session.say(f"   hint: {answer.get('hint')}")
             session.say(f"   first request after it: {_cached(await session.chat('ram-cold'))}")
             async with http.get(base + "/cache/state") as response:
                 state = await response.json()
             session.say(
-                f"   /cache/state verdict: {state.get('verdict')}  <- the reset did not clear what it claimed"
+                f"   /cache/state verified: {state.get('verified')}, verdict: {state.get('verdict')}"
+                "  <- both witnesses: the reset did not clear what it claimed"
             )
 
 

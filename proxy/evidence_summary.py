@@ -1,4 +1,4 @@
-"""Per-case summary of evidence records: reset answer, verdict, requests, tokens, hit ratio."""
+"""Per-case summary of evidence records: reset answer, canary result, verdict, requests, tokens, hit ratio."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class CaseSummary:
     session_id: str | None
     case_id: str | None
     reset_answer: str | None
+    verified: str | None
     verdict: str | None
     requests: int
     prompt_tokens: int
@@ -31,6 +32,7 @@ class CaseSummary:
 @dataclass
 class _Tally:
     reset_answer: str | None = None
+    verified: str | None = None
     verdict: str | None = None
     requests: int = 0
     prompt_tokens: int = 0
@@ -56,7 +58,8 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[CaseSummary]:
         kind = record.get("event_type")
         if kind == "infer.cache_state":
             tally.reset_answer = _reset_word(record)
-            tally.verdict = tally.verdict or "unverified"
+            tally.verified = record.get("verified")
+            tally.verdict = tally.verdict or "pending"
         elif kind == "infer.cache_verification":
             tally.verdict = record.get("verdict")
         elif kind == "infer.cache_observation":
@@ -73,6 +76,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[CaseSummary]:
             session,
             case,
             t.reset_answer,
+            t.verified,
             t.verdict,
             t.requests,
             t.prompt_tokens,
@@ -85,7 +89,17 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[CaseSummary]:
 
 def summary_table(cases: list[CaseSummary]) -> str:
     """A fixed-width text table, one row a case."""
-    header = ("session", "case", "reset", "verdict", "requests", "prompt_tok", "cached_tok", "hit_ratio")
+    header = (
+        "session",
+        "case",
+        "reset",
+        "verified",
+        "verdict",
+        "requests",
+        "prompt_tok",
+        "cached_tok",
+        "hit_ratio",
+    )
     rows = [header]
     for case in cases:
         ratio = f"{case.hit_ratio:.1%}" if case.hit_ratio is not None else "n/a"
@@ -94,6 +108,7 @@ def summary_table(cases: list[CaseSummary]) -> str:
                 case.session_id or "-",
                 case.case_id or "-",
                 case.reset_answer or "-",
+                case.verified or "-",
                 case.verdict or "-",
                 str(case.requests),
                 str(case.prompt_tokens),

@@ -219,6 +219,7 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
         "session",
         "case",
         "reset",
+        "verified",
         "verdict",
         "requests",
         "prompt_tok",
@@ -226,4 +227,4 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
         "hit_ratio",
     ]
     row = [r.split() for r in rows if r.split()[:2] == ["s1", "c1"]]
-    assert row and row[0][2] == "acknowledged" and row[0][4] == "2"
+    assert row and row[0][2:5] == ["acknowledged", "verified", "consistent"] and row[0][5] == "2"

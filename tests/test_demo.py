@@ -14,9 +14,12 @@ def test_demo_runs_the_session_and_prints_the_report() -> None:
     out = done.stdout
     assert "second: 128 of 129 prompt tokens cached" in out
     assert "answer=acknowledged attempts=1, drain waited" in out
-    assert "/cache/state verdict: consistent" in out
-    assert "/cache/state verdict: contradicted" in out
-    assert "cold-case   acknowledged  consistent" in out
+    assert "/cache/state verified: verified (the canary), verdict: consistent (the traffic)" in out
+    assert "HTTP 409 answer=contradicted" in out and "--cache-ram 0" in out
+    assert "/cache/state verified: contradicted, verdict: contradicted" in out
+    assert ["cold-case", "acknowledged", "verified", "consistent"] in [
+        line.split()[1:5] for line in out.splitlines()
+    ]
     mindnano = out[out.index("6. mindnano") :]
     assert "alice again: 669 of 669 prompt tokens cached" in mindnano
     assert "bob, same  : 0 of 669 prompt tokens cached" in mindnano

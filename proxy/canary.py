@@ -29,7 +29,8 @@ import aiohttp
 import orjson
 
 from proxy.engines.base import CacheReset, EngineCall, engine_call
-from proxy.metrics import fetch_engine_metrics, fetch_model_ids
+from proxy.metrics.merge import fetch_engine_metrics
+from proxy.metrics.models import fetch_model_ids
 from proxy.observe import usage_from_json
 from proxy.verification import CanaryOutcome, Reading, Verification, Verified, VerifyMode
 

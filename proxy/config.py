@@ -17,13 +17,14 @@ from yarl import URL
 
 from proxy.engines.base import EngineKind
 from proxy.redact import redact_url
+from proxy.verification import VerifyMode
 
 __all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "load_settings", "parse_listen"]
 
 # What `engine` may be set to: every kind the sidecar knows, or "auto" to detect it.
 ENGINE_KINDS = ("auto", *(kind.value for kind in EngineKind if kind is not EngineKind.UNKNOWN))
 LOG_LEVELS = ("debug", "info", "warning", "error")
-VERIFY_MODES = ("canary", "none")  # proxy.verification.VerifyMode (config stays a leaf)
+VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
 
 
 class ConfigError(Exception):

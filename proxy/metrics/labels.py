@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from proxy.engines.base import EngineKind
 from proxy.observe import OBSERVED_PATHS
+from proxy.witness import Verdict
 
 PREFIX = "cachewitness_"
 OTHER = "other"
@@ -17,8 +18,8 @@ CODES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx", "none")
 _CLASS_OF = {status: f"{status // 100}xx" for status in range(200, 600)}
 # `engine` of cache_resets_total: every kind the sidecar knows, "unknown" included.
 ENGINE_LABELS: tuple[str, ...] = tuple(EngineKind)
-# The traffic verdicts a reset settles on (witness.Verdict less `pending`, which is no settlement).
-VERDICTS: tuple[str, ...] = ("consistent", "contradicted", "inconclusive", "unobservable")
+# The traffic verdicts a reset settles on (`pending` is no settlement).
+VERDICTS: tuple[str, ...] = tuple(verdict.value for verdict in Verdict if verdict is not Verdict.PENDING)
 EVENT_TYPES: tuple[str, ...] = ("infer.cache_state", "infer.cache_observation", "infer.cache_verification")
 # connection: no answer head (refused, reset, DNS); broken_response: the engine broke a response
 # it had started; timeout: no byte within read_timeout; engine_5xx: the engine answered >= 500.

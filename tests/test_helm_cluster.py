@@ -61,15 +61,15 @@ def test_replicas_3_renders_a_headless_service_over_the_same_pods() -> None:
 
 
 def test_sidecar_resolves_the_headless_service_by_its_cluster_name(tmp_path: Path) -> None:
-    """CACHEWITNESS_PEERS_DNS is the headless Service's FQDN and a valid peers_dns setting."""
+    """CACHEWITNESS_PEERS_DNS is the headless Service's FQDN, absolute (no search-domain tries), and valid."""
     manifests = render(*REPLICAS_3, "--set", "peers.clusterDomain=k8s.example")
     name = peers_service(manifests)["metadata"]["name"]
     env = env_values(sidecar(manifests))
-    assert env["CACHEWITNESS_PEERS_DNS"] == f"{name}.ns.svc.k8s.example"
+    assert env["CACHEWITNESS_PEERS_DNS"] == f"{name}.ns.svc.k8s.example."
     token_file = tmp_path / "token"
     token_file.write_text("t", encoding="utf-8")
     settings = load_settings({}, env={**env, "CACHEWITNESS_ADMIN_TOKEN_FILE": str(token_file)})
-    assert settings.peers_dns == f"{name}.ns.svc.k8s.example"
+    assert settings.peers_dns == f"{name}.ns.svc.k8s.example."
     assert settings.listen_port == 8000  # the port peers are called on
 
 

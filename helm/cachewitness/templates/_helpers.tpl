@@ -189,6 +189,8 @@ grace period; plus slack for process exit and evidence flush.
 {{- printf "%s-peers" (include "cachewitness.fullname" .) | trunc 63 | trimSuffix "-" }}
 {{- end }}
 
+{{/* Absolute (trailing dot): with the pod's ndots:5, a relative name would first be tried under
+     every search domain, three NXDOMAIN round trips per family on every cluster call. */}}
 {{- define "cachewitness.peersDNS" -}}
-{{- printf "%s.%s.svc.%s" (include "cachewitness.peersServiceName" .) .Release.Namespace .Values.peers.clusterDomain }}
+{{- printf "%s.%s.svc.%s." (include "cachewitness.peersServiceName" .) .Release.Namespace .Values.peers.clusterDomain }}
 {{- end }}

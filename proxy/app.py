@@ -6,6 +6,7 @@ from aiohttp import web
 
 from proxy.admission import setup_admission
 from proxy.auth import setup_auth
+from proxy.body_budget import setup_body_budget
 from proxy.cache_views import handle_evidence, handle_state
 from proxy.cluster import setup_cluster
 from proxy.config import SETTINGS, Settings
@@ -35,7 +36,7 @@ def build_app(settings: Settings) -> web.Application:
       2. upstream pool   — open before anything calls the engine, closed after all of them;
       3. engine state    — detects the engine through the pool;
       4. health          — probes the health path the detected dialect names;
-      5. admission       — the drain gate (no lifetime);
+      5. admission       — the drain gate, and the request-body budget (no lifetime);
       6. metrics         — learns model ids at start; its background fetches stop first;
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
@@ -58,6 +59,7 @@ def build_app(settings: Settings) -> web.Application:
     setup_engine_state(app)
     setup_health(app)
     setup_admission(app)
+    setup_body_budget(app)
     setup_metrics(app)
     setup_recorder(app)
     setup_reset(app)

@@ -46,6 +46,7 @@ class Settings:
     admin_token_file: str | None = None
     admin_open: bool = False
     max_body_bytes: int = 64 * 1024 * 1024
+    max_buffered_bytes: int = 256 * 1024 * 1024
     connect_timeout: float = 10.0
     read_timeout: float = 600.0
     upstream_connection_limit: int = 0
@@ -245,6 +246,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
     Option("admin_open", _bool, "let any client call /cache/* without a token", "true or false"),
     Option("max_body_bytes", _positive_int, "largest request body accepted", "a byte count"),
+    Option(
+        "max_buffered_bytes",
+        _positive_int,
+        "request-body bytes held at once to be observed; a body past it streams unobserved",
+        "a byte count",
+    ),
     Option("connect_timeout", _positive_float, "seconds to connect to the upstream", "seconds ≥ 0"),
     Option("read_timeout", _positive_float, "seconds of upstream silence before 504", "seconds ≥ 0"),
     Option(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import cast
@@ -22,15 +21,12 @@ from aiohttp import web
 from yarl import URL
 
 from proxy.config import SETTINGS
-from proxy.logs import log_event
+from proxy.logs import LogThrottle, log_event
 
 __all__ = ["CONNECTIONS", "ConnectionGuard", "GuardedSite", "Limit", "setup_connections"]
 
 log = logging.getLogger("cachewitness.connections")
 
-# A limit's warning is logged at most this often (a slowloris burst must not flood the log);
-# the counter counts every hit.
-_WARN_EVERY_S = 10.0
 _REFUSAL_BODY = orjson.dumps(
     {
         "error": {
@@ -77,8 +73,7 @@ class ConnectionGuard:
         self.open_connections = 0
         self.requests_in_progress = 0
         self.hits: dict[Limit, int] = dict.fromkeys(Limit, 0)
-        self._warned_at: dict[Limit, float] = {}
-        self._unwarned: dict[Limit, int] = dict.fromkeys(Limit, 0)
+        self._throttle = LogThrottle()
         self._connections: dict[asyncio.BaseTransport, _GuardedConnection] = {}
         self._idle = asyncio.Event()
         self._idle.set()
@@ -126,23 +121,19 @@ class ConnectionGuard:
             transport.close()
 
     def hit(self, limit: Limit) -> None:
-        """Count one hit of a limit; log a warning, at most once per _WARN_EVERY_S per limit."""
+        """Count one hit of a limit; log a warning (throttled per limit)."""
         self.hits[limit] += 1
-        self._unwarned[limit] += 1
-        now = time.monotonic()
-        if now - self._warned_at.get(limit, -_WARN_EVERY_S) < _WARN_EVERY_S:
-            return
-        self._warned_at[limit] = now
-        log_event(
-            log,
-            logging.WARNING,
-            "client connection limit hit",
-            limit=str(limit),
-            value=self._limit_value(limit),
-            hits=self._unwarned[limit],
-            open_connections=self.open_connections,
-        )
-        self._unwarned[limit] = 0
+        hits = self._throttle.due(limit)
+        if hits:
+            log_event(
+                log,
+                logging.WARNING,
+                "client connection limit hit",
+                limit=str(limit),
+                value=self._limit_value(limit),
+                hits=hits,
+                open_connections=self.open_connections,
+            )
 
     def _limit_value(self, limit: Limit) -> float:
         """The configured value of a limit, for the log line."""

@@ -15,6 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from proxy.admission import ADMISSION
+from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.engines.base import EngineInfo
@@ -25,6 +26,7 @@ from proxy.observe import (
     InjectionRefusals,
     JsonAnswer,
     Observation,
+    PreparedRequest,
     StreamScanner,
     Usage,
     is_observed,
@@ -99,6 +101,7 @@ class Exchange:
     reset_id: str | None = None
     ordinal: int | None = None
     scanner: StreamScanner | None = None
+    buffered: int = 0  # bytes of max_buffered_bytes this exchange holds (its body, read to be observed)
     answer: JsonAnswer | None = None
 
     def forwarded(self, request: web.Request) -> Forwarded:
@@ -196,9 +199,14 @@ def _response_headers(
     return headers
 
 
-async def _limited_body(request: web.Request, limit: int) -> AsyncIterator[bytes]:
-    """Stream the client's body upstream, stopping once it passes `limit` bytes."""
-    seen = 0
+async def _limited_body(request: web.Request, limit: int, prefix: bytes = b"") -> AsyncIterator[bytes]:
+    """Stream the client's body upstream, stopping once it passes `limit` bytes.
+
+    `prefix`: what was read of it already (the start of a body that did not fit the budget).
+    """
+    seen = len(prefix)
+    if prefix:
+        yield prefix
     while True:
         try:
             chunk = await request.content.readany()
@@ -245,12 +253,46 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     return error_response(status, f"{what} ({type(exc).__name__})", type_="upstream_error", code=code)
 
 
-async def _read_bounded(request: web.Request, limit: int) -> bytes:
-    """The whole request body (an inference request must be read to be observed), or BodyTooLarge."""
-    parts: list[bytes] = []
+async def _read_within_budget(
+    request: web.Request, limit: int, budget: BodyBudget, exchange: Exchange
+) -> tuple[bytearray, bool]:
+    """The request body read into one buffer within the budget, and whether it is all there.
+
+    A body of known length is read only if all of it fits (else nothing is read). One of
+    unknown length (chunked) takes the budget as it arrives; when the budget runs out, what
+    was read is returned incomplete, to be sent ahead of the rest. `exchange.buffered` says
+    what this exchange holds of the budget, for its caller to give back.
+    """
+    body = bytearray()
+    size = request.content_length
+    if size is not None:
+        if not budget.reserve(size):
+            return body, False
+        exchange.buffered = size
+        async for chunk in _limited_body(request, limit):
+            body += chunk
+        return body, True
     async for chunk in _limited_body(request, limit):
-        parts.append(chunk)
-    return b"".join(parts)
+        body += chunk
+        if not budget.reserve(len(chunk)):
+            return body, False
+        exchange.buffered += len(chunk)
+    return body, True
+
+
+async def _pieces(prepared: PreparedRequest) -> AsyncIterator[bytes | memoryview]:
+    """The upstream body in 64 KiB slices of the client's buffer: the socket never holds a copy."""
+    for piece in prepared.upstream_pieces():
+        view = memoryview(piece)
+        for offset in range(0, len(view), _CHUNK):
+            yield view[offset : offset + _CHUNK]
+
+
+def _upstream_data(prepared: PreparedRequest) -> bytes | bytearray | AsyncIterator[bytes | memoryview]:
+    """What aiohttp sends upstream: a small body in one write, a large one in slices."""
+    if prepared.upstream_size > _CHUNK:
+        return _pieces(prepared)
+    return prepared.upstream_body() if prepared.usage_injected else prepared.body
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -273,35 +315,40 @@ def _rejected(exchange: Exchange, response: web.Response) -> web.Response:
 
 
 async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.StreamResponse:
-    """Read what must be observed, pass the drain gate, then exchange with the upstream."""
+    """Refuse a body past max_body_bytes; the budget taken while reading it is given back at the end."""
+    app = request.app
+    limit = app[SETTINGS].max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return _rejected(exchange, _too_large(limit))
+    budget = app[BODY_BUDGET]
+    try:
+        return await _observe_and_exchange(request, exchange, budget)
+    finally:
+        budget.release(exchange.buffered)
+
+
+async def _observe_and_exchange(
+    request: web.Request, exchange: Exchange, budget: BodyBudget
+) -> web.StreamResponse:
+    """Read an inference request's body within the budget, then admit and exchange."""
     app = request.app
     settings = app[SETTINGS]
     limit = settings.max_body_bytes
-    if request.content_length is not None and request.content_length > limit:
-        return _rejected(exchange, _too_large(limit))
-    body: bytes | None = None
-    original: bytes | None = None
+    prepared: PreparedRequest | None = None
+    prefix = b""
     if settings.observe and is_observed(request.method, request.path):
         try:
-            body = await _read_bounded(request, limit)
+            body, complete = await _read_within_budget(request, limit, budget, exchange)
         except BodyTooLarge:
             return _rejected(exchange, _too_large(limit))
         except ClientGone:
             exchange.outcome = "client_disconnected"
             raise asyncio.CancelledError from None
-        info = app[ENGINE].info
-        # Whether to inject is the engine's stream rule (llama.cpp: never), unless it refused.
-        inject = (
-            settings.inject_usage and rules_for(info).inject and not app[INJECTION_REFUSALS].refused(info)
-        )
-        prepared = prepare_request(body, inject_usage=inject, path=request.path)
-        original = body
-        body = prepared.body
-        exchange.observed = True
-        exchange.stream = prepared.stream
-        exchange.model = prepared.model
-        exchange.usage_injected = prepared.usage_injected
-        exchange.engine_info = info
+        if complete:
+            prepared = _prepare(app, exchange, body, request.path)
+        else:
+            prefix = bytes(body)
+            budget.passed_unobserved(exchange.request_id, request.content_length)
     admission = app[ADMISSION]
     if not await admission.admit():
         return _rejected(
@@ -317,37 +364,51 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
         if exchange.observed:
             # Assigned after admission: a request held during a drain belongs to the new reset.
             exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
-        return await _exchange(request, exchange, body, settings.upstream_base, limit, original=original)
+        return await _exchange(request, exchange, prepared, settings.upstream_base, limit, prefix=prefix)
     finally:
         admission.leave()
         if exchange.observed:
             app[RECORDER].observation(exchange.observation(request))
 
 
+def _prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:
+    """Read an observed body: stream, model, and the include_usage injection when it applies."""
+    settings, info = app[SETTINGS], app[ENGINE].info
+    # Whether to inject is the engine's stream rule (llama.cpp: never), unless it refused.
+    inject = settings.inject_usage and rules_for(info).inject and not app[INJECTION_REFUSALS].refused(info)
+    prepared = prepare_request(body, inject_usage=inject, path=path)
+    exchange.observed = True
+    exchange.stream = prepared.stream
+    exchange.model = prepared.model
+    exchange.usage_injected = prepared.usage_injected
+    exchange.engine_info = info
+    return prepared
+
+
 async def _exchange(
     request: web.Request,
     exchange: Exchange,
-    body: bytes | None,
+    prepared: PreparedRequest | None,
     base: str,
     limit: int,
     *,
-    original: bytes | None = None,
+    prefix: bytes = b"",
 ) -> web.StreamResponse:
     """Send the request upstream and relay the answer; the admission slot is held throughout.
 
-    `original` is the client's own body when `body` has include_usage injected: an engine
-    that refuses the injected request gets the client's request instead.
+    `prepared` is an observed body in hand (None: the body streams through, after `prefix`).
+    An engine that refuses the injected include_usage gets the client's own body instead.
     """
     client = request.app[UPSTREAM_POOL]
     url = URL(base + request.raw_path, encoded=True)
     headers = _request_headers(request, exchange, add_request_id=request.app[SETTINGS].request_id_header)
-    data: bytes | AsyncIterator[bytes] | None
-    if body is not None:
-        data = body
-        # The body may have been rewritten (include_usage injected): its length is ours to say.
-        headers["Content-Length"] = str(len(body))
+    data: bytes | bytearray | AsyncIterator[bytes] | AsyncIterator[bytes | memoryview] | None
+    if prepared is not None:
+        data = _upstream_data(prepared)
+        # The body may carry the injection: its length is ours to say.
+        headers["Content-Length"] = str(prepared.upstream_size)
     else:
-        data = _limited_body(request, limit) if request.body_exists else None
+        data = _limited_body(request, limit, prefix) if request.body_exists else None
     exchange.upstream_sent_ns = time.time_ns()
     try:
         upstream = await send_upstream(
@@ -369,7 +430,7 @@ async def _exchange(
     exchange.upstream_head_ns = time.time_ns()
     try:
         peeked = b""
-        if exchange.usage_injected and original is not None:
+        if exchange.usage_injected and prepared is not None:
             refusal, peeked = await _injection_refusal(upstream)
             if refusal is not None:
                 # The client must not fail, nor get other bytes, because of us: it gets the
@@ -384,7 +445,7 @@ async def _exchange(
                     request_id=exchange.request_id,
                     status=upstream.status,
                 )
-                return await _exchange(request, exchange, original, base, limit)
+                return await _exchange(request, exchange, prepared.without_injection(), base, limit)
         return await _relay(request, upstream, exchange, peeked)
     finally:
         # close(), not release(): the connection must not go back to the pool half-read, and

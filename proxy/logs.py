@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["log_event", "setup_logging"]
+__all__ = ["LogThrottle", "log_event", "setup_logging"]
 
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -52,3 +52,23 @@ def setup_logging(level: str = "info") -> None:
 def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:
     """Log `msg` with structured fields (never pass prompts, keys or user values)."""
     logger.log(level, msg, extra=fields)
+
+
+class LogThrottle:
+    """At most one log line per key per `every_s`: a flood of one event must not flood the log."""
+
+    def __init__(self, every_s: float = 10.0) -> None:
+        """Allow one line per key per `every_s` seconds."""
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._since: dict[str, int] = {}
+
+    def due(self, key: str) -> int:
+        """Count one event; the events since the last line (this one included) when a line is due, else 0."""
+        self._since[key] = self._since.get(key, 0) + 1
+        now = time.monotonic()
+        if now - self._last.get(key, -self.every_s) < self.every_s:
+            return 0
+        self._last[key] = now
+        count, self._since[key] = self._since[key], 0
+        return count

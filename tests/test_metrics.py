@@ -49,6 +49,8 @@ FAMILIES = (
     "cachewitness_evidence_dropped_total",
     "cachewitness_client_connections",
     "cachewitness_connection_limit_hits_total",
+    "cachewitness_buffered_request_bytes",
+    "cachewitness_requests_unobserved_total",
 )
 MODEL_FAMILIES = (
     "cachewitness_prompt_tokens_total",

@@ -163,7 +163,7 @@ def test_non_stream_body_is_untouched_byte_for_byte() -> None:
 def test_stream_body_gets_include_usage() -> None:
     prepared = prepare_request(b'{"model":"m","stream":true,"messages":[]}', inject_usage=True)
     assert prepared.usage_injected and prepared.stream
-    assert orjson.loads(prepared.body)["stream_options"] == {"include_usage": True}
+    assert orjson.loads(prepared.upstream_body())["stream_options"] == {"include_usage": True}
 
 
 def test_include_usage_already_true_is_not_injected() -> None:
@@ -175,7 +175,7 @@ def test_include_usage_already_true_is_not_injected() -> None:
 def test_other_stream_options_members_are_kept() -> None:
     body = b'{"stream":true,"stream_options":{"continuous_usage_stats":false,"include_usage":false}}'
     prepared = prepare_request(body, inject_usage=True)
-    assert orjson.loads(prepared.body)["stream_options"] == {
+    assert orjson.loads(prepared.upstream_body())["stream_options"] == {
         "continuous_usage_stats": False,
         "include_usage": True,
     }
@@ -184,7 +184,45 @@ def test_other_stream_options_members_are_kept() -> None:
 def test_invalid_json_is_untouched() -> None:
     for body in (b"{not json", b"[1,2]", b"", b"\xff\xfe"):
         prepared = prepare_request(body, inject_usage=True)
-        assert prepared == type(prepared)(body=body, stream=False, model=None, usage_injected=False)
+        assert prepared == type(prepared)(body=body, stream=False, model=None)
+
+
+def test_injection_keeps_the_clients_bytes_around_it() -> None:
+    """The body is spliced, not re-serialised: the client's formatting reaches the engine."""
+    body = b'{ "model": "m", "stream": true,\n  "stream_options": null, "messages": [] }\n'
+    prepared = prepare_request(body, inject_usage=True)
+    assert prepared.upstream_body() == body.replace(b"null", b'{"include_usage":true}')
+    assert prepared.upstream_size == len(prepared.upstream_body()) and prepared.body is body
+    appended = prepare_request(b'{"stream":true,"m":[{"stream":false}]}', inject_usage=True)
+    assert (
+        appended.upstream_body()
+        == b'{"stream":true,"m":[{"stream":false}],"stream_options":{"include_usage":true}}'
+    )
+
+
+def test_only_top_level_members_count() -> None:
+    """`stream` inside a message or a tool schema is not the request's; a later duplicate wins."""
+    nested = b'{"model":"m","tools":[{"parameters":{"stream":true,"model":"x"}}],"messages":[]}'
+    assert (
+        prepare_request(nested, inject_usage=True).stream,
+        prepare_request(nested, inject_usage=True).model,
+    ) == (False, "m")
+    duplicate = b'{"stream":false,"stream":true}'
+    assert prepare_request(duplicate, inject_usage=True).usage_injected
+    quoted = b'{"messages":[{"content":"say \\"stream\\": true }"}],"stream":false}'
+    assert not prepare_request(quoted, inject_usage=True).stream
+
+
+def test_a_large_body_is_read_without_decoding_it() -> None:
+    """A 32 MiB prompt: stream and model found, the injection a splice (the body is not copied)."""
+    body = bytearray(
+        b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * (32 << 20) + b'"}],"stream":true}'
+    )
+    prepared = prepare_request(body, inject_usage=True)
+    assert (prepared.stream, prepared.model, prepared.usage_injected) == (True, "m", True)
+    assert prepared.body is body and prepared.upstream_size == len(body) + len(
+        b',"stream_options":{"include_usage":true}'
+    )
 
 
 def test_injection_switched_off_leaves_stream_untouched() -> None:

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.admission import ADMISSION
+from proxy.body_budget import BODY_BUDGET
 from proxy.connections import CONNECTIONS, Limit
 from proxy.engine_state import ENGINE
 from proxy.evidence import EVIDENCE
@@ -59,6 +60,19 @@ class StateCollector(Collector):
         for event_type in sorted(set(EVENT_TYPES) | set(written)):
             records.add_metric((event_type,), written.get(event_type, 0))
         yield records
+        budget = app[BODY_BUDGET]
+        yield GaugeMetricFamily(
+            PREFIX + "buffered_request_bytes",
+            "Request-body bytes held to be observed (bounded by max_buffered_bytes).",
+            value=budget.held,
+        )
+        unobserved = CounterMetricFamily(
+            PREFIX + "requests_unobserved_total",
+            "Inference requests forwarded without an observation, by reason.",
+            labels=("reason",),
+        )
+        unobserved.add_metric(("max_buffered_bytes",), budget.unobserved_total)
+        yield unobserved
         connections = app[CONNECTIONS]
         yield GaugeMetricFamily(
             PREFIX + "client_connections", "Client connections open.", value=connections.open_connections

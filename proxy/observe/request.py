@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
+
+from proxy.observe.jsonscan import Buffer, Member, top_level_members
 
 __all__ = [
     "INJECTABLE_PATHS",
     "OBSERVED_PATHS",
     "PreparedRequest",
+    "Splice",
     "is_observed",
     "names_stream_options",
     "prepare_request",
@@ -39,46 +43,103 @@ def is_observed(method: str, path: str) -> bool:
 
 
 @dataclass(frozen=True)
-class PreparedRequest:
-    """The request body to send upstream and what was learnt reading it."""
+class Splice:
+    """Bytes that replace `body[start:end]` on the way upstream (the injected stream_options)."""
 
-    body: bytes
+    start: int
+    end: int
+    insert: bytes
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """The client's request body, what was learnt reading it, and the injection to send with it.
+
+    The injection is kept as a splice, not a rewritten copy: a large body is held once, and
+    sent upstream in pieces around the few inserted bytes.
+    """
+
+    body: Buffer
     stream: bool
     model: str | None
-    usage_injected: bool
+    injection: Splice | None = None
+
+    @property
+    def usage_injected(self) -> bool:
+        """Whether `stream_options.include_usage` is added on the way upstream."""
+        return self.injection is not None
+
+    @property
+    def upstream_size(self) -> int:
+        """The length of the body the engine gets."""
+        splice = self.injection
+        if splice is None:
+            return len(self.body)
+        return len(self.body) - (splice.end - splice.start) + len(splice.insert)
+
+    def upstream_pieces(self) -> tuple[Buffer | memoryview, ...]:
+        """The body the engine gets, as pieces that share the client's buffer."""
+        splice = self.injection
+        if splice is None:
+            return (self.body,)
+        view = memoryview(self.body)
+        return (view[: splice.start], splice.insert, view[splice.end :])
+
+    def upstream_body(self) -> bytes:
+        """The body the engine gets, as one new bytes object (a copy: for small bodies)."""
+        return b"".join(self.upstream_pieces())
+
+    def without_injection(self) -> PreparedRequest:
+        """The same request sent as the client wrote it (an engine refused the injection)."""
+        return PreparedRequest(self.body, self.stream, self.model)
 
 
-def prepare_request(body: bytes, *, inject_usage: bool, path: str | None = None) -> PreparedRequest:
+_STREAM, _MODEL, _OPTIONS = b'"stream"', b'"model"', b'"stream_options"'
+_WANTED = frozenset({_STREAM, _MODEL, _OPTIONS})
+_UNREADABLE = object()
+
+
+def _member_value(body: Buffer, member: Member | None) -> Any:
+    """One small member's decoded value (None when absent, _UNREADABLE when it is not JSON)."""
+    if member is None:
+        return None
+    try:
+        return orjson.loads(bytes(body[member.value_start : member.value_end]))
+    except orjson.JSONDecodeError:
+        return _UNREADABLE
+
+
+def prepare_request(body: Buffer, *, inject_usage: bool, path: str | None = None) -> PreparedRequest:
     """Read `stream`/`model` and add `stream_options.include_usage` when allowed; never raises.
 
-    `path`, when given, limits injection to `INJECTABLE_PATHS`; None means the
-    caller has already decided the route takes `stream_options`.
+    Only the top-level members named above are decoded: the body itself (a prompt of tens of
+    MiB) is neither parsed into objects nor copied. `path`, when given, limits injection to
+    `INJECTABLE_PATHS`; None means the caller has already decided the route takes `stream_options`.
     """
-    try:
-        payload = orjson.loads(body)
-    except (orjson.JSONDecodeError, TypeError, ValueError):
-        return PreparedRequest(body=body, stream=False, model=None, usage_injected=False)
-    if not isinstance(payload, dict):
-        return PreparedRequest(body=body, stream=False, model=None, usage_injected=False)
-    stream = payload.get("stream") is True
-    model = payload.get("model") if isinstance(payload.get("model"), str) else None
-    unchanged = PreparedRequest(body=body, stream=stream, model=model, usage_injected=False)
+    top = top_level_members(body, _WANTED)
+    if top is None:
+        return PreparedRequest(body=body, stream=False, model=None)
+    model = _member_value(body, top.members.get(_MODEL))
+    stream = _member_value(body, top.members.get(_STREAM)) is True
+    unchanged = PreparedRequest(body=body, stream=stream, model=model if isinstance(model, str) else None)
     # vLLM answers 400 to stream_options when stream is false: only touch streams.
     if not (inject_usage and stream) or (path is not None and path not in INJECTABLE_PATHS):
         return unchanged
-    options = payload.get("stream_options")
+    member = top.members.get(_OPTIONS)
+    options = _member_value(body, member)
     if options is None:
         options = {}
     elif not isinstance(options, dict):
         return unchanged  # malformed: let the engine answer the client's own mistake
     if options.get("include_usage") is True:
         return unchanged  # the client asked for usage itself and must get it
-    payload["stream_options"] = {**options, "include_usage": True}
-    try:
-        rewritten = orjson.dumps(payload)
-    except (orjson.JSONEncodeError, TypeError):
-        return unchanged
-    return PreparedRequest(body=rewritten, stream=stream, model=model, usage_injected=True)
+    value = orjson.dumps({**options, "include_usage": True})
+    if member is not None:
+        splice = Splice(member.value_start, member.value_end, value)
+    else:
+        # Appended as the last member; the object has members (`stream` is one), so a comma.
+        splice = Splice(top.close, top.close, b',"stream_options":' + value)
+    return PreparedRequest(body=body, stream=stream, model=unchanged.model, injection=splice)
 
 
 def names_stream_options(error_body: bytes) -> bool:

@@ -37,6 +37,7 @@ from proxy.observe import (
 from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
 from proxy.resend import send_upstream
+from proxy.upstream_body import SplicedBody
 
 __all__ = ["HOP_BY_HOP", "INJECTION_REFUSALS", "Exchange", "forward", "setup_forward"]
 
@@ -280,19 +281,12 @@ async def _read_within_budget(
     return body, True
 
 
-async def _pieces(prepared: PreparedRequest) -> AsyncIterator[bytes | memoryview]:
-    """The upstream body in 64 KiB slices of the client's buffer: the socket never holds a copy."""
-    for piece in prepared.upstream_pieces():
-        view = memoryview(piece)
-        for offset in range(0, len(view), _CHUNK):
-            yield view[offset : offset + _CHUNK]
-
-
-def _upstream_data(prepared: PreparedRequest) -> bytes | bytearray | AsyncIterator[bytes | memoryview]:
-    """What aiohttp sends upstream: a small body in one write, a large one in slices."""
+def _upstream_data(prepared: PreparedRequest) -> bytes | SplicedBody:
+    """What aiohttp sends upstream: a small body as bytes, a large one in slices of the client's
+    buffer. Both can be sent twice (a stale pooled connection is retried)."""
     if prepared.upstream_size > _CHUNK:
-        return _pieces(prepared)
-    return prepared.upstream_body() if prepared.usage_injected else prepared.body
+        return SplicedBody(prepared.upstream_pieces())
+    return prepared.upstream_body()
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -402,7 +396,7 @@ async def _exchange(
     client = request.app[UPSTREAM_POOL]
     url = URL(base + request.raw_path, encoded=True)
     headers = _request_headers(request, exchange, add_request_id=request.app[SETTINGS].request_id_header)
-    data: bytes | bytearray | AsyncIterator[bytes] | AsyncIterator[bytes | memoryview] | None
+    data: bytes | SplicedBody | AsyncIterator[bytes] | None
     if prepared is not None:
         data = _upstream_data(prepared)
         # The body may carry the injection: its length is ours to say.

@@ -42,6 +42,7 @@ class Settings:
     evidence_stdout: bool = False
     evidence_max_bytes: int = 64 * 1024 * 1024
     evidence_keep: int = 5
+    evidence_queue_max_bytes: int = 32 * 1024 * 1024
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     admin_open: bool = False
@@ -242,6 +243,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("evidence_stdout", _bool, "also copy evidence lines to stdout", "true or false"),
     Option("evidence_max_bytes", _positive_int, "rotate the evidence file at this size", "a byte count"),
     Option("evidence_keep", _positive_int, "rotated evidence files kept", "a whole number ≥ 0"),
+    Option(
+        "evidence_queue_max_bytes",
+        _positive_int,
+        "evidence waiting for the disk, at most (past it new records are dropped, counted)",
+        "a byte count",
+    ),
     Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
     Option("admin_open", _bool, "let any client call /cache/* without a token", "true or false"),

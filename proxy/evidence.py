@@ -9,6 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncIterator
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,14 @@ from aiohttp import web
 
 from proxy.config import SETTINGS
 
-__all__ = ["EVIDENCE", "MAX_LINE_BYTES", "EvidenceWriter", "read_evidence", "setup_evidence"]
+__all__ = [
+    "EVIDENCE",
+    "MAX_LINE_BYTES",
+    "DropReason",
+    "EvidenceWriter",
+    "read_evidence",
+    "setup_evidence",
+]
 
 MAX_LINE_BYTES = 64 * 1024
 # A string longer than this is cut when a record would not fit in one line.
@@ -58,13 +66,30 @@ def encode_record(record: dict[str, Any]) -> bytes | None:
     return line if len(line) <= MAX_LINE_BYTES else None
 
 
+class DropReason(StrEnum):
+    """Why an evidence record will never be written (`evidence_dropped_total{reason}`)."""
+
+    QUEUE_FULL = "queue_full"  # the disk refuses and the queue holds its bytes bound
+    RECORD_TOO_LARGE = "record_too_large"
+    UNENCODABLE = "unencodable"
+    WRITER_CLOSED = "writer_closed"
+    UNWRITABLE_AT_CLOSE = "unwritable_at_close"  # still refused by the disk at shutdown
+
+
+# One os.write carries at most this much: a long backlog (a disk that was full) is written in
+# pieces, never joined into one copy of itself.
+_WRITE_BYTES = 1024 * 1024
+
+
 class EvidenceWriter:
     """Append-only JSONL evidence: `write()` enqueues, a task flushes batches in a thread.
 
-    Nothing here blocks the event loop or raises into the proxy: a full queue
-    drops (counted), a disk error is counted and logged once per kind and the
-    batch is retried with the next flush. Lines are never split: a write that
-    failed part-way resumes at the first unwritten byte.
+    Nothing here blocks the event loop or raises into the proxy. Records waiting to be
+    written are bounded in bytes (`max_queue_bytes`): past it a new record is dropped.
+    A disk error is counted and logged once per kind; the lines that fit are written and
+    the rest are retried with the next flush (when space returns). Every record is either
+    written, waiting, or counted in `dropped` by reason, exactly. Lines are never split:
+    a line cut by a failed write is truncated off and written again whole.
     """
 
     def __init__(
@@ -75,7 +100,7 @@ class EvidenceWriter:
         keep: int = 5,
         stdout: bool = False,
         flush_interval_s: float = 0.2,
-        max_queue: int = 100_000,
+        max_queue_bytes: int = 32 * 1024 * 1024,
     ) -> None:
         """Configure; nothing is opened until the first batch."""
         self.path = Path(path)
@@ -83,12 +108,16 @@ class EvidenceWriter:
         self.keep = keep
         self.stdout = stdout
         self.flush_interval_s = flush_interval_s
-        self.max_queue = max_queue
+        self.max_queue_bytes = max_queue_bytes
         self.records_total: dict[str, int] = {}
         self.write_errors_total = 0
-        self.dropped_total = 0
+        self.dropped: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
         self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
-        self._unwritten: list[tuple[str, bytes]] = []  # a failed batch, retried first
+        self._unwritten: list[tuple[str, bytes]] = []  # what the disk refused, retried first
+        # Bytes of the lines waiting: queued, being written by the thread, refused by the disk.
+        self._queued_bytes = 0
+        self._flushing_bytes = 0
+        self._unwritten_bytes = 0
         self._flush_lock = asyncio.Lock()
         self._wake = asyncio.Event()
         self._periodic_flushes = 0
@@ -100,6 +129,16 @@ class EvidenceWriter:
         self._logged_errors: set[str] = set()  # touched by the worker thread only
         self._logged_drops: set[str] = set()  # touched by the event loop only
 
+    @property
+    def dropped_total(self) -> int:
+        """Records that will never be written, all reasons."""
+        return sum(self.dropped.values())
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the records written to no file yet."""
+        return self._queued_bytes + self._flushing_bytes + self._unwritten_bytes
+
     async def start(self) -> None:
         """Start the periodic flush task."""
         if self._task is None:
@@ -110,30 +149,36 @@ class EvidenceWriter:
         try:
             event_type = str(record.get("event_type", "unknown"))
             if self._closed:
-                self._drop("writer_closed", event_type)
-                return
-            if len(self._queue) + len(self._unwritten) >= self.max_queue:
-                self._drop("queue_full", event_type)
+                self._drop(DropReason.WRITER_CLOSED, event_type)
                 return
             line = encode_record(record)
             if line is None:
-                self._drop("record_too_large", event_type)
+                self._drop(DropReason.RECORD_TOO_LARGE, event_type)
+                return
+            if self.pending_bytes + len(line) > self.max_queue_bytes:
+                self._drop(DropReason.QUEUE_FULL, event_type)
                 return
             self._queue.append((event_type, line))
+            self._queued_bytes += len(line)
             if len(self._queue) >= 1024:
                 self._wake.set()  # a burst: write now rather than at the next tick
-        except Exception as exc:
-            self._drop(f"unencodable:{type(exc).__name__}", "unknown")
+        except Exception:
+            self._drop(DropReason.UNENCODABLE, "unknown")
 
     async def flush(self) -> None:
         """Write every record queued so far (and any earlier failed batch) to the file."""
         async with self._flush_lock:
             batch = self._unwritten + list(self._queue)
+            self._flushing_bytes = self._unwritten_bytes + self._queued_bytes
             self._queue.clear()
-            self._unwritten = []
+            self._unwritten, self._queued_bytes, self._unwritten_bytes = [], 0, 0
             if not batch:
                 return
-            self._unwritten = await asyncio.to_thread(self._write_batch, batch)
+            try:
+                self._unwritten = await asyncio.to_thread(self._write_batch, batch)
+            finally:
+                self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
+                self._flushing_bytes = 0
 
     async def close(self) -> None:
         """Flush everything, fsync, and stop; later writes are dropped and counted."""
@@ -148,8 +193,8 @@ class EvidenceWriter:
         await self.flush()
         await asyncio.to_thread(self._close_file)
         for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
-            self._drop("unwritable_at_close", event_type)
-        self._unwritten = []
+            self._drop(DropReason.UNWRITABLE_AT_CLOSE, event_type)
+        self._unwritten, self._unwritten_bytes = [], 0
 
     async def _run(self) -> None:
         """Flush every flush_interval_s (sooner on a burst)."""
@@ -174,9 +219,9 @@ class EvidenceWriter:
             target = self._periodic_flushes + 1
             await self._flushed.wait_for(lambda: self._periodic_flushes >= target or self._task is None)
 
-    def _drop(self, kind: str, event_type: str) -> None:
+    def _drop(self, kind: DropReason, event_type: str) -> None:
         """Count a record that will never be written, and log the kind once."""
-        self.dropped_total += 1
+        self.dropped[kind] += 1
         if kind not in self._logged_drops:
             self._logged_drops.add(kind)
             _log("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
@@ -192,18 +237,23 @@ class EvidenceWriter:
                 if self._size > 0 and self._size + len(batch[written][1]) > self.max_bytes:
                     self._rotate()
                     fd = self._open()
-                # Every line that fits in the current file goes down in one write (a syscall
-                # per record costs more than the record): at least one, even an oversized one.
-                end, size = written + 1, self._size + len(batch[written][1])
-                while end < len(batch) and size + len(batch[end][1]) <= self.max_bytes:
+                # The lines that fit in the current file go down in one write of at most
+                # _WRITE_BYTES (a syscall per record costs more than the record): at least one.
+                end, size = written + 1, len(batch[written][1])
+                while (
+                    end < len(batch)
+                    and self._size + size + len(batch[end][1]) <= self.max_bytes
+                    and size + len(batch[end][1]) <= _WRITE_BYTES
+                ):
                     size += len(batch[end][1])
                     end += 1
                 chunk = batch[written:end]
-                self._write_all(fd, b"".join(line for _, line in chunk))
-                self._size = size
-                for event_type, _ in chunk:
+                whole, error = self._write_lines(fd, [line for _, line in chunk])
+                for event_type, _ in chunk[:whole]:
                     self.records_total[event_type] = self.records_total.get(event_type, 0) + 1
-                written = end
+                written += whole
+                if error is not None:
+                    raise error
         except OSError as exc:
             self.write_errors_total += 1
             kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
@@ -219,21 +269,29 @@ class EvidenceWriter:
             self._copy_to_stdout(batch[:written] if written < len(batch) else batch)
         return batch[written:]
 
-    def _write_all(self, fd: int, lines: bytes) -> None:
-        """os.write until all the lines are down; a failure leaves no partial line behind."""
-        view = memoryview(lines)
-        start_size = self._size
+    def _write_lines(self, fd: int, lines: list[bytes]) -> tuple[int, OSError | None]:
+        """Write the lines in one go as far as the disk takes them: how many went down whole,
+        and the error that stopped the rest (a line cut part-way is truncated off)."""
+        data = memoryview(b"".join(lines))
+        start, done = self._size, 0
         try:
-            while view:
-                n = os.write(fd, view)
-                view = view[n:]
-        except OSError:
-            # Cut a partial line off so that the retry does not leave a broken record.
+            while done < len(data):
+                done += os.write(fd, data[done:])
+        except OSError as exc:
+            whole, kept = 0, 0
+            for line in lines:
+                if kept + len(line) > done:
+                    break
+                kept += len(line)
+                whole += 1
             try:
-                os.ftruncate(fd, start_size)
+                os.ftruncate(fd, start + kept)
             except OSError:
                 pass
-            raise
+            self._size = start + kept
+            return whole, exc
+        self._size = start + done
+        return len(lines), None
 
     def _open(self) -> int:
         """The current file's descriptor, opening (and creating its directory) when needed."""
@@ -381,6 +439,7 @@ def setup_evidence(app: web.Application) -> None:
         max_bytes=settings.evidence_max_bytes,
         keep=settings.evidence_keep,
         stdout=settings.evidence_stdout,
+        max_queue_bytes=settings.evidence_queue_max_bytes,
     )
     app[EVIDENCE] = writer
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.evidence import MAX_LINE_BYTES, EvidenceWriter, read_evidence
+from proxy.evidence import MAX_LINE_BYTES, DropReason, EvidenceWriter, read_evidence
+from tests.tmpfs import resize, tmpfs
 
 
 def record(n: int, **extra: object) -> dict[str, object]:
@@ -84,11 +85,13 @@ async def test_write_after_close_is_dropped_and_counted(tmp_path: Path) -> None:
 
 
 async def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
-    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", max_queue=3)
+    line_bytes = len(orjson.dumps(record(0))) + 1
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", max_queue_bytes=3 * line_bytes)
     for n in range(5):
         writer.write(record(n))
     await writer.flush()
-    assert writer.dropped_total == 2 and len(lines(writer.path)) == 3
+    assert writer.dropped == {**dict.fromkeys(DropReason, 0), DropReason.QUEUE_FULL: 2}
+    assert len(lines(writer.path)) == 3
 
 
 async def test_unwritable_path_is_counted_then_retried_when_fixed(tmp_path: Path) -> None:
@@ -229,3 +232,39 @@ async def test_rotation_fsyncs_each_file_it_rotates_away(
     assert all(p.exists() for p in rotated)
     assert all(spy.covers(p) for p in rotated), spy.synced
     await writer.close()
+
+
+async def test_a_full_disk_takes_what_fits_and_the_rest_when_space_returns(tmp_path: Path) -> None:
+    """On a 64 KiB tmpfs the lines that fit are written (not all or nothing), whole; the rest
+    wait, and are written, in order, once the disk has room again."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        writer = EvidenceWriter(disk / "cachewitness.jsonl")
+        for n in range(1000):
+            writer.write(record(n, pad="p" * 150))
+        await writer.flush()
+        written = lines(writer.path)
+        assert 200 < len(written) < 1000 and writer.path.read_bytes().endswith(b"\n")
+        assert [r["at_ns"] for r in written] == list(range(len(written)))
+        assert writer.records_total == {"infer.cache_observation": len(written)}
+        assert writer.write_errors_total >= 1 and writer.dropped_total == 0
+        resize(disk, "1m")
+        await writer.close()
+        assert [r["at_ns"] for r in lines(writer.path)] == list(range(1000))
+        assert writer.records_total == {"infer.cache_observation": 1000} and writer.pending_bytes == 0
+
+
+async def test_on_a_full_disk_every_record_is_written_or_counted_lost(tmp_path: Path) -> None:
+    """The queue is bounded in bytes: past it records are dropped, and written + dropped = produced."""
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        line_bytes = len(orjson.dumps(record(0, pad="p" * 150))) + 1
+        writer = EvidenceWriter(disk / "cachewitness.jsonl", max_queue_bytes=200 * line_bytes)
+        for n in range(5000):
+            writer.write(record(n, pad="p" * 150))
+            if n % 100 == 0:
+                await writer.flush()
+                assert writer.pending_bytes <= 200 * line_bytes
+        await writer.close()
+        on_disk = len(lines(writer.path))
+    assert writer.dropped[DropReason.QUEUE_FULL] > 0
+    assert on_disk == writer.records_total["infer.cache_observation"]
+    assert on_disk + writer.dropped_total == 5000

@@ -47,6 +47,7 @@ FAMILIES = (
     "cachewitness_sidecar_overhead_seconds",
     "cachewitness_cache_verifications_total",
     "cachewitness_evidence_dropped_total",
+    "cachewitness_evidence_pending_bytes",
     "cachewitness_client_connections",
     "cachewitness_connection_limit_hits_total",
     "cachewitness_buffered_request_bytes",

@@ -90,10 +90,18 @@ class StateCollector(Collector):
             "Evidence writes the disk refused.",
             value=evidence.write_errors_total,
         )
-        yield CounterMetricFamily(
+        dropped = CounterMetricFamily(
             PREFIX + "evidence_dropped_total",
-            "Evidence records that will never be written.",
-            value=evidence.dropped_total,
+            "Evidence records that will never be written, by reason.",
+            labels=("reason",),
+        )
+        for reason, count in evidence.dropped.items():
+            dropped.add_metric((str(reason),), count)
+        yield dropped
+        yield GaugeMetricFamily(
+            PREFIX + "evidence_pending_bytes",
+            "Evidence bytes waiting for the disk (bounded by evidence_queue_max_bytes).",
+            value=evidence.pending_bytes,
         )
 
     def describe(self) -> Iterator[Metric]:

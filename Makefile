@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo lint test test-fast test-real test-deploy bench clean
+.PHONY: soak venv demo lint test test-fast test-real test-deploy bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ test: lint
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not real" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
+	$(PY) -m pytest -q -m "not real and not soak" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
 
 ## make test-real: only the real llama-server / vLLM tests
 test-real: $(STAMP)
@@ -45,6 +45,10 @@ test-deploy: $(STAMP)
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
 	$(PY) -m pytest -q tests/test_helm.py tests/test_helm_cluster.py
+
+## make soak: 10 minutes of mixed load, engine killed and restarted, evidence disk filled and freed
+soak: $(STAMP)
+	$(PY) bench/soak.py --seconds 600
 
 ## make bench: the side-by-side overhead table (direct, cachewitness, nginx)
 bench: $(STAMP)

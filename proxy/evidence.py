@@ -79,6 +79,7 @@ class DropReason(StrEnum):
 # One os.write carries at most this much: a long backlog (a disk that was full) is written in
 # pieces, never joined into one copy of itself.
 _WRITE_BYTES = 1024 * 1024
+_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 
 
 class EvidenceWriter:
@@ -270,26 +271,26 @@ class EvidenceWriter:
         return batch[written:]
 
     def _write_lines(self, fd: int, lines: list[bytes]) -> tuple[int, OSError | None]:
-        """Write the lines in one go as far as the disk takes them: how many went down whole,
-        and the error that stopped the rest (a line cut part-way is truncated off)."""
-        data = memoryview(b"".join(lines))
+        """Write the lines (writev: no joined copy) as far as the disk takes them: how many went
+        down whole, and the error that stopped the rest (a line cut part-way is truncated off)."""
         start, done = self._size, 0
+        index, offset = 0, 0  # the first line not yet written whole, and how much of it is
         try:
-            while done < len(data):
-                done += os.write(fd, data[done:])
+            while index < len(lines):
+                views = [memoryview(lines[index])[offset:], *lines[index + 1 : index + _IOV_MAX]]
+                written = os.writev(fd, views)
+                done += written
+                while index < len(lines) and written >= len(lines[index]) - offset:
+                    written -= len(lines[index]) - offset
+                    index, offset = index + 1, 0
+                offset += written
         except OSError as exc:
-            whole, kept = 0, 0
-            for line in lines:
-                if kept + len(line) > done:
-                    break
-                kept += len(line)
-                whole += 1
             try:
-                os.ftruncate(fd, start + kept)
+                os.ftruncate(fd, start + done - offset)
             except OSError:
                 pass
-            self._size = start + kept
-            return whole, exc
+            self._size = start + done - offset
+            return index, exc
         self._size = start + done
         return len(lines), None
 

@@ -277,7 +277,8 @@ class EvidenceWriter:
         index, offset = 0, 0  # the first line not yet written whole, and how much of it is
         try:
             while index < len(lines):
-                views = [memoryview(lines[index])[offset:], *lines[index + 1 : index + _IOV_MAX]]
+                views: list[bytes | memoryview] = [memoryview(lines[index])[offset:]]
+                views += lines[index + 1 : index + _IOV_MAX]
                 written = os.writev(fd, views)
                 done += written
                 while index < len(lines) and written >= len(lines[index]) - offset:

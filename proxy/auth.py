@@ -67,7 +67,8 @@ def admin_middleware(settings: Settings) -> Middleware:
             return await handler(request)
         if expected is not None:
             given = _bearer(request)
-            if given is None or not hmac.compare_digest(given.encode("utf-8"), expected):
+            # surrogateescape: a header that was not UTF-8 is a wrong token (401), not a crash.
+            if given is None or not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected):
                 message = (
                     "missing admin token: send 'Authorization: Bearer <token>' with the sidecar's admin token"
                     if given is None

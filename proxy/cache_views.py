@@ -15,7 +15,7 @@ from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.evidence import EVIDENCE, read_evidence
 from proxy.health import HEALTH
-from proxy.reset_params import is_valid_id
+from proxy.request_ids import is_stored_id
 from proxy.witness import WITNESS
 
 __all__ = ["handle_evidence", "handle_state"]
@@ -75,8 +75,11 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
         if len(query.getall(name, ())) > 1:
             return _bad_filter(name, f"{name} is given more than once; give each filter at most once")
     for name in ("session_id", "case_id"):
-        if name in query and not is_valid_id(query[name]):
-            return _bad_filter(name, f"{name} must be 1-128 characters of [A-Za-z0-9._:-]")
+        # An id the evidence stored escaped (`%XX`, see proxy/request_ids.py) is found as stored.
+        if name in query and not is_stored_id(query[name]):
+            return _bad_filter(
+                name, f"{name} must be 1-128 characters of [A-Za-z0-9._:-] (or %XX escapes, as stored)"
+            )
     event_type = query.get("event_type")
     if event_type is not None and event_type not in _EVENT_TYPES:
         return _bad_filter("event_type", f"event_type must be one of {', '.join(sorted(_EVENT_TYPES))}")

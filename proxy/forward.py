@@ -21,6 +21,7 @@ from proxy.engine_state import ENGINE
 from proxy.engines.base import EngineInfo
 from proxy.errors import error_response
 from proxy.exchange import Forwarded
+from proxy.inbound import refusal
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -36,6 +37,7 @@ from proxy.observe import (
 )
 from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
+from proxy.request_ids import ID_HEADERS, SESSION_ID_CHARS, forwardable, stored_id
 from proxy.resend import send_upstream
 from proxy.upstream_body import SplicedBody
 
@@ -104,6 +106,7 @@ class Exchange:
     scanner: StreamScanner | None = None
     buffered: int = 0  # bytes of max_buffered_bytes this exchange holds (its body, read to be observed)
     answer: JsonAnswer | None = None
+    recorded: bool = False
 
     def forwarded(self, request: web.Request) -> Forwarded:
         """The transport facts of this exchange, once it is over."""
@@ -129,8 +132,8 @@ class Exchange:
             usage, engine_id = self.answer.usage(), self.answer.engine_id()
         return Observation(
             request_id=self.request_id,
-            session_id=_tag(request.headers.get("X-Session-Id")),
-            case_id=_tag(request.headers.get("X-Case-Id")),
+            session_id=stored_id(request.headers.get("X-Session-Id"), SESSION_ID_CHARS),
+            case_id=stored_id(request.headers.get("X-Case-Id"), SESSION_ID_CHARS),
             method=request.method,
             path=request.path,
             status=self.status,
@@ -151,11 +154,6 @@ class Exchange:
         )
 
 
-def _tag(value: str | None) -> str | None:
-    """A session/case id from a header, bounded so a client cannot bloat the evidence."""
-    return value[:128] if value else None
-
-
 def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
     """`headers` minus the hop-by-hop ones in `drop` and those named in their Connection header."""
     named = {
@@ -165,7 +163,7 @@ def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMulti
     for name, value in headers.items():
         lowered = name.lower()
         if lowered not in drop and lowered not in named:
-            kept.add(name, value)
+            kept.add(name, forwardable(value) if lowered in ID_HEADERS else value)
     return kept
 
 
@@ -292,13 +290,31 @@ def _upstream_data(prepared: PreparedRequest) -> bytes | SplicedBody:
 async def forward(request: web.Request) -> web.StreamResponse:
     """Proxy one request to the upstream and stream the answer back."""
     app = request.app
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    request_id = stored_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
     exchange = Exchange(request_id=request_id, started_ns=time.time_ns())
     try:
+        refused = refusal(request)
+        if refused is not None:
+            log_event(
+                log,
+                logging.WARNING,
+                f"request refused: {refused.code}",
+                request_id=exchange.request_id,
+                header=refused.header,
+            )
+            return _rejected(exchange, refused.response())
         return await _admit_and_exchange(request, exchange)
     finally:
-        # Every request is counted, those the sidecar itself turned away (413, 503) included.
+        # Every request is counted, those the sidecar itself turned away (400, 413, 503) included;
+        # an inference request it turned away also gets its record (outcome "rejected").
         app[RECORDER].forwarded(exchange.forwarded(request))
+        if exchange.outcome == "rejected" and not exchange.recorded and _is_inference(request):
+            app[RECORDER].rejected(exchange.observation(request))
+
+
+def _is_inference(request: web.Request) -> bool:
+    """Whether the request is one the evidence records (an observed inference route)."""
+    return request.app[SETTINGS].observe and is_observed(request.method, request.path)
 
 
 def _rejected(exchange: Exchange, response: web.Response) -> web.Response:
@@ -362,6 +378,7 @@ async def _observe_and_exchange(
     finally:
         admission.leave()
         if exchange.observed:
+            exchange.recorded = True
             app[RECORDER].observation(exchange.observation(request))
 
 

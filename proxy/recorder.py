@@ -41,6 +41,14 @@ class Recorder:
             self._evidence.write(verification)
         self._metrics.observe(observation, verification)
 
+    def rejected(self, observation: Observation) -> None:
+        """Record an inference request the sidecar answered itself (400, 413, 503).
+
+        Evidence only: it never reached the engine, so it decides no verdict and counts no
+        tokens (its status is already in `requests_total`).
+        """
+        self._evidence.write(observation.to_record())
+
     def forwarded(self, forwarded: Forwarded) -> None:
         """Count one forwarded exchange, observed or not."""
         self._metrics.forwarded(forwarded)

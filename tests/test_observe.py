@@ -8,6 +8,7 @@ import random
 import orjson
 import pytest
 
+from proxy.engines.base import EngineInfo
 from proxy.observe import (
     MAX_EVENT_BYTES,
     JsonAnswer,
@@ -21,6 +22,7 @@ from proxy.observe import (
     usage_from_json,
 )
 from proxy.observe.answer import KEEP_BYTES
+from proxy.observe.rules import InjectionRefusals, RuleEntry, rules_for
 
 # --- streams as the engines write them -------------------------------------------
 
@@ -581,3 +583,32 @@ def test_a_small_json_answer_is_decoded_whole() -> None:
     answer.feed(b'{"usage": {"prompt_tokens": 3, ')
     answer.feed(b'"completion_tokens": 1}, "id": "x", "timings": {"cache_n": 2, "prompt_n": 1}}')
     assert answer.usage() == Usage(3, 1, 2, "timings.cache_n") and answer.engine_id() == "x"
+
+
+# --- each engine's stream rules -----------------------------------------------------
+
+
+def test_each_engine_kind_gets_its_own_stream_rules() -> None:
+    assert rules_for(EngineInfo("llamacpp", "b7000")).inject is False
+    assert rules_for(EngineInfo("sglang", "0.4.6")).null_usage_added is False
+    assert rules_for(EngineInfo("vllm", "0.32.0")).last_event_members == frozenset({b'"system_fingerprint"'})
+    assert rules_for(EngineInfo("generic")) == rules_for(None) == StreamRules()
+
+
+def test_a_version_entry_applies_from_its_version_on() -> None:
+    later = StreamRules(null_usage_added=True)
+    table = (
+        RuleEntry("sglang", (), StreamRules(null_usage_added=False)),
+        RuleEntry("sglang", (0, 5, 10), later),
+    )
+    assert rules_for(EngineInfo("sglang", "0.5.9"), table).null_usage_added is False
+    assert rules_for(EngineInfo("sglang", "0.5.10rc1"), table) == later
+    assert rules_for(EngineInfo("sglang", "0.6"), table) == later
+    assert rules_for(EngineInfo("sglang", None), table).null_usage_added is False
+
+
+def test_an_engine_that_refused_the_injection_is_remembered_by_kind_and_version() -> None:
+    refusals = InjectionRefusals()
+    refusals.remember(EngineInfo("generic", "1.0"))
+    assert refusals.refused(EngineInfo("generic", "1.0"))
+    assert not refusals.refused(EngineInfo("generic", "1.1")) and not refusals.refused(None)

@@ -15,6 +15,7 @@ from proxy.observe.jsonscan import Buffer, find_members, skip_ws, trailing_membe
 __all__ = [
     "STREAM_RULES",
     "InjectionRefusals",
+    "RuleEntry",
     "StreamRules",
     "has_finish",
     "is_usage_only",
@@ -46,7 +47,7 @@ class StreamRules:
 
 
 @dataclass(frozen=True)
-class _Entry:
+class RuleEntry:
     """Rules for one engine kind from `since` (a version prefix, compared numerically) on."""
 
     kind: str
@@ -56,9 +57,9 @@ class _Entry:
 
 # Checked against the engines' own sources (see shared ENGINES.md) and the real servers
 # in tests/real. Later entries of a kind win for versions at or after their `since`.
-STREAM_RULES: tuple[_Entry, ...] = (
+STREAM_RULES: tuple[RuleEntry, ...] = (
     # vLLM 0.32 (seen): no `"usage": null` members; `system_fingerprint` on the last chunk.
-    _Entry(
+    RuleEntry(
         "vllm",
         (),
         StreamRules(null_usage_added=False, last_event_members=frozenset({b'"system_fingerprint"'})),
@@ -66,16 +67,16 @@ STREAM_RULES: tuple[_Entry, ...] = (
     # SGLang's pydantic-era chunks (`model_dump_json()`) carry `"usage": null` whether asked
     # or not; its msgspec encoder (sse_utils.StreamChunk, omit_defaults) never writes it.
     # Either way the null is not the injection's: never strip it.
-    _Entry("sglang", (), StreamRules(null_usage_added=False, last_event_members=frozenset())),
+    RuleEntry("sglang", (), StreamRules(null_usage_added=False, last_event_members=frozenset())),
     # llama.cpp: never injected — the finish chunk carries `timings.cache_n`, and its
     # /v1/completions streams may carry usage unasked. `timings` rides on the last event.
-    _Entry(
+    RuleEntry(
         "llamacpp",
         (),
         StreamRules(inject=False, null_usage_added=False, last_event_members=frozenset({b'"timings"'})),
     ),
     # mindnano: OpenAI's nulls; `mindnano_metrics` is on the finish chunk already.
-    _Entry("mindnano", (), StreamRules(null_usage_added=True, last_event_members=frozenset())),
+    RuleEntry("mindnano", (), StreamRules(null_usage_added=True, last_event_members=frozenset())),
 )
 # Any other OpenAI-compatible server: OpenAI's contract, and whatever trails usage moves back.
 DEFAULT_RULES = StreamRules()
@@ -87,13 +88,13 @@ def _version(text: str | None) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
-def rules_for(info: EngineInfo | None) -> StreamRules:
+def rules_for(info: EngineInfo | None, table: tuple[RuleEntry, ...] = STREAM_RULES) -> StreamRules:
     """The stream rules of the engine the sidecar fronts (the default for one not yet known)."""
     if info is None:
         return DEFAULT_RULES
     version = _version(info.version)
     chosen = DEFAULT_RULES
-    for entry in STREAM_RULES:
+    for entry in table:
         if entry.kind == info.kind and (not entry.since or (version and version >= entry.since)):
             chosen = entry.rules
     return chosen

@@ -37,7 +37,7 @@ from proxy.errors import error_response
 from proxy.logs import log_event
 from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
-from proxy.reset_params import CLUSTER, BadInput, ResetParams, read_params
+from proxy.reset_params import CLUSTER, BadInput, ResetParams, read_params, worst_case_seconds
 from proxy.verification import Verification, VerifyMode, answer_of, not_run, record_with
 
 __all__ = [
@@ -260,12 +260,7 @@ class ResetService:
             if params.drain:
                 # A held request waits out the whole reset at worst: the drain, the retry window,
                 # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
-                one_reset = 2 * params.retry_seconds + settings.reset_attempt_timeout
-                # A canary adds five requests and two more resets, each bounded.
-                canary_s = (
-                    5 * settings.reset_attempt_timeout + 2 * one_reset if isinstance(canary, Canary) else 0.0
-                )
-                hold = admission.hold(settings.drain_timeout + one_reset + canary_s)
+                hold = admission.hold(worst_case_seconds(settings, params, canary=isinstance(canary, Canary)))
                 drained = await admission.wait_idle(settings.drain_timeout)
                 drain = {**drained.to_json(), "enabled": True, "inflight_at_end": drained.inflight_at_end}
 

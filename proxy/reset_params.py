@@ -24,6 +24,7 @@ __all__ = [
     "is_valid_id",
     "parse_params",
     "read_params",
+    "worst_case_seconds",
 ]
 
 MAX_RETRY_SECONDS = 120.0
@@ -80,6 +81,16 @@ class ResetParams:
     # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
     parent_reset_id: str | None = None
     verify: VerifyMode = VerifyMode.CANARY
+
+
+def worst_case_seconds(settings: Settings, params: ResetParams, *, canary: bool) -> float:
+    """The longest one pod's reset can take: the drain, the retry window (SGLang's `?timeout=`
+    wait inside an attempt doubles it), the last attempt, and a canary's five requests and two
+    more resets. Held requests wait this long at most; a cluster reset waits this long for a pod."""
+    one_reset = 2 * params.retry_seconds + settings.reset_attempt_timeout
+    canary_s = 5 * settings.reset_attempt_timeout + 2 * one_reset if canary else 0.0
+    drain = settings.drain_timeout if params.drain else 0.0
+    return drain + one_reset + canary_s
 
 
 def _text_bool(name: str, text: str) -> bool:

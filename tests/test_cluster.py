@@ -15,7 +15,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.config import ConfigError, load_settings
+from proxy.config import SETTINGS, ConfigError, load_settings
 from proxy.evidence import EVIDENCE
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, cluster, shared_port
 from tests.conftest import serve_app, serve_sidecar, stack
@@ -353,3 +353,54 @@ async def test_merged_evidence_names_a_pod_that_breaks_off_mid_answer(tmp_path: 
         (broken,) = trailer["unreadable"]
         assert broken["pod"] == f"127.0.0.2:{c.port}" and "the read broke off after" in broken["error"]
         assert all(r["pod"] in (c.pods[0].address, broken["pod"]) for r in records)
+
+
+async def test_cluster_deadline_covers_each_pods_canary(tmp_path: Path) -> None:
+    """The shared deadline waits out a pod's canary when one is asked for, and not when verify is none."""
+    async with cluster(tmp_path, [fast("vllm")]) as c:
+        status, with_canary = await c.reset({"scope": "cluster", "verify": "canary"}, query="")
+        assert status == 200, with_canary
+        status, without = await c.reset({"scope": "cluster", "verify": "none"}, query="")
+        assert status == 200, without
+        settings = c.pods[0].app[SETTINGS]
+        canary_s = 5 * settings.reset_attempt_timeout + 2 * (
+            2 * settings.retry_seconds + settings.reset_attempt_timeout
+        )
+        assert with_canary["deadline_s"] - without["deadline_s"] == pytest.approx(canary_s)
+
+
+async def test_every_pod_verified_by_its_canary_is_a_verified_success(tmp_path: Path) -> None:
+    """vLLM pods whose canaries all verify: 200, success true, each pod and the record say verified."""
+    async with cluster(tmp_path, [fast("vllm")] * 2) as c:
+        status, body = await c.reset()
+        assert status == 200, body
+        assert (body["answer"], body["success"]) == ("acknowledged", True)
+        assert {p["verified"] for p in body["pods"]} == {"verified"}
+        assert body["cache_state"]["verified"] == "verified"
+
+
+async def test_a_pod_contradicted_by_its_canary_is_a_409_contradicted(tmp_path: Path) -> None:
+    """llama.cpp keeping its RAM prompt cache: that pod contradicted, the cluster 409 contradicted."""
+    async with cluster(
+        tmp_path, [fast("vllm"), fast("llamacpp", slot_save_path=str(tmp_path), ram_cache=True)]
+    ) as c:
+        status, body = await c.reset()
+        assert status == 409, body
+        assert (body["answer"], body["success"]) == ("contradicted", False)
+        by_pod = {p["pod"]: p for p in body["pods"]}
+        assert by_pod[c.pods[1].address]["verified"] == "contradicted"
+        assert by_pod[c.pods[0].address]["verified"] == "verified"
+        assert body["cache_state"]["verified"] == "contradicted"
+        assert c.pods[1].address in body["detail"]
+
+
+async def test_an_acknowledged_pod_its_canary_could_not_verify_is_not_a_success(tmp_path: Path) -> None:
+    """A pod whose engine reports no cached tokens: acknowledged, canary unverified, so 200 without success."""
+    async with cluster(tmp_path, [fast("vllm"), fast("vllm", prompt_tokens_details=False)]) as c:
+        status, body = await c.reset()
+        assert status == 200, body
+        assert body["answer"] == "accepted_unverified"
+        assert "success" not in body
+        blind = next(p for p in body["pods"] if p["pod"] == c.pods[1].address)
+        assert (blind["answer"], blind["verified"]) == ("acknowledged", "unverified")
+        assert "cached-token" in blind["error"]

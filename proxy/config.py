@@ -160,7 +160,7 @@ def _check_upstream_credentials(upstream: str) -> None:
     raise ConfigError(
         f"config: upstream = {redact_url(upstream)!r} carries credentials (user:password@), which "
         "would break every request that brings its own Authorization; give the URL without them "
-        "and put the engine's key in upstream_api_key (env CACHEWITNESS_UPSTREAM_API_KEY)"
+        "and put the engine's key in upstream_api_key (env CACHEWITNESS_UPSTREAM_API_KEY, or upstream_api_key_file)"
     )
 
 

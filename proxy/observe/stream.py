@@ -3,19 +3,15 @@
 Pass-through (no rules): every chunk goes to the client as it came (the same object) and
 is only scanned. Stripping (the stream was injected into): events are framed and what the
 engine's `StreamRules` say the injection added is removed byte-wise, never re-serialised.
-
-Engines attach some members to the stream's LAST event (vLLM `system_fingerprint`,
-llama.cpp `timings`): with include_usage that is the usage chunk, without it the finish
-chunk. So a finish chunk (`finish_reason` set) is held until the next data event — the
-usage chunk follows it at once, comments (`: ping`) and data-less events may come between
-and are held after it — and the rules' members on a dropped usage chunk move back onto it.
-No other event is ever held back.
+A finish chunk waits in a `FinishHold` (hold.py) until the next data event, so that what
+the engine put on the usage chunk for the stream's last event can move back onto it.
 """
 
 from __future__ import annotations
 
+from proxy.observe.hold import FinishHold
 from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, without
-from proxy.observe.rules import StreamRules, has_finish, is_usage_only, moved_members, with_members
+from proxy.observe.rules import StreamRules, has_finish, is_usage_only
 from proxy.observe.sse import CRLF_BLANK, LF_BLANK, MAX_EVENT_BYTES, DataLines, data_lines, next_separator
 from proxy.observe.usage import NO_USAGE, Usage, first_id, usage_from_fragment, usage_from_json
 
@@ -58,8 +54,7 @@ class StreamScanner:
         self._deferred: bytes | None = None  # latest side-marker event, decoded lazily
         self._engine_id: str | None = None
         self._id_read = False
-        self._held: bytes | None = None  # a finish chunk waiting for the event after it
-        self._held_after: list[bytes] = []  # comments and data-less events that came after it
+        self._hold = FinishHold(rules.last_event_members if rules is not None else None)
         self._usage_chunk = b""  # the payload of the usage chunk just dropped
         # What the event just scanned was: sets `finish_reason`, was dropped, has no data.
         self._finish = self._dropped = self._no_data = False
@@ -115,7 +110,7 @@ class StreamScanner:
             self._carry += memoryview(chunk)[consumed:]
         if len(self._carry) > MAX_EVENT_BYTES:
             self._big, self._carry, self._big_finish = self._carry, bytearray(), False
-            emitted += self._release_hold() + self._big_emit()
+            emitted += self._hold.release() + self._big_emit()
         return emitted if strip else chunk
 
     def finish(self) -> bytes:
@@ -132,7 +127,7 @@ class StreamScanner:
             if self._rules is not None:
                 piece = self._through_hold(piece)
         self._apply_deferred()
-        return self._release_hold() + piece if self._rules is not None else b""
+        return self._hold.release() + piece if self._rules is not None else b""
 
     # -- framing ---------------------------------------------------------------------------
     def _frame(self, data: Buffer, search_from: int = 0) -> tuple[bytes | None, int]:
@@ -157,7 +152,7 @@ class StreamScanner:
             else:
                 break
             changed = self._event(data, start, body_end, event_end)
-            if strip and (self._held is not None or self._finish or self._dropped):
+            if strip and (self._hold.held is not None or self._finish or self._dropped):
                 if pieces is None:
                     pieces = [bytes(data[:start])]
                 piece = changed if changed is not None else bytes(data[start:event_end])
@@ -173,7 +168,18 @@ class StreamScanner:
     def _event(self, data: Buffer, start: int, body_end: int, event_end: int) -> bytes | None:
         """Scan the event data[start:event_end]; its stripped bytes, or None if unchanged."""
         rules = self._rules
-        if rules is not None:
+        if rules is None:
+            # Passing through, an event with nothing to read goes by on four searches (the
+            # usual content chunk: this runs for every token of every stream).
+            if (
+                self._id_read
+                and data.find(_USAGE_KEY, start, body_end) == -1
+                and data.find(_SIDE_MARKERS[0], start, body_end) == -1
+                and data.find(_SIDE_MARKERS[1], start, body_end) == -1
+                and data.find(_SIDE_MARKERS[2], start, body_end) == -1
+            ):
+                return None
+        else:
             self._finish = self._dropped = self._no_data = False
         lines: DataLines | None = None
         buf: Buffer = data
@@ -239,33 +245,8 @@ class StreamScanner:
 
     def _through_hold(self, piece: bytes) -> bytes:
         """Pass one scanned event through the finish-chunk hold; the bytes to emit now."""
-        if self._dropped:
-            if self._held is None:
-                return b""
-            names = self._rules.last_event_members if self._rules is not None else None
-            self._held = with_members(self._held, moved_members(self._usage_chunk, self._held, names))
-            return self._release_hold()
-        if self._held is not None:
-            if self._no_data:
-                self._held_after.append(piece)
-                return b""
-            out = self._release_hold()
-            if self._finish:
-                self._held = piece
-                return out
-            return out + piece
-        if self._finish:
-            self._held = piece
-            return b""
-        return piece
-
-    def _release_hold(self) -> bytes:
-        """The held finish chunk and what came after it, now let go."""
-        if self._held is None:
-            return b""
-        out = b"".join((self._held, *self._held_after))
-        self._held, self._held_after = None, []
-        return out
+        dropped = self._usage_chunk if self._dropped else None
+        return self._hold.take(piece, finish=self._finish, dropped_usage=dropped, no_data=self._no_data)
 
     # -- events over MAX_EVENT_BYTES ---------------------------------------------------------
     def _big_emit(self) -> bytes:

@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -29,7 +30,9 @@ from proxy.verification import VerifyMode
 
 __all__ = [
     "PEER_CLIENT",
+    "PeerReply",
     "admin_headers",
+    "call_peer",
     "cluster_reset",
     "cluster_timeout_s",
     "fan_out",
@@ -68,6 +71,41 @@ def _pod_body(params: ResetParams, reset_id: str) -> bytes:
     return orjson.dumps({name: value for name, value in values.items() if value is not None})
 
 
+@dataclass(frozen=True)
+class PeerReply:
+    """One call to a peer sidecar: its status and body (at most `limit` + 1 bytes), or why none came."""
+
+    url: str
+    status: int | None
+    body: bytes = b""
+    error: str | None = None
+    timed_out: bool = False
+
+
+async def call_peer(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str,
+    *,
+    headers: dict[str, str],
+    deadline: float,
+    limit: int,
+    data: bytes | None = None,
+) -> PeerReply:
+    """Call a peer before `deadline` (loop time), reading at most `limit` + 1 bytes; never raises
+    (except cancellation)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            async with session.request(
+                method, url, data=data, headers=headers, allow_redirects=False
+            ) as response:
+                return PeerReply(url, response.status, await response.content.read(limit + 1))
+    except TimeoutError:
+        return PeerReply(url, None, error="no answer before the deadline", timed_out=True)
+    except (aiohttp.ClientError, OSError) as exc:
+        return PeerReply(url, None, error=f"cannot reach the pod: {type(exc).__name__}: {exc}")
+
+
 async def _reset_pod(
     session: aiohttp.ClientSession,
     peer: Peer,
@@ -76,17 +114,16 @@ async def _reset_pod(
     deadline: float,
     timeout_s: float,
 ) -> PodReset:
-    """One pod's reset, bounded by the shared deadline; never raises (except cancellation)."""
+    """One pod's reset, bounded by the shared deadline."""
     url = f"{peer.base_url}/cache/reset"
-    try:
-        async with asyncio.timeout_at(deadline):
-            async with session.post(url, data=body, headers=headers, allow_redirects=False) as response:
-                raw = await response.content.read(_ANSWER_READ_LIMIT)
-                return pod_answer(peer, url, response.status, raw)
-    except TimeoutError:
+    reply = await call_peer(
+        session, "POST", url, headers=headers, deadline=deadline, limit=_ANSWER_READ_LIMIT, data=body
+    )
+    if reply.timed_out:
         return unreached(peer, url, f"no answer within the cluster deadline of {timeout_s:g} s")
-    except (aiohttp.ClientError, OSError) as exc:
-        return unreached(peer, url, f"cannot reach the pod: {type(exc).__name__}: {exc}")
+    if reply.status is None:
+        return unreached(peer, url, reply.error or "no answer")
+    return pod_answer(peer, url, reply.status, reply.body)
 
 
 async def fan_out(

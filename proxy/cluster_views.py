@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.cluster import PEER_CLIENT, admin_headers
+from proxy.cluster import PEER_CLIENT, admin_headers, call_peer
 from proxy.config import SETTINGS
 from proxy.errors import error_response
 from proxy.peers import Peer, PeerSet, discover_peers
@@ -56,17 +56,15 @@ async def _read_pod(
     deadline: float,
     limit: int,
 ) -> PodRead:
-    """GET `path` from one pod, bounded in time and size; never raises (except cancellation)."""
-    url = f"{peer.base_url}{path}"
-    try:
-        async with asyncio.timeout_at(deadline):
-            async with session.get(url, headers=headers, allow_redirects=False) as response:
-                body = await response.content.read(limit + 1)
-                status = response.status
-    except TimeoutError:
+    """GET `path` from one pod, bounded in time and size."""
+    reply = await call_peer(
+        session, "GET", f"{peer.base_url}{path}", headers=headers, deadline=deadline, limit=limit
+    )
+    url, status, body = reply.url, reply.status, reply.body
+    if reply.timed_out:
         return PodRead(peer.address, url, None, error=f"no answer within {READ_TIMEOUT_S:g} s")
-    except (aiohttp.ClientError, OSError) as exc:
-        return PodRead(peer.address, url, None, error=f"cannot reach the pod: {type(exc).__name__}: {exc}")
+    if status is None:
+        return PodRead(peer.address, url, None, error=reply.error)
     if status != 200:
         return PodRead(peer.address, url, status, error=f"HTTP {status}: {error_message(body)}")
     if len(body) > limit:

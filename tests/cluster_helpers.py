@@ -16,7 +16,7 @@ from aiohttp import web
 from proxy.sim import SimConfig
 from tests.conftest import serve_sidecar
 from tests.dns_server import DnsServer, dns_server
-from tests.sim_helpers import Sim, sim
+from tests.sim_helpers import Sim, chat, sim
 
 SERVICE = "cw-peers.ns.svc.cluster.test"
 TOKEN = "cluster-test-token"
@@ -127,3 +127,17 @@ async def cluster(
             url, app = sidecar.url, sidecar.app
             pods.append(Pod(host, engine, url, app, evidence))
         yield Cluster(pods, dns, port, http, token)
+
+
+@asynccontextmanager
+async def busy_engine(pod: Pod) -> AsyncIterator[None]:
+    """A stream generating at the pod's engine for the whole block, sent straight to the engine so
+    the sidecar's drain cannot wait it out (a vLLM engine then refuses its reset)."""
+    stream = await pod.engine.http.post(
+        pod.engine.url + "/v1/chat/completions", json=chat("busy", max_tokens=2000, stream=True)
+    )
+    try:
+        await pod.engine.wait_stats(lambda stats: stats["running"] == 1)
+        yield
+    finally:
+        stream.close()

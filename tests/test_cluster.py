@@ -6,6 +6,7 @@ port, and a dnslib server answers the headless-Service name with their addresses
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from aiohttp import web
 
 from proxy.config import SETTINGS, ConfigError, load_settings
 from proxy.evidence import EVIDENCE
-from tests.cluster_helpers import SERVICE, TOKEN, Pod, cluster, shared_port
+from tests.cluster_helpers import SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.conftest import serve_app, serve_sidecar, stack
 from tests.sim_helpers import chat, fast, sim, slow, words
 
@@ -90,15 +91,8 @@ async def test_one_engine_refusing_is_a_409_naming_its_pod(tmp_path: Path) -> No
     """vLLM refuses while a request runs: with no retry window that pod is refused, the answer 409."""
     async with cluster(tmp_path, [fast("vllm"), slow("vllm"), fast("vllm")]) as c:
         busy = c.pods[1]
-        # Straight to the engine, so the sidecar's drain cannot wait it out.
-        stream = await busy.engine.http.post(
-            busy.engine.url + "/v1/chat/completions", json=chat("busy", max_tokens=2000, stream=True)
-        )
-        try:
-            await busy.engine.wait_stats(lambda s: s["running"] == 1)
+        async with busy_engine(busy):
             status, body = await c.reset({"scope": "cluster", "retry_seconds": 0, "drain": False}, query="")
-        finally:
-            stream.close()
         assert status == 409, body
         assert (body["answer"], body["success"]) == ("refused", False)
         by_pod = {p["pod"]: p["answer"] for p in body["pods"]}
@@ -404,3 +398,26 @@ async def test_an_acknowledged_pod_its_canary_could_not_verify_is_not_a_success(
         blind = next(p for p in body["pods"] if p["pod"] == c.pods[1].address)
         assert (blind["answer"], blind["verified"]) == ("acknowledged", "unverified")
         assert "cached-token" in blind["error"]
+
+
+async def test_a_pod_that_never_answers_is_unreachable_at_the_shared_deadline(tmp_path: Path) -> None:
+    """A peer that takes the call and hangs: the others' answers come at the deadline, that pod unreachable."""
+    never = asyncio.Event()
+
+    async def hangs(request: web.Request) -> web.Response:
+        await never.wait()
+        return web.json_response({})
+
+    hung = web.Application()
+    hung.router.add_post("/cache/reset", hangs)
+    async with cluster(tmp_path, [fast("vllm")], reset_attempt_timeout=0.5) as c:
+        async with serve_app(hung, "127.0.0.2", c.port):
+            c.serve([c.pods[0].host, "127.0.0.2"])
+            status, body = await c.reset(
+                {"scope": "cluster", "drain": False, "retry_seconds": 0, "verify": "none"}, query=""
+            )
+        assert status == 502, body
+        assert body["deadline_s"] == pytest.approx(0.5 + 10.0)
+        by_pod = {p["pod"]: p for p in body["pods"]}
+        assert by_pod[c.pods[0].address]["answer"] == "acknowledged"
+        assert "no answer within the cluster deadline" in by_pod[f"127.0.0.2:{c.port}"]["error"]

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from proxy.app import build_app
-from tests.cluster_helpers import TOKEN, cluster
+from tests.cluster_helpers import TOKEN, busy_engine, cluster
 from tests.conftest import make_settings, serve_app
-from tests.sim_helpers import chat, fast, slow
+from tests.sim_helpers import fast, slow
 from tests.test_client import cli
 
 
@@ -29,16 +29,10 @@ async def test_cluster_reset_exits_with_the_worst_pods_code(tmp_path: Path) -> N
     async with cluster(tmp_path, [fast("vllm"), slow("vllm")]) as c:
         busy = c.pods[1]
         c.serve([c.pods[0].host, busy.host, "127.0.0.4"])
-        stream = await busy.engine.http.post(
-            busy.engine.url + "/v1/chat/completions", json=chat("busy", max_tokens=2000, stream=True)
-        )
-        try:
-            await busy.engine.wait_stats(lambda s: s["running"] == 1)
+        async with busy_engine(busy):
             run = await cli(
                 "reset", "--url", c.pods[0].url, "--scope", "cluster", "--retry-seconds", "0", "--no-drain"
             )
-        finally:
-            stream.close()
         assert run.code == 8, run.stdout + run.stderr
         answers = {line.split()[0]: line.split()[2] for line in run.stdout.splitlines()[2:]}
         assert answers == {
@@ -52,16 +46,10 @@ async def test_cluster_reset_refused_only_exits_4(tmp_path: Path) -> None:
     """The worst pod refused: exit 4 (refused), not the cluster's 409 read as something else."""
     async with cluster(tmp_path, [fast("vllm"), slow("vllm")]) as c:
         busy = c.pods[1]
-        stream = await busy.engine.http.post(
-            busy.engine.url + "/v1/chat/completions", json=chat("busy", max_tokens=2000, stream=True)
-        )
-        try:
-            await busy.engine.wait_stats(lambda s: s["running"] == 1)
+        async with busy_engine(busy):
             run = await cli(
                 "reset", "--url", c.pods[0].url, "--scope", "cluster", "--retry-seconds", "0", "--no-drain"
             )
-        finally:
-            stream.close()
         assert run.code == 4, run.stdout + run.stderr
 
 

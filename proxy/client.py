@@ -61,8 +61,22 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 
 
+def _exit_code_help() -> str:
+    """The exit codes in one line, from the same constants the commands return (README has the table)."""
+    answers: dict[int, list[str]] = {}
+    for answer, code in EXIT_CODES.items():
+        answers.setdefault(code, []).append(answer)
+    words = {code: "/".join(names) for code, names in answers.items()}
+    words[EXIT_FAILED] = "engine unreachable or another error (" + words.get(EXIT_FAILED, "") + ")"
+    words[EXIT_BAD_INPUT] = "bad input"
+    words[EXIT_SIDECAR_UNREACHABLE] = "sidecar unreachable"
+    words[EXIT_ADMIN_REFUSED] = "admin token refused"
+    return "exit codes: " + ", ".join(f"{code} {words[code]}" for code in sorted(words))
+
+
 def _common_arguments(parser: argparse.ArgumentParser) -> None:
     """--url, --token-file, --timeout: where the sidecar is and how to be let in."""
+    parser.epilog = _exit_code_help()
     parser.add_argument(
         "--url",
         default=None,

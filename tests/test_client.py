@@ -228,3 +228,17 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
     ]
     row = [r.split() for r in rows if r.split()[:2] == ["s1", "c1"]]
     assert row and row[0][2:5] == ["acknowledged", "verified", "consistent"] and row[0][5] == "2"
+
+
+@pytest.mark.parametrize("command", ["reset", "evidence"])
+def test_help_lists_every_exit_code(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from proxy import client
+    from proxy.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    codes = {*client.EXIT_CODES.values(), client.EXIT_SIDECAR_UNREACHABLE, client.EXIT_ADMIN_REFUSED}
+    for code in sorted(codes | {client.EXIT_BAD_INPUT}):
+        assert f" {code} " in text.split("exit codes:", 1)[1] + " ", code
+    assert "8 sidecar unreachable" in text and "9 admin token refused" in text

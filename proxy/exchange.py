@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-__all__ = ["Forwarded"]
+__all__ = ["Forwarded", "Outcome"]
+
+
+class Outcome(StrEnum):
+    """How a forwarded exchange ended (the `outcome` of observations and of the request metrics)."""
+
+    OK = "ok"  # the engine's answer reached the client whole
+    CLIENT_DISCONNECTED = "client_disconnected"
+    UPSTREAM_ERROR = "upstream_error"
+    TIMEOUT = "timeout"
+    REJECTED = "rejected"  # answered by the sidecar itself (400, 413, 503), never by the engine
 
 
 @dataclass(frozen=True)
@@ -14,7 +25,7 @@ class Forwarded:
     method: str
     path: str
     status: int | None
-    outcome: str  # an Observation outcome, or "rejected": answered by the sidecar itself (413, 503)
+    outcome: Outcome
     started_ns: int
     first_byte_ns: int | None
     finished_ns: int

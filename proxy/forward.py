@@ -20,7 +20,7 @@ from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.engines.base import EngineInfo
 from proxy.errors import error_response
-from proxy.exchange import Forwarded
+from proxy.exchange import Forwarded, Outcome
 from proxy.inbound import refusal
 from proxy.logs import log_event
 from proxy.observe import (
@@ -93,7 +93,7 @@ class Exchange:
     started_ns: int
     status: int | None = None
     first_byte_ns: int | None = None
-    outcome: str = "ok"
+    outcome: Outcome = Outcome.OK
     upstream_sent_ns: int | None = None
     upstream_head_ns: int | None = None
     observed: bool = False
@@ -231,10 +231,10 @@ def _too_large(limit: int) -> web.Response:
 def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     """Map an upstream failure before the response head to 502/504."""
     if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
-        exchange.outcome = "timeout"
+        exchange.outcome = Outcome.TIMEOUT
         status, code, what = 504, "upstream_timeout", "the upstream did not answer in time"
     else:
-        exchange.outcome = "upstream_error"
+        exchange.outcome = Outcome.UPSTREAM_ERROR
         status, code = 502, "upstream_unreachable"
         if isinstance(exc, aiohttp.ClientConnectorError):
             what = "the upstream refused the connection or cannot be reached"
@@ -308,7 +308,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
         # Every request is counted, those the sidecar itself turned away (400, 413, 503) included;
         # an inference request it turned away also gets its record (outcome "rejected").
         app[RECORDER].forwarded(exchange.forwarded(request))
-        if exchange.outcome == "rejected" and not exchange.recorded and _is_inference(request):
+        if exchange.outcome == Outcome.REJECTED and not exchange.recorded and _is_inference(request):
             app[RECORDER].rejected(exchange.observation(request))
 
 
@@ -320,7 +320,7 @@ def _is_inference(request: web.Request) -> bool:
 def _rejected(exchange: Exchange, response: web.Response) -> web.Response:
     """A request the sidecar answers itself, without the engine."""
     exchange.status = response.status
-    exchange.outcome = "rejected"
+    exchange.outcome = Outcome.REJECTED
     return response
 
 
@@ -352,7 +352,7 @@ async def _observe_and_exchange(
         except BodyTooLarge:
             return _rejected(exchange, _too_large(limit))
         except ClientGone:
-            exchange.outcome = "client_disconnected"
+            exchange.outcome = Outcome.CLIENT_DISCONNECTED
             raise asyncio.CancelledError from None
         if complete:
             prepared = _prepare(app, exchange, body, request.path)
@@ -428,10 +428,10 @@ async def _exchange(
     except BodyTooLarge:
         return _rejected(exchange, _too_large(limit))
     except ClientGone:
-        exchange.outcome = "client_disconnected"
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise asyncio.CancelledError from None
     except asyncio.CancelledError:
-        exchange.outcome = "client_disconnected"
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         cause = exc.__cause__ if isinstance(exc.__cause__, (BodyTooLarge, ClientGone)) else None
@@ -526,9 +526,11 @@ async def _relay(
         await response.write_eof()
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client left; closing upstream aborts the engine.
-        exchange.outcome = "client_disconnected"
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
     except (TimeoutError, aiohttp.ClientError) as exc:
-        exchange.outcome = "timeout" if isinstance(exc, asyncio.TimeoutError) else "upstream_error"
+        exchange.outcome = (
+            Outcome.TIMEOUT if isinstance(exc, asyncio.TimeoutError) else Outcome.UPSTREAM_ERROR
+        )
         log_event(
             log,
             logging.WARNING,
@@ -541,6 +543,6 @@ async def _relay(
         if request.transport is not None:
             request.transport.abort()
     except asyncio.CancelledError:
-        exchange.outcome = "client_disconnected"
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise
     return response

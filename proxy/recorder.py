@@ -16,7 +16,7 @@ from proxy.exchange import Forwarded
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.verification import CanaryOutcome, Verified
-from proxy.witness import WITNESS, Witness
+from proxy.witness import WITNESS, ResetSummary, Witness
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
 
@@ -35,11 +35,11 @@ class Recorder:
 
     def observation(self, observation: Observation) -> None:
         """Record one inference exchange: never blocks, never raises into the forwarding path."""
-        verification = self.witness.observe(observation)
+        settled = self.witness.observe(observation)
         self._evidence.write(observation.to_record())
-        if verification is not None:
-            self._evidence.write(verification)
-        self._metrics.observe(observation, verification)
+        if settled is not None:
+            self._evidence.write(settled.to_record())
+        self._metrics.observe(observation, settled.verdict if settled is not None else None)
 
     def rejected(self, observation: Observation) -> None:
         """Record an inference request the sidecar answered itself (400, 413, 503).
@@ -74,7 +74,7 @@ class Recorder:
     def reset_answered(
         self,
         records: Iterable[dict[str, Any]],
-        summary: dict[str, Any],
+        summary: ResetSummary,
         *,
         engine_kind: str,
         answer: str,
@@ -86,7 +86,7 @@ class Recorder:
             self._evidence.write(record)
         self.witness.reset_answered(summary)
         # Once per engine reset: coalesced callers count once.
-        self._metrics.reset_answered(engine_kind, answer, summary["duration_s"], attempts)
+        self._metrics.reset_answered(engine_kind, answer, summary.duration_s, attempts)
         self._metrics.reset_verified(verified)
 
     def cluster_reset(self, record: dict[str, Any]) -> None:

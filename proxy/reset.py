@@ -39,6 +39,7 @@ from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
 from proxy.reset_params import CLUSTER, BadInput, ResetParams, read_params, worst_case_seconds
 from proxy.verification import Verification, VerifyMode, answer_of, not_run, record_with
+from proxy.witness import ResetSummary
 
 __all__ = [
     "INTERRUPTED_BY_SHUTDOWN",
@@ -344,7 +345,7 @@ class ResetService:
             status=reset.status,
             url=reset.url,
             error=reset.error,
-            duration_s=summary["duration_s"],
+            duration_s=summary.duration_s,
             callers=len(current.callers),
             drain_waited_s=outcome.drain["waited_s"],
             verified=outcome.verification.verified.value,
@@ -411,36 +412,36 @@ def _answer(
     return status, body
 
 
-def _summary(current: _Round, outcome: _Outcome, first_record: dict[str, Any]) -> dict[str, Any]:
+def _summary(current: _Round, outcome: _Outcome, first_record: dict[str, Any]) -> ResetSummary:
     """What the witness is told once per engine reset."""
     reset = outcome.reset
     answered = reset.answered_at_ns or reset.at_ns
-    return {
-        "reset_id": current.reset_id,
-        "answer": answer_of(reset, outcome.verification)[0],
-        "verified": outcome.verification.verified.value,
-        "verification": outcome.verification.to_json(),
-        "reference_answer": reset.answer,
-        "succeeded": reset.succeeded,
-        "acknowledged": reset.acknowledged,
-        "engine": outcome.engine.to_json(),
-        "attempts": reset.attempts,
-        "status": reset.status,
-        "url": reset.url,
-        "error": reset.error,
-        "hint": reset.hint,
-        "warning": reset.warning,
-        "at_ns": reset.at_ns,
-        "answered_at_ns": reset.answered_at_ns,
-        "duration_s": max(0, answered - reset.at_ns) / 1e9,
-        "drain": outcome.drain,
-        "session_id": current.params.session_id,
-        "case_id": current.params.case_id,
-        "callers": [
+    return ResetSummary(
+        reset_id=current.reset_id,
+        answer=answer_of(reset, outcome.verification)[0],
+        verified=outcome.verification.verified.value,
+        verification=outcome.verification.to_json(),
+        reference_answer=reset.answer,
+        succeeded=reset.succeeded,
+        acknowledged=reset.acknowledged,
+        engine=outcome.engine.to_json(),
+        attempts=reset.attempts,
+        status=reset.status,
+        url=reset.url,
+        error=reset.error,
+        hint=reset.hint,
+        warning=reset.warning,
+        at_ns=reset.at_ns,
+        answered_at_ns=reset.answered_at_ns,
+        duration_s=max(0, answered - reset.at_ns) / 1e9,
+        drain=outcome.drain,
+        session_id=current.params.session_id,
+        case_id=current.params.case_id,
+        callers=tuple(
             {"session_id": c.params.session_id, "case_id": c.params.case_id} for c in current.callers
-        ],
-        "cache_state": first_record,
-    }
+        ),
+        cache_state=first_record,
+    )
 
 
 def _answer_all(current: _Round, status: int, body: dict[str, Any]) -> None:

@@ -10,12 +10,13 @@ that one first and filled the cache, so the verdict is `inconclusive`.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
 
+from proxy.exchange import Outcome
 from proxy.observe import Observation
 from proxy.verification import Verified
 
@@ -58,9 +59,68 @@ class _Candidate:
     cached_tokens: int | None
 
 
+@dataclass(frozen=True)
+class TrafficVerdict:
+    """The request that settled a reset's traffic verdict: an `infer.cache_verification` record."""
+
+    reset_id: str
+    session_id: str | None
+    case_id: str | None
+    verdict: Verdict
+    request_id: str
+    cached_tokens: int | None
+    at_ns: int
+
+    def to_record(self) -> dict[str, Any]:
+        """The evidence record (SPEC §5.3)."""
+        return {
+            "schema_version": 1,
+            "event_type": "infer.cache_verification",
+            "at_ns": self.at_ns,
+            "reset_id": self.reset_id,
+            "session_id": self.session_id,
+            "case_id": self.case_id,
+            "verdict": self.verdict.value,
+            "request_id": self.request_id,
+            "cached_tokens": self.cached_tokens,
+        }
+
+
+@dataclass(frozen=True)
+class ResetSummary:
+    """What the witness is told once per engine reset (the `last_reset` of /cache/state)."""
+
+    reset_id: str
+    answer: str
+    verified: str
+    verification: dict[str, Any]
+    reference_answer: str | None
+    succeeded: bool
+    acknowledged: bool
+    engine: dict[str, Any]
+    attempts: int
+    status: int | None
+    url: str | None
+    error: str | None
+    hint: str | None
+    warning: str | None
+    at_ns: int
+    answered_at_ns: int | None
+    duration_s: float
+    drain: dict[str, Any]
+    session_id: str | None
+    case_id: str | None
+    callers: tuple[dict[str, str | None], ...]
+    cache_state: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON shape /cache/state shows."""
+        return {**asdict(self), "callers": list(self.callers)}
+
+
 def _decides(obs: Observation) -> bool:
     """A request decides only when the exchange completed with a 2xx answer."""
-    return obs.outcome == "ok" and obs.status is not None and 200 <= obs.status < 300
+    return obs.outcome == Outcome.OK and obs.status is not None and 200 <= obs.status < 300
 
 
 class Witness:
@@ -80,7 +140,7 @@ class Witness:
         self._best: _Candidate | None = None
         self._verdict = Verdict.PENDING
         self._decided: _Candidate | None = None
-        self._last_reset: dict[str, Any] | None = None
+        self._last_reset: ResetSummary | None = None
         # Ordinal → when it reached the engine (time.time_ns()), while the verdict is pending.
         self._started: dict[int, int] = {}
         self._reset_counters()
@@ -131,9 +191,9 @@ class Witness:
         self._decided = None
         self._reset_counters()
 
-    def reset_answered(self, reset_summary: dict[str, Any]) -> None:
+    def reset_answered(self, summary: ResetSummary) -> None:
         """Remember any reset's answer as the last reset shown by /cache/state."""
-        self._last_reset = dict(reset_summary)
+        self._last_reset = summary
 
     def abandon(self, reset_id: str | None, ordinal: int | None) -> None:
         """A begun request that will never be observed: stop waiting for it."""
@@ -141,8 +201,8 @@ class Witness:
             self._in_flight.discard(ordinal)
             self._settle()
 
-    def observe(self, obs: Observation) -> dict[str, Any] | None:
-        """Count one finished request; return the verification record if it settles the verdict."""
+    def observe(self, obs: Observation) -> TrafficVerdict | None:
+        """Count one finished request; return the traffic verdict if it settles it."""
         if not self._current(obs.reset_id):
             return None  # a late request of an earlier sequence decides nothing now
         self._count(obs)
@@ -192,7 +252,7 @@ class Witness:
             self._ratio_prompt += obs.prompt_tokens
             self._ratio_cached += obs.cached_tokens
 
-    def _settle(self) -> dict[str, Any] | None:
+    def _settle(self) -> TrafficVerdict | None:
         """Decide when the lowest candidate has no lower ordinal still in flight."""
         best = self._best
         if best is None or self._sequence is None:
@@ -204,17 +264,16 @@ class Witness:
         self._best = None
         self._in_flight = set()
         self._started = {}
-        return {
-            "schema_version": 1,
-            "event_type": "infer.cache_verification",
-            "at_ns": time.time_ns(),
-            "reset_id": self._sequence.reset_id,
-            "session_id": self._sequence.session_id,
-            "case_id": self._sequence.case_id,
-            "verdict": best.verdict.value,
-            "request_id": best.request_id,
-            "cached_tokens": best.cached_tokens,
-        }
+        sequence = self._sequence
+        return TrafficVerdict(
+            sequence.reset_id,
+            sequence.session_id,
+            sequence.case_id,
+            best.verdict,
+            best.request_id,
+            best.cached_tokens,
+            time.time_ns(),
+        )
 
     @property
     def verdict(self) -> Verdict:
@@ -226,7 +285,7 @@ class Witness:
         sequence = self._sequence
         decided = self._decided
         return {
-            "last_reset": self._last_reset,
+            "last_reset": self._last_reset.to_json() if self._last_reset else None,
             # The verdict belongs to the last ACCEPTED reset, which a later refused
             # reset does not replace: `reset_id` says which one it is.
             "reset_id": sequence.reset_id if sequence else None,

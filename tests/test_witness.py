@@ -4,16 +4,27 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from proxy.exchange import Outcome
 from proxy.observe import Observation
 from proxy.verification import Verified
-from proxy.witness import Witness
+from proxy.witness import ResetSummary, Witness
 
 BASE = Observation(
     request_id="r", session_id=None, case_id=None, method="POST", path="/v1/chat/completions",
     status=200, stream=False, model="m", prompt_tokens=100, completion_tokens=4, cached_tokens=0,
     cached_tokens_source="usage.prompt_tokens_details.cached_tokens", reset_id=None, ordinal_since_reset=None,
-    started_ns=1, first_byte_ns=2, finished_ns=3, outcome="ok", usage_injected=False,
+    started_ns=1, first_byte_ns=2, finished_ns=3, outcome=Outcome.OK, usage_injected=False,
 )  # fmt: skip
+
+
+def summary(answer: str, reset_id: str) -> ResetSummary:
+    """A reset's summary as the reset service gives it (the fields this file reads are answer and id)."""
+    return ResetSummary(
+        reset_id=reset_id, answer=answer, verified="unverified", verification={}, reference_answer=answer,
+        succeeded=answer == "acknowledged", acknowledged=answer == "acknowledged", engine={}, attempts=1,
+        status=200, url=None, error=None, hint=None, warning=None, at_ns=1, answered_at_ns=2, duration_s=0.0,
+        drain={}, session_id=None, case_id=None, callers=(), cache_state={},
+    )  # fmt: skip
 
 
 def accepted(witness: Witness, reset_id: str = "x1") -> Witness:
@@ -28,7 +39,8 @@ def finished(
     """Observe a request that began with the given (reset_id, ordinal)."""
     reset_id, ordinal = reset_and_ordinal
     obs = replace(BASE, reset_id=reset_id, ordinal_since_reset=ordinal, request_id=f"r{ordinal}", **fields)
-    return witness.observe(obs)
+    settled = witness.observe(obs)
+    return settled.to_record() if settled is not None else None
 
 
 def test_requests_before_any_reset_are_unnumbered() -> None:
@@ -141,10 +153,11 @@ def test_coalesced_callers_share_one_sequence() -> None:
 
 def test_refused_reset_is_shown_without_replacing_the_sequence() -> None:
     witness = accepted(Witness(), "x1")
-    witness.reset_answered({"answer": "acknowledged", "reset_id": "x1"})
-    witness.reset_answered({"answer": "refused", "reset_id": "x2"})
+    witness.reset_answered(summary("acknowledged", "x1"))
+    witness.reset_answered(summary("refused", "x2"))
     state = witness.state()
-    assert state["last_reset"] == {"answer": "refused", "reset_id": "x2"} and state["reset_id"] == "x1"
+    assert state["last_reset"] == summary("refused", "x2").to_json() and state["reset_id"] == "x1"
+    assert (state["last_reset"]["answer"], state["last_reset"]["reset_id"]) == ("refused", "x2")
 
 
 def test_counters_since_reset_sum_tokens_and_unknowns() -> None:

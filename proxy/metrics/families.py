@@ -15,7 +15,7 @@ from prometheus_client import (
 
 from proxy.config import Settings
 from proxy.engines.base import OUTCOMES
-from proxy.exchange import Forwarded
+from proxy.exchange import Forwarded, Outcome
 from proxy.metrics.labels import (
     _CLASS_OF,
     CACHED_TOKEN_BUCKETS,
@@ -217,7 +217,7 @@ class Metrics:
         if kind is not None:
             self._upstream_errors[kind].inc()
 
-    def observe(self, observation: Observation, verification: dict[str, Any] | None) -> None:
+    def observe(self, observation: Observation, verdict: str | None) -> None:
         """Count one inference request's tokens by model, and a verdict when it settled one."""
         if not self.models.known and self.on_unknown_models is not None:
             self.on_unknown_models()
@@ -230,13 +230,13 @@ class Metrics:
             series.cached_per_request.observe(cached)
         elif (
             cached is None
-            and observation.outcome == "ok"
+            and observation.outcome == Outcome.OK
             and observation.status is not None
             and 200 <= observation.status < 300
         ):
             series.unknown.inc()
-        if verification is not None:
-            counter = self._verdicts.get(str(verification.get("verdict")))
+        if verdict is not None:
+            counter = self._verdicts.get(verdict)
             if counter is not None:
                 counter.inc()
 
@@ -275,10 +275,10 @@ class Metrics:
 
 def _upstream_error_kind(f: Forwarded) -> str | None:
     """Which kind of upstream failure an exchange was, if any."""
-    if f.outcome == "timeout":
+    if f.outcome == Outcome.TIMEOUT:
         return "timeout"
-    if f.outcome == "upstream_error":
+    if f.outcome == Outcome.UPSTREAM_ERROR:
         return "broken_response" if f.first_byte_ns is not None else "connection"
-    if f.outcome == "ok" and f.status is not None and f.status >= 500:
+    if f.outcome == Outcome.OK and f.status is not None and f.status >= 500:
         return "engine_5xx"
     return None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.exchange import Outcome
+
 __all__ = ["Observation"]
 
 
@@ -29,7 +31,7 @@ class Observation:
     started_ns: int
     first_byte_ns: int | None
     finished_ns: int
-    outcome: str  # "ok" | "client_disconnected" | "upstream_error" | "timeout"
+    outcome: Outcome
     usage_injected: bool
     # The engine's own id for the answer (its body's first `id`); the sidecar adds none.
     engine_request_id: str | None = None

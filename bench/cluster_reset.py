@@ -3,9 +3,11 @@
 Each pod is two processes, as in Kubernetes: a vLLM simulator (`cachewitness sim`) and a
 sidecar (`cachewitness serve`) with a static `peers` list naming every sidecar. The client
 calls one sidecar; the times are the client's, request sent to answer read. The engines are
-idle, so the time is the sidecars' own: the fan-out, each pod's drain check, engine call and
-evidence record, and the answer. A last row times the peers_dns lookup alone (a dnslib
-server on loopback, a fresh c-ares channel per call, as every cluster call does).
+idle, so the time is the sidecars' own: the fan-out, each pod's drain check, engine calls and
+evidence record, and the answer — with `verify=none` (the reset alone) and with the default
+canary (each pod proves its reset: a private prompt cached before, cold after, which adds
+requests and resets). A last row times the peers_dns lookup alone (a dnslib server on
+loopback, a fresh c-ares channel per call, as every cluster call does).
 
     .venv/bin/python bench/cluster_reset.py [--rounds 30] [--sizes 3,10]
 """
@@ -132,17 +134,22 @@ def main() -> int:
         for n in sizes:
             sims, cars = start_pods(n, work)
             try:
-                base = cars[0].url
-                pod, cluster = timed(
-                    [f"{base}/cache/reset", f"{base}/cache/reset?scope=cluster"], ns.rounds, "acknowledged"
-                )
+                base = f"{cars[0].url}/cache/reset"
+                kinds = [
+                    ("one pod, `verify=none`", 1, f"{base}?verify=none"),
+                    ("cluster, `verify=none`", n, f"{base}?scope=cluster&verify=none"),
+                    ("one pod, canary (default)", 1, base),
+                    ("cluster, canary (default)", n, f"{base}?scope=cluster"),
+                ]
+                times = timed([url for _, _, url in kinds], ns.rounds, "acknowledged")
                 counts = [resets_total(s.url) for s in sims]
-                # Warm-ups included: pod 0 took every pod reset and every cluster one, the others the cluster's.
-                expected = [2 * (ns.rounds + 1)] + [ns.rounds + 1] * (n - 1)
-                if counts != expected:
-                    sys.exit(f"bench: the engines counted {counts} resets, not {expected}")
-                rows.append(row("one pod (`scope=pod`)", 1, pod))
-                rows.append(row("cluster (`scope=cluster`, static peers)", n, cluster))
+                # Pod 0 took every pod reset and its share of every cluster one, the others only the
+                # latter: twice as many engine resets there, the same number on every other pod.
+                if any(count != counts[-1] for count in counts[1:]) or counts[0] != 2 * counts[-1]:
+                    sys.exit(f"bench: the engines counted {counts} resets: not every pod was reset")
+                rows += [
+                    row(what, pods, series) for (what, pods, _), series in zip(kinds, times, strict=True)
+                ]
             finally:
                 for service in cars + sims:
                     service.stop()
@@ -155,7 +162,7 @@ def main() -> int:
     print("\n".join(rows))
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(
-        f"\n{ns.rounds} rounds after one warm-up, pod and cluster resets alternating; "
+        f"\n{ns.rounds} rounds after one warm-up, the four kinds of reset alternating; "
         f"load average at the end {', '.join(load)}"
     )
     return 0

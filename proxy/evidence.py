@@ -58,12 +58,15 @@ def encode_record(record: dict[str, Any]) -> bytes | None:
     `"truncated": true`; one still too big after that is refused.
     """
     line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-    if len(line) <= MAX_LINE_BYTES:
-        return line
-    shrunk = _truncate_strings(record)
-    shrunk["truncated"] = True
-    line = orjson.dumps(shrunk, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-    return line if len(line) <= MAX_LINE_BYTES else None
+    if len(line) > MAX_LINE_BYTES:
+        shrunk = _truncate_strings(record)
+        shrunk["truncated"] = True
+        line = orjson.dumps(shrunk, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+        if len(line) > MAX_LINE_BYTES:
+            return None
+    # orjson's bytes keep their over-allocated buffer (a 500-byte line holds ~8 KB: ijl/orjson#483);
+    # a line waiting for a full disk must cost its length, so it is copied to its exact size.
+    return bytes(memoryview(line))
 
 
 class DropReason(StrEnum):

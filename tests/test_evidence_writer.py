@@ -268,3 +268,23 @@ async def test_on_a_full_disk_every_record_is_written_or_counted_lost(tmp_path: 
     assert writer.dropped[DropReason.QUEUE_FULL] > 0
     assert on_disk == writer.records_total["infer.cache_observation"]
     assert on_disk + writer.dropped_total == 5000
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_waiting_record_costs_about_its_length_in_memory(tmp_path: Path) -> None:
+    """20,000 records waiting for the disk hold about their bytes, not orjson's ~8 KB buffer each
+    (the queue bound in bytes would otherwise bound a tenth of the memory it holds)."""
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")  # not started: nothing is flushed
+    before = _rss_bytes()
+    for n in range(20_000):
+        writer.write(record(n, request_id=f"{n:032x}", model="sim-model", outcome="ok", status=200))
+    grown = _rss_bytes() - before
+    assert writer.pending_bytes > 2_000_000
+    assert grown < 3 * writer.pending_bytes, (grown, writer.pending_bytes)
+    await writer.close()

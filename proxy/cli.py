@@ -17,7 +17,7 @@ _BOOL_OPTIONS = frozenset(
     {"evidence_stdout", "admin_open", "drain", "inject_usage", "observe", "request_id_header"}
 )
 # Secrets are never taken as flags (they would show in `ps`): env or file only.
-_NOT_FLAGS = frozenset({"admin_token", "engine_api_key"})
+_NOT_FLAGS = frozenset({"admin_token", "engine_api_key", "upstream_api_key"})
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(Settings)}
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import ipaddress
 import os
 import re
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -19,12 +21,44 @@ from proxy.engines.base import EngineKind
 from proxy.redact import redact_url
 from proxy.verification import VerifyMode
 
-__all__ = ["ENGINE_KINDS", "OPTIONS", "SETTINGS", "ConfigError", "Settings", "load_settings", "parse_listen"]
+__all__ = [
+    "ENGINE_KINDS",
+    "OPTIONS",
+    "SETTINGS",
+    "ConfigError",
+    "EngineRoutes",
+    "NativeResetAuth",
+    "NativeResets",
+    "Settings",
+    "load_settings",
+    "parse_listen",
+]
 
 # What `engine` may be set to: every kind the sidecar knows, or "auto" to detect it.
 ENGINE_KINDS = ("auto", *(kind.value for kind in EngineKind if kind is not EngineKind.UNKNOWN))
 LOG_LEVELS = ("debug", "info", "warning", "error")
 VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
+
+
+class EngineRoutes(StrEnum):
+    """Who may call the engine's own control routes through the sidecar."""
+
+    ADMIN = "admin"  # the admin rules of /cache/*: token, or loopback when none is set
+    OPEN = "open"  # anyone who reaches the sidecar (unsafe: the behaviour before issue 14)
+
+
+class NativeResets(StrEnum):
+    """What an intercepted engine reset route (vLLM /reset_prefix_cache, ...) runs."""
+
+    ENGINE = "engine"  # the engine's own semantics: one attempt, no drain, its answer as given
+    UNIFORM = "uniform"  # the uniform reset: drain, retries, coalescing (what a benchmark wants)
+
+
+class NativeResetAuth(StrEnum):
+    """What lets a caller through on the intercepted reset routes."""
+
+    ADMIN = "admin"  # the admin rules only
+    UPSTREAM_API_KEY = "upstream_api_key"  # also the engine's own key, as benchmark tools send it
 
 
 class ConfigError(Exception):
@@ -68,6 +102,12 @@ class Settings:
     observe: bool = True
     request_id_header: bool = False
     engine_api_key: str | None = field(default=None, repr=False)
+    upstream_api_key: str | None = field(default=None, repr=False)
+    upstream_api_key_file: str | None = None
+    engine_routes: EngineRoutes = EngineRoutes.ADMIN
+    extra_admin_paths: tuple[str, ...] = ()
+    native_resets: NativeResets = NativeResets.ENGINE
+    native_reset_auth: NativeResetAuth = NativeResetAuth.ADMIN
     reset_method: str = "POST"
     reset_path: str | None = None
     busy_statuses: tuple[int, ...] = (409, 429, 503)
@@ -90,6 +130,11 @@ class Settings:
     def listen_port(self) -> int:
         """Port part of `listen`."""
         return parse_listen(self.listen)[1]
+
+    @property
+    def engine_key(self) -> str | None:
+        """The engine's own API key: upstream_api_key, else the older name engine_api_key."""
+        return self.upstream_api_key or self.engine_api_key
 
     @property
     def upstream_base(self) -> str:
@@ -223,6 +268,13 @@ def _path(text: str) -> str:
     return text
 
 
+def _admin_paths(text: str) -> tuple[str, ...]:
+    paths = _names(text)
+    if any(not path.startswith("/") or "*" in path[:-1] for path in paths):
+        raise ValueError(text)
+    return paths
+
+
 def _method(text: str) -> str:
     if text.upper() not in ("GET", "POST", "PUT", "DELETE"):
         raise ValueError(text)
@@ -315,7 +367,38 @@ OPTIONS: tuple[Option, ...] = (
         "add X-Request-Id toward the engine and the client when the client sent none",
         "true or false",
     ),
-    Option("engine_api_key", str, "key sent to the engine's reset route", "a non-empty string"),
+    Option("engine_api_key", str, "older name of upstream_api_key (kept working)", "a non-empty string"),
+    Option(
+        "upstream_api_key",
+        str,
+        "the engine's own API key, sent on control calls and the sidecar's own engine calls",
+        "a non-empty string (prefer upstream_api_key_file)",
+    ),
+    Option("upstream_api_key_file", _path, "file holding upstream_api_key", "a readable file path"),
+    Option(
+        "engine_routes",
+        EngineRoutes,
+        "who may call the engine's control routes: admin (token/loopback) or open (unsafe)",
+        "admin or open",
+    ),
+    Option(
+        "extra_admin_paths",
+        _admin_paths,
+        "more engine paths that need admin auth (a trailing * matches a prefix)",
+        "comma-separated paths such as /my_admin,/debug/*",
+    ),
+    Option(
+        "native_resets",
+        NativeResets,
+        "what an engine reset route called through the sidecar runs: engine (as the engine) or uniform",
+        "engine or uniform",
+    ),
+    Option(
+        "native_reset_auth",
+        NativeResetAuth,
+        "on intercepted reset routes also accept the engine's key (upstream_api_key) as the bearer",
+        "admin or upstream_api_key",
+    ),
     Option("reset_method", _method, "generic engine: reset HTTP method", "GET, POST, PUT or DELETE"),
     Option("reset_path", _http_path, "generic engine: reset path", "a path such as /reset"),
     Option("busy_statuses", _ints, "generic engine: statuses meaning refused", "comma-separated ints"),
@@ -406,8 +489,20 @@ def load_settings(
     return _finish(settings)
 
 
+def _secret(value: str | None, path: str | None, key: str, what: str) -> str | None:
+    """A secret given inline, or read (stripped) from the file named by `key` when one is set."""
+    if not path:
+        return value
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"config: {key} {path} cannot be read ({exc.strerror}); point it at a file holding {what}"
+        ) from None
+
+
 def _finish(settings: Settings) -> Settings:
-    """Cross-field checks, and the admin token read from its file."""
+    """Cross-field checks, and the admin token and engine key read from their files."""
     _check_upstream_credentials(settings.upstream)
     if settings.retry_seconds > 120:
         raise ConfigError("config: retry_seconds must be between 0 and 120")
@@ -417,15 +512,33 @@ def _finish(settings: Settings) -> Settings:
         raise ConfigError("config: reset_attempt_timeout must be > 0 seconds")
     if settings.peers and settings.peers_dns:
         raise ConfigError("config: set peers (a static list) or peers_dns (a headless Service), not both")
-    token = settings.admin_token
-    if settings.admin_token_file:
-        try:
-            token = Path(settings.admin_token_file).read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            raise ConfigError(
-                f"config: admin_token_file {settings.admin_token_file} cannot be read ({exc.strerror}); "
-                "point it at a file holding the token"
-            ) from None
+    token = _secret(settings.admin_token, settings.admin_token_file, "admin_token_file", "the token")
     if token is not None and not token:
         raise ConfigError("config: the admin token is empty; put a non-empty token in admin_token_file")
-    return dataclasses.replace(settings, admin_token=token)
+    engine_key = _secret(
+        settings.upstream_api_key,
+        settings.upstream_api_key_file,
+        "upstream_api_key_file",
+        "the engine's API key",
+    )
+    if engine_key is not None and not engine_key:
+        raise ConfigError(
+            "config: upstream_api_key is empty; put the engine's API key in upstream_api_key_file"
+        )
+    settings = dataclasses.replace(settings, admin_token=token, upstream_api_key=engine_key or None)
+    if settings.native_reset_auth == NativeResetAuth.UPSTREAM_API_KEY and settings.engine_key is None:
+        raise ConfigError(
+            "config: native_reset_auth = upstream_api_key needs the engine's key: set upstream_api_key_file "
+            "(or CACHEWITNESS_UPSTREAM_API_KEY), or use native_reset_auth = admin"
+        )
+    engine_key = settings.engine_key
+    if (
+        token is not None
+        and engine_key is not None
+        and hmac.compare_digest(token.encode(), engine_key.encode())
+    ):
+        # The admin token is stripped from forwarded requests: an equal engine key would be too.
+        raise ConfigError(
+            "config: the admin token and upstream_api_key are the same: give the sidecar its own admin token"
+        )
+    return settings

@@ -34,14 +34,15 @@ log = logging.getLogger("cachewitness.engine")
 
 def make_dialect(kind: str, settings: Settings) -> Dialect:
     """The dialect for an engine kind, configured from settings (unknown kinds get the generic one)."""
+    key = settings.engine_key
     if kind == EngineKind.VLLM:
-        return VllmDialect()
+        return VllmDialect(api_key=key)
     if kind == EngineKind.SGLANG:
-        return SglangDialect(api_key=settings.engine_api_key)
+        return SglangDialect(api_key=key)
     if kind == EngineKind.LLAMACPP:
-        return LlamacppDialect()
+        return LlamacppDialect(api_key=key)
     if kind == EngineKind.MINDNANO:
-        return MindnanoDialect()
+        return MindnanoDialect(api_key=key)
     if kind == UNKNOWN:
         return UndetectedDialect()
     if kind == EngineKind.NONE:
@@ -52,6 +53,7 @@ def make_dialect(kind: str, settings: Settings) -> Dialect:
         busy_statuses=settings.busy_statuses,
         success_field=settings.success_field,
         health_path=settings.health_path or "/health",
+        api_key=key,
     )
 
 
@@ -84,7 +86,7 @@ class EngineState:
         async with self._lock:
             if self._auto:
                 info = await detect_engine(
-                    session, settings.upstream_base, timeout_s, api_key=settings.engine_api_key
+                    session, settings.upstream_base, timeout_s, api_key=settings.engine_key
                 )
             else:
                 version = await probe_version(
@@ -92,7 +94,7 @@ class EngineState:
                     settings.upstream_base,
                     settings.engine,
                     timeout_s,
-                    api_key=settings.engine_api_key,
+                    api_key=settings.engine_key,
                 )
                 info = EngineInfo(settings.engine, version)
             self.info = info

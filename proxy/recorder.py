@@ -89,6 +89,10 @@ class Recorder:
         self._metrics.reset_answered(engine_kind, answer, summary.duration_s, attempts)
         self._metrics.reset_verified(verified)
 
+    def slot_erased(self, record: dict[str, Any]) -> None:
+        """A llama.cpp slot erase a client made through the sidecar: recorded, but one slot is not a reset."""
+        self._evidence.write(record)
+
     def cluster_reset(self, record: dict[str, Any]) -> None:
         """The receiving pod's record of a cluster-scope reset (each pod records its own part)."""
         self._evidence.write(record)

@@ -84,11 +84,14 @@ async def retry_reset(
     force: bool,
     retry_seconds: float,
     timeout_s: float,
+    retry: bool = True,
 ) -> CacheReset:
     """Reset, retrying a refusal every 0.5 s while the window allows; no attempt starts after it (the reference's loop).
 
     Each attempt is told what is left of the window (`AttemptPlan.retry_seconds`): an engine
     that blocks instead of refusing (llama.cpp) bounds its wait by it.
+    With `retry` false there is one attempt; `retry_seconds` is then only what the dialect
+    passes on (SGLang's `?timeout=`).
     """
     at_ns = time.time_ns()
     deadline = time.monotonic() + retry_seconds
@@ -96,7 +99,9 @@ async def retry_reset(
     plan = AttemptPlan(base_url, force=force, retry_seconds=retry_seconds, timeout_s=timeout_s)
     attempt = await _attempt(dialect, session, plan)
     calls: list[EngineCall] = list(attempt.calls)
-    while attempt.outcome == REFUSED and deadline - time.monotonic() >= RESET_RETRY_INTERVAL_SECONDS:
+    while (
+        retry and attempt.outcome == REFUSED and deadline - time.monotonic() >= RESET_RETRY_INTERVAL_SECONDS
+    ):
         await asyncio.sleep(RESET_RETRY_INTERVAL_SECONDS)
         attempts += 1
         plan = replace(plan, retry_seconds=max(0.0, deadline - time.monotonic()))
@@ -273,6 +278,7 @@ class ResetService:
                     force=params.force,
                     retry_seconds=params.retry_seconds,
                     timeout_s=settings.reset_attempt_timeout,
+                    retry=params.retry,
                 )
 
             # The canary (inside the drain window) wraps the engine reset: see proxy/canary.py.
@@ -369,6 +375,7 @@ def _answer(
         warmup_requests=params.warmup_requests,
         reset_id=current.reset_id,
         engine=outcome.engine,
+        via=params.via,
     )
     if params.parent_reset_id is not None:
         record["parent_reset_id"] = params.parent_reset_id

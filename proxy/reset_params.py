@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Settings
-from proxy.engines.base import COLD, UNSPECIFIED
+from proxy.engines.base import COLD, UNSPECIFIED, Via
 from proxy.verification import VerifyMode
 
 __all__ = [
@@ -81,6 +81,10 @@ class ResetParams:
     # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
     parent_reset_id: str | None = None
     verify: VerifyMode = VerifyMode.CANARY
+    # Not caller input: how the reset reached the sidecar, and whether a refusal is retried
+    # (an engine's own reset route called with native_resets = "engine" makes one attempt).
+    via: Via = Via.API
+    retry: bool = True
 
 
 def worst_case_seconds(settings: Settings, params: ResetParams, *, canary: bool) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import ipaddress
 import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -86,6 +87,35 @@ def free_port() -> int:
 def closed_port_url() -> str:
     """A loopback URL nothing listens on."""
     return f"http://127.0.0.1:{free_port()}"
+
+
+def non_loopback_ipv4() -> str | None:
+    """One of this machine's own non-loopback IPv4 addresses (traffic to it never leaves the machine)."""
+    candidates: list[str] = []
+    try:
+        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+    except OSError:
+        pass
+    for target in ("192.0.2.1", "10.254.254.254"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, 9))  # UDP connect sends nothing; it only picks the source address
+                candidates.append(probe.getsockname()[0])
+        except OSError:
+            pass
+    for address in candidates:
+        if not ipaddress.ip_address(address).is_loopback:
+            return address
+    return None
+
+
+@pytest.fixture
+def remote_host() -> str:
+    """A non-loopback address of this machine to bind a sidecar on (skips without one)."""
+    address = non_loopback_ipv4()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
+    return address
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -19,26 +17,6 @@ from tests.sim_helpers import fast
 TOKEN = "t0k3n-for-tests"
 
 
-def non_loopback_ipv4() -> str | None:
-    """One of this machine's own non-loopback IPv4 addresses (traffic to it never leaves the machine)."""
-    candidates: list[str] = []
-    try:
-        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
-    except OSError:
-        pass
-    for target in ("192.0.2.1", "10.254.254.254"):
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((target, 9))  # UDP connect sends nothing; it only picks the source address
-                candidates.append(probe.getsockname()[0])
-        except OSError:
-            pass
-    for address in candidates:
-        if not ipaddress.ip_address(address).is_loopback:
-            return address
-    return None
-
-
 @asynccontextmanager
 async def sidecar(tmp_path: Path, host: str = "127.0.0.1", **overrides: Any) -> AsyncIterator[str]:
     """A vLLM simulator and a sidecar bound on `host`; yields the sidecar's URL."""
@@ -52,14 +30,6 @@ async def post_reset(url: str, headers: dict[str, str] | None = None) -> tuple[i
         http.post(f"{url}/cache/reset", headers=headers or {}) as resp,
     ):
         return resp.status, await resp.json()
-
-
-@pytest.fixture
-def remote_host() -> str:
-    address = non_loopback_ipv4()
-    if address is None:
-        pytest.skip("this machine has no non-loopback IPv4 address to connect from")
-    return address
 
 
 async def test_missing_token_is_401(tmp_path) -> None:

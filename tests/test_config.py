@@ -194,3 +194,36 @@ def test_serve_help_shows_every_options_default(
         "--health-path": "unset",
     }.items():
         assert f"default: {default})" in entries[flag], entries[flag]
+
+
+def test_route_policy_defaults_are_safe() -> None:
+    settings = load_settings({}, env={})
+    assert settings.engine_routes == "admin" and settings.native_resets == "engine"
+    assert settings.native_reset_auth == "admin" and settings.extra_admin_paths == ()
+
+
+@pytest.mark.parametrize(
+    ("env", "key"),
+    [
+        ({"CACHEWITNESS_ENGINE_ROUTES": "closed"}, "engine_routes"),
+        ({"CACHEWITNESS_NATIVE_RESETS": "both"}, "native_resets"),
+        ({"CACHEWITNESS_NATIVE_RESET_AUTH": "anyone"}, "native_reset_auth"),
+        ({"CACHEWITNESS_EXTRA_ADMIN_PATHS": "no-slash"}, "extra_admin_paths"),
+        ({"CACHEWITNESS_EXTRA_ADMIN_PATHS": "/a*b"}, "extra_admin_paths"),
+        ({"CACHEWITNESS_NATIVE_RESET_AUTH": "upstream_api_key"}, "upstream_api_key"),
+        ({"CACHEWITNESS_ADMIN_TOKEN": "same", "CACHEWITNESS_UPSTREAM_API_KEY": "same"}, "upstream_api_key"),
+    ],
+)
+def test_bad_route_policy_config_names_the_key(env: dict, key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        load_settings({}, env=env)
+
+
+def test_upstream_api_key_is_read_from_its_file_and_the_old_name_still_works(tmp_path: Path) -> None:
+    key_file = tmp_path / "engine.key"
+    key_file.write_text("k3y\n")
+    settings = load_settings({}, env={"CACHEWITNESS_UPSTREAM_API_KEY_FILE": str(key_file)})
+    assert settings.engine_key == "k3y" and "k3y" not in repr(settings)
+    assert load_settings({}, env={"CACHEWITNESS_ENGINE_API_KEY": "old"}).engine_key == "old"
+    settings = load_settings({}, env={"CACHEWITNESS_EXTRA_ADMIN_PATHS": "/a, /b/*"})
+    assert settings.extra_admin_paths == ("/a", "/b/*")

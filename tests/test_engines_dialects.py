@@ -140,7 +140,7 @@ async def test_sglang_missing_admin_key_is_an_error_with_hint(http) -> None:
     async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
         attempt = await reset(SglangDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ERROR, 401)
-        assert attempt.hint and "engine_api_key" in attempt.hint
+        assert attempt.hint and "upstream_api_key" in attempt.hint
 
 
 # -- llama.cpp -----------------------------------------------------------------------------

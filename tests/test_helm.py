@@ -229,6 +229,8 @@ def test_sidecar_env_is_a_valid_cachewitness_configuration(tmp_path: Path) -> No
         "0.0.0.0:8000",
         "vllm",
     )
+    # Benchmark tools' own reset calls get the uniform reset; control routes stay closed.
+    assert (settings.native_resets, settings.engine_routes) == ("uniform", "admin")
 
 
 # --- the admin token --------------------------------------------------------------------------

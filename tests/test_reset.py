@@ -74,7 +74,8 @@ async def test_cache_state_record_has_the_reference_shape(tmp_path) -> None:
         _, body = await s.reset({"session_id": "s1", "case_id": "c1", "warmup_requests": 0, "verify": "none"})
     record = body["cache_state"]
     assert REFERENCE_RECORD_KEYS <= set(record)
-    assert set(record) - REFERENCE_RECORD_KEYS == {"reset_id", "engine", "at_ns", "verification"}
+    assert set(record) - REFERENCE_RECORD_KEYS == {"reset_id", "engine", "at_ns", "verification", "via"}
+    assert record["via"] == "api"
     assert set(record["reset"]) == REFERENCE_RESET_KEYS
     assert record["event_type"] == "infer.cache_state" and record["schema_version"] == 1
     assert (record["session_id"], record["case_id"], record["requested"]) == ("s1", "c1", "cold")

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import aiohttp
 
+from proxy.engines.routes import NativeReset, RouteRule
 from proxy.redact import redact_url
 from proxy.resend import send_upstream
 
@@ -44,6 +45,8 @@ __all__ = [
     "EngineKind",
     "Reply",
     "ResetAnswer",
+    "Via",
+    "bearer",
     "cache_state_record",
     "engine_call",
     "failed_attempt",
@@ -102,6 +105,16 @@ HTTP_STATUS: dict[str, int] = {
 
 # The reference's `success` for its answers (None where the engine said nothing either way).
 _REFERENCE_SUCCESS: dict[str, bool] = {ACKNOWLEDGED: True, REFUSED: False}
+
+
+class Via(StrEnum):
+    """How a reset reached the sidecar (the `via` of `infer.cache_state`)."""
+
+    API = "api"  # POST /cache/reset
+    NATIVE = "native"  # the engine's own reset route, called through the sidecar
+    CLUSTER = "cluster"  # a cluster-scope reset's own record (proxy/cluster.py)
+
+
 BODY_EXCERPT_BYTES = 2048
 # How much of an engine's answer is read at all (the reference reads 64 KiB).
 _BODY_READ_LIMIT = 64 * 1024
@@ -306,8 +319,9 @@ def cache_state_record(
     reset_id: str | None = None,
     engine: EngineInfo | None = None,
     at_ns: int | None = None,
+    via: Via = Via.API,
 ) -> dict[str, Any]:
-    """The `infer.cache_state` record (SPEC §5.1): the reference's shape plus `at_ns`, `reset_id`, `engine`."""
+    """The `infer.cache_state` record (SPEC §5.1): the reference's shape plus `at_ns`, `reset_id`, `engine`, `via`."""
     return {
         "schema_version": 1,
         "event_type": "infer.cache_state",
@@ -323,6 +337,7 @@ def cache_state_record(
         "run_kind": run_kind(requested, warmup_requests, reset),
         "reset_id": reset_id,
         "engine": engine.to_json() if engine is not None else None,
+        "via": str(via),
     }
 
 
@@ -408,6 +423,11 @@ def _redacted_error(exc: BaseException, url: str, recorded: str) -> str:
     return str(exc).replace(url, recorded)
 
 
+def bearer(api_key: str | None) -> dict[str, str] | None:
+    """The `Authorization` header that carries the engine's own key, None without one."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+
 def failed_attempt(reply: Reply, url: str) -> Attempt:
     """The attempt when a call got no HTTP answer at all: the engine is unreachable."""
     return Attempt(UNREACHABLE, error=reply.call.error, url=url, calls=(reply.call,))
@@ -428,6 +448,11 @@ class Dialect(ABC):
 
     kind: ClassVar[EngineKind]
     health_path: str = "/health"
+    # The engine's control routes (admin only through the sidecar) and its own reset route
+    # (intercepted). Empty for engines the sidecar does not know: the policy then covers
+    # every known engine's routes (proxy/engine_routes.py).
+    control_routes: ClassVar[tuple[RouteRule, ...]] = ()
+    native_reset: ClassVar[NativeReset | None] = None
 
     @abstractmethod
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, engine_call, unsupported
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, bearer, engine_call, unsupported
 
 __all__ = ["NO_PATH_HINT", "GenericDialect"]
 
@@ -28,6 +28,7 @@ class GenericDialect(Dialect):
         busy_statuses: tuple[int, ...] = (409, 429, 503),
         success_field: str | None = None,
         health_path: str = "/health",
+        api_key: str | None = None,
     ) -> None:
         """The configured reset call and how to read its answer."""
         self._method = reset_method.upper()
@@ -40,6 +41,7 @@ class GenericDialect(Dialect):
             success_field=success_field or "success",
         )
         self.health_path = health_path
+        self._headers = bearer(api_key)
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """Make the configured call; with none configured the reset is unsupported."""
@@ -47,5 +49,6 @@ class GenericDialect(Dialect):
             return unsupported(plan.base_url, "no reset route is known for this engine", NO_PATH_HINT)
         url = f"{plan.base_url}{self._path}"
         return read_answer(
-            await engine_call(session, self._method, url, timeout_s=plan.timeout_s), self._rules
+            await engine_call(session, self._method, url, timeout_s=plan.timeout_s, headers=self._headers),
+            self._rules,
         )

@@ -20,13 +20,37 @@ from proxy.engines.base import (
     Dialect,
     EngineKind,
     Reply,
+    bearer,
     engine_call,
     failed_attempt,
     outcome_for_status,
     unsupported,
 )
+from proxy.engines.routes import control, control_prefix
 
-__all__ = ["ERASE_FLOOR_SECONDS", "RAM_CACHE_WARNING", "LlamacppDialect"]
+__all__ = [
+    "CONTROL_ROUTES",
+    "ERASE_FLOOR_SECONDS",
+    "RAM_CACHE_WARNING",
+    "SLOT_ERASE",
+    "LlamacppDialect",
+    "erase_attempt",
+]
+
+# llama-server b10434 (tools/server/server.cpp route table): slot save/restore/erase and the
+# slot list (which shows prompts), props and LoRA changes, router-mode model load/unload,
+# and the web UI's CORS proxy (it fetches any URL it is given).
+CONTROL_ROUTES = (
+    control_prefix("/slots"),
+    control("/props", "POST"),
+    control("/lora-adapters", "POST"),
+    control_prefix("/models/load"),
+    control_prefix("/models/unload"),
+    control("/models", "POST", "DELETE"),
+    control("/cors-proxy"),
+)
+# `POST /slots/{id}?action=erase` is forwarded and recorded, never invisible.
+SLOT_ERASE = control_prefix("/slots/", "POST")
 
 SLOT_SAVE_HINT = (
     "llama-server serves slot actions only with --slot-save-path DIR: restart it with "
@@ -57,11 +81,18 @@ class LlamacppDialect(Dialect):
     """
 
     kind = EngineKind.LLAMACPP
+    control_routes = CONTROL_ROUTES
+
+    def __init__(self, api_key: str | None = None) -> None:
+        """`api_key`: the engine's own key (`--api-key`), sent as a bearer token, if it has one."""
+        self._headers = bearer(api_key)
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """GET /props for total_slots, GET /slots for busy ones, then erase every slot at once."""
         started = time.monotonic()
-        props = await engine_call(session, "GET", f"{plan.base_url}/props", timeout_s=plan.timeout_s)
+        props = await engine_call(
+            session, "GET", f"{plan.base_url}/props", timeout_s=plan.timeout_s, headers=self._headers
+        )
         slots = _total_slots(props)
         if props.status is None:
             return _with_warning(failed_attempt(props, props.call.url))
@@ -70,7 +101,9 @@ class LlamacppDialect(Dialect):
             return _with_warning(
                 Attempt(ERROR, status=props.status, error=error, url=props.call.url, calls=(props.call,))
             )
-        listing = await engine_call(session, "GET", f"{plan.base_url}/slots", timeout_s=plan.timeout_s)
+        listing = await engine_call(
+            session, "GET", f"{plan.base_url}/slots", timeout_s=plan.timeout_s, headers=self._headers
+        )
         if listing.status is None and not listing.timed_out:
             return _with_warning(failed_attempt(listing, listing.call.url))
         busy = _busy_slots(listing)
@@ -87,7 +120,13 @@ class LlamacppDialect(Dialect):
         # the generation ends, and the others should not queue behind it.
         replies = await asyncio.gather(
             *(
-                engine_call(session, "POST", f"{plan.base_url}/slots/{slot}?action=erase", timeout_s=left)
+                engine_call(
+                    session,
+                    "POST",
+                    f"{plan.base_url}/slots/{slot}?action=erase",
+                    timeout_s=left,
+                    headers=self._headers,
+                )
                 for slot in range(slots)
             )
         )
@@ -128,6 +167,25 @@ def _slot_outcome(reply: Reply, left: float) -> tuple[str, str | None]:
             return ACKNOWLEDGED, None
         return ACCEPTED_UNVERIFIED, None
     return outcome_for_status(status)
+
+
+def erase_attempt(reply: Reply) -> Attempt:
+    """The outcome of one slot erase a client made through the sidecar (no timeout of ours)."""
+    if reply.status is None:
+        return failed_attempt(reply, reply.call.url)
+    if reply.status == 501:
+        return unsupported(
+            reply.call.url, "HTTP 501: slot actions are switched off", SLOT_SAVE_HINT, (reply.call,)
+        )
+    outcome, error = _slot_outcome(reply, 0.0)
+    return Attempt(
+        outcome,
+        status=reply.status,
+        success=_SUCCESS.get(outcome, False),
+        error=error,
+        url=reply.call.url,
+        calls=(reply.call,),
+    )
 
 
 def _fold(looked_up: tuple[Reply, ...], replies: list[Reply], left: float) -> Attempt:

@@ -104,6 +104,20 @@ async def test_reset_in_dev_mode_is_acknowledged_from_the_body(vllm: Pair) -> No
     assert "success" in json.dumps(call) and "true" in json.dumps(call), call  # the body excerpt
 
 
+async def test_vllms_own_reset_route_through_the_sidecar_is_answered_and_recorded(vllm: Pair) -> None:
+    """`vllm bench serve --reset-prefix-cache` posts /reset_prefix_cache: vLLM's own answer, and a record."""
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{vllm.url}/reset_prefix_cache", headers=tags(session_id, case_id)) as resp:
+            status, body = resp.status, await resp.json()
+            reset_id = resp.headers["X-Cachewitness-Reset-Id"]
+        record = await cache_state_record(s, vllm.url, case_id)
+    assert (status, body) == (200, {"success": True})
+    assert record["via"] == "native" and record["reset_id"] == reset_id
+    assert record["acknowledged"] is True and record["session_id"] == session_id
+    assert "/reset_prefix_cache" in record["reset"]["url"]
+
+
 async def test_reset_without_drain_is_refused_then_retried_until_acknowledged(vllm: Pair) -> None:
     """With a generation in flight and no drain, vLLM says success:false; retries end acknowledged."""
     session_id, case_id = new_case()

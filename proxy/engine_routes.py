@@ -1,0 +1,121 @@
+"""The route policy: which engine paths are control routes, intercepted resets, or plain traffic.
+
+Every request the sidecar does not serve itself is classified here on its *normalised*
+path, so that `//x`, `/./x`, `/x/`, `/X`, `/%78` and `/%2578` are all `/x`. Matching more
+spellings than the engine accepts only asks a caller for the admin token; matching fewer
+would let a stranger reach a control route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from urllib.parse import unquote
+
+from proxy.config import Settings
+from proxy.engines import llamacpp, mindnano, sglang, vllm
+from proxy.engines.base import Dialect
+from proxy.engines.routes import NativeReset, RouteRule, control, control_prefix
+
+__all__ = ["ALL_CONTROL_ROUTES", "RouteClass", "RouteDecision", "RoutePolicy", "normalise_path"]
+
+# For an engine whose kind is not known (not detected yet, generic, none): every known
+# engine's control routes, so that nothing opens while the kind is unsure.
+ALL_CONTROL_ROUTES: tuple[RouteRule, ...] = (
+    *vllm.CONTROL_ROUTES,
+    *sglang.CONTROL_ROUTES,
+    *llamacpp.CONTROL_ROUTES,
+    *mindnano.CONTROL_ROUTES,
+)
+_KNOWN_KINDS = frozenset({"vllm", "sglang", "llamacpp", "mindnano"})
+
+
+class RouteClass(StrEnum):
+    """What the sidecar does with a request it does not serve itself."""
+
+    FORWARDED = "forwarded"  # to the engine untouched, no admin auth
+    CONTROL = "control"  # admin auth, then forwarded with the engine's key instead of the admin token
+    NATIVE_RESET = "native_reset"  # admin auth, then the sidecar's reset, answered in the engine's shape
+    SLOT_ERASE = "slot_erase"  # llama.cpp: admin auth, then forwarded and recorded
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    """How one request is handled, and the normalised path it was judged on."""
+
+    route: RouteClass
+    path: str
+    native: NativeReset | None = None
+
+
+def normalise_path(raw_path: str) -> str:
+    """The path an engine could route `raw_path` to, in the form the rules are written in.
+
+    Percent-decoded until nothing changes (double encoding, `%2F`), backslashes as slashes,
+    empty and `.` segments dropped, `..` applied, lowercased, no trailing slash.
+    """
+    path = raw_path.split("?", 1)[0].split("#", 1)[0]
+    # Bounded: a pass that changes the text replaces some `%XX` by one character, so it shrinks.
+    while (decoded := unquote(path, errors="replace")) != path:
+        path = decoded
+    segments: list[str] = []
+    for segment in path.replace("\\", "/").split("/"):
+        if segment in ("", "."):
+            continue
+        if segment == "..":
+            if segments:
+                segments.pop()
+            continue
+        segments.append(segment)
+    return ("/" + "/".join(segments)).lower()
+
+
+def _configured_rule(path: str) -> RouteRule:
+    """A rule from config: a trailing `*` makes it a prefix ("/debug/*" covers "/debug" too)."""
+    if path.endswith("*"):
+        return control_prefix(normalise_path(path[:-1]))
+    return control(normalise_path(path))
+
+
+class RoutePolicy:
+    """Classifies requests for the engine the sidecar fronts now."""
+
+    def __init__(self, settings: Settings) -> None:
+        """Rules from config: `extra_admin_paths`, and a generic engine's `reset_path`."""
+        extra = [_configured_rule(path) for path in settings.extra_admin_paths]
+        self._extra = tuple(extra)
+        self._unknown = ALL_CONTROL_ROUTES + self._extra
+        if settings.reset_path:
+            self._unknown += (control(normalise_path(settings.reset_path)),)
+
+    def knows(self, dialect: Dialect) -> bool:
+        """True when the dialect is a known engine's, with its own route lists."""
+        return dialect.kind in _KNOWN_KINDS
+
+    def control_routes(self, dialect: Dialect) -> tuple[RouteRule, ...]:
+        """The rules that need admin auth in front of this dialect's engine."""
+        if self.knows(dialect):
+            return dialect.control_routes + self._extra
+        return self._unknown
+
+    def classify(
+        self, method: str, raw_path: str, query: Mapping[str, str], dialect: Dialect
+    ) -> RouteDecision:
+        """The route class of `method raw_path?query` in front of `dialect`'s engine."""
+        path = normalise_path(raw_path)
+        native = dialect.native_reset
+        if native is not None and native.rule.matches(method, path):
+            return RouteDecision(RouteClass.NATIVE_RESET, path, native)
+        if dialect.kind == "llamacpp" and llamacpp.SLOT_ERASE.matches(method, path) and _erases(query):
+            return RouteDecision(RouteClass.SLOT_ERASE, path)
+        if any(rule.matches(method, path) for rule in self.control_routes(dialect)):
+            return RouteDecision(RouteClass.CONTROL, path)
+        return RouteDecision(RouteClass.FORWARDED, path)
+
+
+def _erases(query: Mapping[str, str]) -> bool:
+    """True when a llama.cpp slot action asks for an erase (in any spelling)."""
+    getall = getattr(query, "getall", None)
+    values = getall("action", []) if getall is not None else [query.get("action", "")]
+    return any(unquote(str(value)).strip().lower() == "erase" for value in values)

@@ -98,8 +98,8 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
 def _engine_shaped(native: NativeReset, answer: dict[str, Any], mode: NativeResets) -> web.Response:
     """The caller's answer as its engine gives it: the engine's last answer, or its refusal words."""
     calls = answer.get("calls") or []
-    last = calls[-1] if calls else None
-    status = last.get("status") if isinstance(last, dict) else None
+    last: dict[str, Any] = calls[-1] if calls and isinstance(calls[-1], dict) else {}
+    status = last.get("status")
     if not isinstance(status, int):
         message = answer.get("detail") or "the engine did not answer the reset"
         return error_response(502, str(message), type_="upstream_error", code="upstream_unreachable")

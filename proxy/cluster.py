@@ -9,7 +9,6 @@ each pod's own record points back at this one.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -25,7 +24,7 @@ from proxy.config import SETTINGS, Settings
 from proxy.logs import log_event
 from proxy.peers import Peer, discover_peers
 from proxy.recorder import RECORDER
-from proxy.reset_params import POD, ResetParams, worst_case_seconds
+from proxy.reset_params import INPUT_FIELDS, POD, ResetParams, worst_case_seconds
 from proxy.verification import VerifyMode
 
 __all__ = [
@@ -66,7 +65,7 @@ def admin_headers(settings: Settings) -> dict[str, str]:
 
 def _pod_body(params: ResetParams, reset_id: str) -> bytes:
     """The caller's parameters for one pod: scope pod, this cluster reset as parent."""
-    values = dataclasses.asdict(params)
+    values = {name: getattr(params, name) for name in INPUT_FIELDS}
     values.update(scope=POD, parent_reset_id=reset_id)
     return orjson.dumps({name: value for name, value in values.items() if value is not None})
 

@@ -17,6 +17,7 @@ from proxy.verification import VerifyMode
 
 __all__ = [
     "CLUSTER",
+    "INPUT_FIELDS",
     "MAX_RETRY_SECONDS",
     "POD",
     "BadInput",
@@ -37,7 +38,8 @@ def is_valid_id(value: object) -> bool:
     return isinstance(value, str) and _ID.fullmatch(value) is not None
 
 
-_FIELDS = (
+# What a caller may send; ResetParams' other fields are the sidecar's own (via, retry).
+INPUT_FIELDS = (
     "session_id",
     "case_id",
     "requested",
@@ -165,9 +167,9 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
     }
     for source, from_query in ((query, True), (body, False)):
         for name, value in source.items():
-            if name not in _FIELDS:
+            if name not in INPUT_FIELDS:
                 raise BadInput(
-                    name, f"unknown field {name!r}; known fields: {', '.join(_FIELDS)}", "unknown_field"
+                    name, f"unknown field {name!r}; known fields: {', '.join(INPUT_FIELDS)}", "unknown_field"
                 )
             if value is None and not from_query:
                 continue  # JSON null: as if not given

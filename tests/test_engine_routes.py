@@ -14,10 +14,9 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from proxy.app import build_app
 from proxy.engine_routes import normalise_path
 from tests.capture import Capture, capturing
-from tests.conftest import make_settings, serve_app
+from tests.conftest import serve_sidecar
 from tests.sim_helpers import chat, fast, sim
 
 TOKEN = "admin-t0ken-for-route-tests"
@@ -51,10 +50,13 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     """A sidecar on `host` (engine named, so no detection race) in front of a captured simulator."""
     options: dict[str, Any] = {"slot_save_path": str(tmp_path / "slots")} if dialect == "llamacpp" else {}
-    async with sim(fast(dialect, **options)) as engine, capturing(engine.url) as capture:
-        settings = make_settings(capture.url, tmp_path, **{"engine": dialect, **overrides})
-        async with serve_app(build_app(settings), host=host) as url, aiohttp.ClientSession() as http:
-            yield Stack(url, capture, http)
+    async with (
+        sim(fast(dialect, **options)) as engine,
+        capturing(engine.url) as capture,
+        serve_sidecar(capture.url, tmp_path, host=host, **{"engine": dialect, **overrides}) as sidecar,
+        aiohttp.ClientSession() as http,
+    ):
+        yield Stack(sidecar.url, capture, http)
 
 
 def bearer(token: str) -> dict[str, str]:

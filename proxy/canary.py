@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.engines.base import CacheReset, EngineCall, engine_call
+from proxy.engines.base import CacheReset, EngineCall, bearer, engine_call
 from proxy.metrics.merge import fetch_engine_metrics
 from proxy.metrics.models import fetch_model_ids
 from proxy.observe import usage_from_json
@@ -87,6 +87,7 @@ class Canary:
     kind: str
     timeout_s: float
     count: Callable[[CanaryOutcome], None] = lambda _outcome: None
+    api_key: str | None = field(default=None, repr=False)  # the engine's own key (upstream_api_key)
     model: str | None = None
     block_size: int | None = None
     user: str = field(default_factory=lambda: "cachewitness-canary-" + secrets.token_hex(8))
@@ -100,7 +101,7 @@ class Canary:
 
     async def prepare(self) -> str | None:
         """Learn the model (and vLLM's block size); a reason when the canary cannot run."""
-        models = await fetch_model_ids(self.session, self.base_url, self.timeout_s)
+        models = await fetch_model_ids(self.session, self.base_url, self.timeout_s, self.api_key)
         if not models:
             return "the engine lists no model at /v1/models, so no canary could be sent"
         self.model = models[0]
@@ -129,7 +130,7 @@ class Canary:
             "POST",
             f"{self.base_url}/v1/chat/completions",
             timeout_s=self.timeout_s,
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(bearer(self.api_key) or {})},
             body=orjson.dumps(body),
         )
         reading = None

@@ -28,6 +28,7 @@ from proxy.pool import UPSTREAM_POOL
 from proxy.recorder import RECORDER
 from proxy.reset import RESETS
 from proxy.reset_params import MAX_RETRY_SECONDS, BadInput, ResetParams, is_valid_id
+from proxy.verification import VerifyMode
 
 __all__ = ["handle_native_reset", "handle_slot_erase", "native_params"]
 
@@ -92,6 +93,8 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
         force=force,
         via=Via.NATIVE,
         retry=not engine_mode,
+        # The engine's own semantics have no canary; the uniform reset verifies as configured.
+        verify=VerifyMode.NONE if engine_mode else VerifyMode(settings.verify),
     )
 
 

@@ -321,6 +321,7 @@ class ResetService:
             engine.kind,
             settings.reset_attempt_timeout,
             count=self._app[RECORDER].canary_request,
+            api_key=settings.engine_key,
         )
 
     def _finish(self, current: _Round, outcome: _Outcome) -> None:

@@ -65,7 +65,9 @@ async def refresh_models(app: web.Application) -> None:
         return
     settings = app[SETTINGS]
     metrics.models.tried_at = time.monotonic()
-    listed = await fetch_model_ids(session, settings.upstream_base, settings.upstream_metrics_timeout)
+    listed = await fetch_model_ids(
+        session, settings.upstream_base, settings.upstream_metrics_timeout, settings.engine_key
+    )
     if listed is not None:
         metrics.learn_models(listed)
 

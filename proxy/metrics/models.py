@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import aiohttp
 import orjson
 
+from proxy.engines.base import bearer
 from proxy.metrics.labels import OTHER
 from proxy.metrics.merge import _read_limited
 
@@ -74,13 +75,18 @@ class ModelLabels:
         return now - self.refreshed_at >= MODELS_REFRESH_S
 
 
-async def fetch_model_ids(session: aiohttp.ClientSession, base: str, timeout_s: float) -> list[str] | None:
-    """The model ids the engine lists at `/v1/models` (OpenAI shape), or None when it cannot say."""
+async def fetch_model_ids(
+    session: aiohttp.ClientSession, base: str, timeout_s: float, api_key: str | None = None
+) -> list[str] | None:
+    """The model ids the engine lists at `/v1/models` (OpenAI shape), or None when it cannot say.
+
+    `api_key`: the engine's own key (vLLM `--api-key` guards `/v1/*`), sent as a bearer token.
+    """
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     try:
         async with session.get(
             base + "/v1/models",
-            headers={"Accept": "application/json"},
+            headers={"Accept": "application/json", **(bearer(api_key) or {})},
             timeout=timeout,
             allow_redirects=False,
         ) as response:

@@ -79,22 +79,24 @@ def _nameservers(settings: Settings) -> list[str] | None:
 
 
 async def _resolve(name: str, nameservers: list[str] | None) -> list[str]:
-    """The A and AAAA addresses of `name`, each once, in the order the server gave them.
+    """The A addresses of `name` (the AAAA ones when it has no A record), each once.
 
-    A fresh c-ares channel per call: c-ares (>= 1.23) caches answers per channel for
-    their TTL, which would keep a pod that Kubernetes has already taken out.
+    One family only: a dual-stack headless Service lists every pod under both, and each pod
+    must be reset (and read) once. A fresh c-ares channel per call: c-ares (>= 1.23) caches
+    answers per channel for their TTL, which would keep a pod Kubernetes has already taken out.
     """
     resolver = aiodns.DNSResolver(nameservers=nameservers, timeout=DNS_TIMEOUT_S, tries=1)
     try:
         result = await resolver.getaddrinfo(name, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM)
     finally:
         await resolver.close()
-    addresses: list[str] = []
+    by_family: dict[int, list[str]] = {socket.AF_INET: [], socket.AF_INET6: []}
     for node in result.nodes:
+        addresses = by_family.setdefault(node.family, [])
         address = node.addr[0].decode("ascii")
         if address not in addresses:
             addresses.append(address)
-    return addresses
+    return by_family[socket.AF_INET] or by_family[socket.AF_INET6]
 
 
 async def _from_dns(settings: Settings) -> PeerSet:

@@ -1,4 +1,4 @@
-"""A real DNS server for tests: dnslib answers A records for names a test sets, on a loopback UDP port.
+"""A real DNS server for tests: dnslib answers A and AAAA records for names a test sets, on a loopback UDP port.
 
 It runs in the test's event loop (an asyncio datagram endpoint), so a test can change
 the answer between two calls and see who asked what.
@@ -7,11 +7,12 @@ the answer between two calls and see who asked what.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
-from dnslib import QTYPE, RCODE, RR, A, DNSRecord
+from dnslib import AAAA, QTYPE, RCODE, RR, A, DNSRecord
 
 # Long enough that a resolver which caches answers would keep a stale set between calls.
 TTL_S = 300
@@ -26,20 +27,24 @@ class DnsServer:
     questions: list[tuple[str, str]] = field(default_factory=list)
 
     def set(self, name: str, addresses: list[str]) -> None:
-        """Answer `name` with these A records from now on (an empty list: no records, NOERROR)."""
+        """Answer `name` with these A (IPv4) and AAAA (IPv6) records from now on (none: NOERROR, empty)."""
         self.records[name.rstrip(".") + "."] = list(addresses)
 
     def answer(self, query: bytes) -> bytes:
-        """The reply to one query: A records of a known name, NOERROR without records for AAAA, else NXDOMAIN."""
+        """The reply to one query: the A or AAAA records of a known name (maybe none), else NXDOMAIN."""
         request = DNSRecord.parse(query)
         reply = request.reply()
         name = str(request.q.qname)
         self.questions.append((name, QTYPE[request.q.qtype]))
         if name not in self.records:
             reply.header.rcode = RCODE.NXDOMAIN
-        elif request.q.qtype == QTYPE.A:
+        else:
             for address in self.records[name]:
-                reply.add_answer(RR(name, QTYPE.A, rdata=A(address), ttl=TTL_S))
+                version = ipaddress.ip_address(address).version
+                if request.q.qtype == QTYPE.A and version == 4:
+                    reply.add_answer(RR(name, QTYPE.A, rdata=A(address), ttl=TTL_S))
+                elif request.q.qtype == QTYPE.AAAA and version == 6:
+                    reply.add_answer(RR(name, QTYPE.AAAA, rdata=AAAA(address), ttl=TTL_S))
         return reply.pack()
 
 

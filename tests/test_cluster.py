@@ -16,10 +16,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.config import SETTINGS, ConfigError, load_settings
+from proxy.config import SETTINGS, ConfigError, Settings, load_settings
 from proxy.evidence import EVIDENCE
+from proxy.peers import discover_peers
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.conftest import serve_app, serve_sidecar, stack
+from tests.dns_server import dns_server
 from tests.sim_helpers import chat, fast, sim, slow, words
 
 
@@ -421,3 +423,14 @@ async def test_a_pod_that_never_answers_is_unreachable_at_the_shared_deadline(tm
         by_pod = {p["pod"]: p for p in body["pods"]}
         assert by_pod[c.pods[0].address]["answer"] == "acknowledged"
         assert "no answer within the cluster deadline" in by_pod[f"127.0.0.2:{c.port}"]["error"]
+
+
+async def test_a_dual_stack_name_lists_each_pod_once(tmp_path: Path) -> None:
+    """A and AAAA records for the same pods: the IPv4 ones only; AAAA alone when there is no A record."""
+    async with dns_server() as dns:
+        dns.set("dual.test", ["10.0.0.1", "fd00::1", "10.0.0.2", "fd00::2"])
+        dns.set("v6.test", ["fd00::1", "fd00::2"])
+        dual = await discover_peers(Settings(peers_dns="dual.test:9000", peers_dns_server=dns.address))
+        assert sorted(peer.address for peer in dual.peers) == ["10.0.0.1:9000", "10.0.0.2:9000"]
+        v6 = await discover_peers(Settings(peers_dns="v6.test:9000", peers_dns_server=dns.address))
+        assert sorted(peer.address for peer in v6.peers) == ["[fd00::1]:9000", "[fd00::2]:9000"]

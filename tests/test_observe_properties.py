@@ -64,7 +64,7 @@ class Layout:
     """How events are laid out on the wire."""
 
     pretty: bool  # `", "` and `": "` between JSON tokens
-    endings: tuple[bytes, ...]  # line ending per event, cycled
+    endings: tuple[bytes, ...]  # line endings, cycled line by line (so mixed within an event too)
     space: bool  # `data: ` or `data:`
     breaks: tuple[int, ...]  # per event, cycled: break the data line after every n-th token (0: one line)
     comments: frozenset[int]  # a comment event goes before the event with this index
@@ -97,7 +97,6 @@ def event(obj: dict[str, Any], base: int, index: int, layout: Layout, extra: dic
     # the injection adds or moves (always after them) never starts a line of its own.
     base_tokens = len(tokens(dict(list(obj.items())[:base]), layout.pretty)) - 1
     every = layout.breaks[index % len(layout.breaks)]
-    ending = layout.endings[index % len(layout.endings)]
     prefix = b"data: " if layout.space else b"data:"
     lines, current = [], ""
     for position, token in enumerate(toks):
@@ -106,7 +105,11 @@ def event(obj: dict[str, Any], base: int, index: int, layout: Layout, extra: dic
             lines.append(current)
             current = ""
     lines.append(current)
-    out = b"".join(prefix + line.encode() + ending for line in lines) + ending
+    endings = [layout.endings[(index + k) % len(layout.endings)] for k in range(len(lines) + 1)]
+    out = (
+        b"".join(prefix + line.encode() + end for line, end in zip(lines, endings, strict=False))
+        + endings[-1]
+    )
     return comment(index, layout) + out
 
 

@@ -66,7 +66,7 @@ CONTROL_ROUTES = (
     control("/pause_generation"),
     control("/continue_generation"),
 )
-# SGLang's bench_serving flushes here between runs.
+# SGLang's benchmark scripts flush here (sglang.benchmark.one_batch_server, 0.5.23).
 NATIVE_RESET = NativeReset(
     rule=control("/flush_cache", "GET", "POST"),
     content_type="text/plain; charset=utf-8",

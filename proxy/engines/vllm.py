@@ -82,7 +82,7 @@ CONTROL_ROUTES = (
     control("/v1/unload_lora_adapter"),
     control_prefix("/fault_tolerance/"),
 )
-# `vllm bench` posts here (vllm-project/router #136: it failed with 500 behind a router).
+# `vllm bench sweep` posts here after each run (0.32; vllm-project/router #136: 500 behind a router).
 NATIVE_RESET = NativeReset(
     rule=control("/reset_prefix_cache", "POST"),
     content_type="application/json",

@@ -80,6 +80,18 @@ def _chat(max_tokens: int = 8) -> dict:
     }
 
 
+async def test_a_clients_slot_erase_is_forwarded_and_recorded(llama: Pair) -> None:
+    """`POST /slots/0?action=erase` through the sidecar: llama-server's own answer, and a native record."""
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{llama.url}/slots/0?action=erase", headers=tags(session_id, case_id)) as resp:
+            status, body = resp.status, await resp.json()
+        record = await cache_state_record(s, llama.url, case_id)
+    assert status == 200 and body["id_slot"] == 0 and "n_erased" in body, body
+    assert record["via"] == "native" and record["route"] == "POST /slots/0?action=erase"
+    assert record["acknowledged"] is True and record["reset"]["status"] == 200
+
+
 async def test_erase_with_cache_ram_off_is_verified_consistent(llama: Pair) -> None:
     """With `--cache-ram 0` an erase leaves a cold cache: the verdict is consistent."""
     session_id, case_id = new_case()

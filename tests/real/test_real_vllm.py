@@ -105,7 +105,7 @@ async def test_reset_in_dev_mode_is_acknowledged_from_the_body(vllm: Pair) -> No
 
 
 async def test_vllms_own_reset_route_through_the_sidecar_is_answered_and_recorded(vllm: Pair) -> None:
-    """`vllm bench serve --reset-prefix-cache` posts /reset_prefix_cache: vLLM's own answer, and a record."""
+    """vLLM's own tools post /reset_prefix_cache: through the sidecar, vLLM's own answer and a record."""
     session_id, case_id = new_case()
     async with aiohttp.ClientSession() as s:
         async with s.post(f"{vllm.url}/reset_prefix_cache", headers=tags(session_id, case_id)) as resp:

@@ -91,8 +91,8 @@ def render(
         "### Non-streaming chat completions (wrk, 16 tokens each)",
         "",
         "| conc. | path | req/s | spread | p50 ms | p90 ms | p99 ms | p50 added vs direct | req/s vs direct "
-        "| req/s vs nginx | limited by |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| req/s vs nginx | proxy CPU µs/request | limited by |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for conc in sorted({r["concurrency"] for r in runs if r["case"] == "nonstream"}):
         for path in PATHS:
@@ -110,6 +110,7 @@ def render(
                 ),
                 "vs_direct": _paired(runs, "nonstream", conc, path, "direct", _ratio("rps")),
                 "vs_nginx": _paired(runs, "nonstream", conc, path, "nginx", _ratio("rps")),
+                "cpu_us": _cpu_us(rs, "requests"),
                 "errors": sum(r["errors"] for r in rs),
                 "limited_by": _median_run(rs, "rps")["bottleneck"],
             }
@@ -119,15 +120,15 @@ def render(
                 f"| {conc} | {LABELS[path]}{err} | {_fmt(row['rps'])} | {_fmt(_pct(row['spread']), 0, '%')} "
                 f"| {_fmt(row['p50_ms'], 2)} | {_fmt(row['p90_ms'], 2)} | {_fmt(row['p99_ms'], 2)} "
                 f"| {'—' if path == 'direct' else _fmt(row['p50_added_ms'], 2, ' ms')} "
-                f"| {_x(row['vs_direct'])} | {_x(row['vs_nginx'])} | {row['limited_by']} |"
+                f"| {_x(row['vs_direct'])} | {_x(row['vs_nginx'])} | {_fmt(row['cpu_us'])} | {row['limited_by']} |"
             )
     lines += [
         "",
         f"### Streaming chat completions ({_tokens(runs)} tokens each, back to back on every connection)",
         "",
         "| streams | path | SSE events/s | spread | TTFB p50 ms | TTFB p99 ms | inter-event gap p99 ms "
-        "| events/s vs direct | events/s vs nginx | limited by |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| events/s vs direct | events/s vs nginx | proxy CPU µs/event | limited by |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for conc in sorted({r["concurrency"] for r in runs if r["case"] == "stream"}):
         for path in PATHS:
@@ -142,6 +143,7 @@ def render(
                 "gap_p99_ms": _median([r["gap_p99_ms"] for r in rs]),
                 "vs_direct": _paired(runs, "stream", conc, path, "direct", _ratio("events_per_s")),
                 "vs_nginx": _paired(runs, "stream", conc, path, "nginx", _ratio("events_per_s")),
+                "cpu_us": _cpu_us(rs, "events"),
                 "errors": sum(r["errors"] for r in rs),
                 "limited_by": _median_run(rs, "events_per_s")["bottleneck"],
             }
@@ -150,13 +152,19 @@ def render(
             lines.append(
                 f"| {conc} | {LABELS[path]}{err} | {_fmt(row['events_per_s'])} | {_fmt(_pct(row['spread']), 0, '%')} "
                 f"| {_fmt(row['ttfb_p50_ms'], 1)} | {_fmt(row['ttfb_p99_ms'], 1)} | {_fmt(row['gap_p99_ms'], 2)} "
-                f"| {_x(row['vs_direct'])} | {_x(row['vs_nginx'])} | {row['limited_by']} |"
+                f"| {_x(row['vs_direct'])} | {_x(row['vs_nginx'])} | {_fmt(row['cpu_us'], 2)} | {row['limited_by']} |"
             )
     lines += _cpu_section(runs, summary)
     lines += _memory_section(memory)
     lines += _aims_section(summary, memory)
+    lines += _cpu_aims_section(summary, memory, meta)
     lines += _noise_section(runs, meta)
     return "\n".join(lines) + "\n", summary
+
+
+def _cpu_us(rs: list[Run], count: str) -> float | None:
+    """The proxy's CPU µs per request (or per SSE event), median over rounds; the direct path has none."""
+    return _median([1e6 * r["proxy_cpu_s"] / r[count] for r in rs if r.get(count) and r["path"] != "direct"])
 
 
 def _pct(value: float | None) -> float | None:
@@ -283,6 +291,63 @@ def _aims_section(summary: dict[str, Any], memory: dict[str, dict[str, float]]) 
     lines = [
         "",
         "### Aims (issue 9), one sidecar process",
+        "",
+        "| aim | target | measured | met |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {a} | {t} | {m} | {'yes' if ok else '**no**'} |" for a, t, m, ok in aims]
+    return lines
+
+
+def _cpu_aims_section(
+    summary: dict[str, Any], memory: dict[str, dict[str, float]], meta: dict[str, Any]
+) -> list[str]:
+    """Each aim of issue 19 (the sidecar's CPU per request), met or not, with its figure."""
+    ns, st = summary["nonstream"], summary["stream"]
+    cpu16 = ns.get("16/cw", {}).get("cpu_us")
+    ratio = ns.get("16/cw", {}).get("vs_direct")
+    added1 = ns.get("1/cw", {}).get("p50_added_ms")
+    per_event = _median([row["cpu_us"] for key, row in st.items() if key.endswith("/cw") and row["cpu_us"]])
+    open_mb = memory.get("cw", {}).get("open_mb")
+    # The throughput aim is stated for an unpinned run (everything shares the cores); a
+    # pinned run gives the proxy a core of its own, so its ratio is shown but not judged.
+    unpinned = meta["pinning"] is None
+    aims = [
+        (
+            "proxy CPU per small non-streaming request (c=16)",
+            "≤ 150 µs",
+            _fmt(cpu16, 0, " µs"),
+            cpu16 is not None and cpu16 <= 150,
+        ),
+        (
+            "requests/s vs direct at c=16"
+            + ("" if unpinned else " (this run was pinned: rerun with --no-pin)"),
+            "≥ 0.60×",
+            _x(ratio),
+            unpinned and ratio is not None and ratio >= 0.6,
+        ),
+        (
+            "added p50 at concurrency 1",
+            "≤ 0.3 ms",
+            _fmt(added1, 2, " ms"),
+            added1 is not None and added1 <= 0.3,
+        ),
+        (
+            "proxy CPU per SSE event (median over stream counts)",
+            "≤ 3 µs",
+            _fmt(per_event, 2, " µs"),
+            per_event is not None and per_event <= 3,
+        ),
+        (
+            "RSS with 1,000 open streams",
+            "≤ 80 MB",
+            _fmt(open_mb, 1, " MB"),
+            open_mb is not None and open_mb <= 80,
+        ),
+    ]
+    lines = [
+        "",
+        "### Aims (issue 19: CPU per request), evidence and injection on",
         "",
         "| aim | target | measured | met |",
         "|---|---|---|---|",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -290,7 +290,9 @@ def _upstream_data(prepared: PreparedRequest) -> bytes | SplicedBody:
 async def forward(request: web.Request) -> web.StreamResponse:
     """Proxy one request to the upstream and stream the answer back."""
     app = request.app
-    request_id = stored_id(request.headers.get("X-Request-Id")) or uuid.uuid4().hex
+    # The client's id when it sent one; else 32 random hex digits, as uuid4().hex gave but
+    # without building a UUID: 0.9 µs instead of 1.8 µs (timeit, issue 19).
+    request_id = stored_id(request.headers.get("X-Request-Id")) or os.urandom(16).hex()
     exchange = Exchange(request_id=request_id, started_ns=time.time_ns())
     try:
         refused = refusal(request)

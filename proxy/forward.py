@@ -154,17 +154,21 @@ class Exchange:
         )
 
 
-def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    """`headers` minus the hop-by-hop ones in `drop` and those named in their Connection header."""
-    named = {
-        token.strip().lower() for value in headers.getall("Connection", ()) for token in value.split(",")
-    }
-    kept: CIMultiDict[str] = CIMultiDict()
+def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str], into: CIMultiDict[str]) -> None:
+    """Add `headers` to `into`, minus the hop-by-hop ones in `drop` and those named in their Connection header.
+
+    The Connection header is parsed only when there is one, and the kept headers go straight
+    into their destination: 1.8 µs instead of 3.0 µs for a response's four headers, 1.4 µs
+    instead of 2.1 µs for a small request's three (timeit, issue 19).
+    """
+    if "Connection" in headers:
+        drop = drop | {
+            token.strip().lower() for value in headers.getall("Connection") for token in value.split(",")
+        }
     for name, value in headers.items():
         lowered = name.lower()
-        if lowered not in drop and lowered not in named:
-            kept.add(name, forwardable(value) if lowered in ID_HEADERS else value)
-    return kept
+        if lowered not in drop:
+            into.add(name, forwardable(value) if lowered in ID_HEADERS else value)
 
 
 def _request_headers(request: web.Request, exchange: Exchange, *, add_request_id: bool) -> CIMultiDict[str]:
@@ -173,7 +177,8 @@ def _request_headers(request: web.Request, exchange: Exchange, *, add_request_id
     vLLM takes an X-Request-Id as the answer's id, so one the client did not send would
     change the bytes it gets (`chatcmpl-<our hex>` instead of vLLM's own).
     """
-    headers = _end_to_end(request.headers, _REQUEST_DROP)
+    headers: CIMultiDict[str] = CIMultiDict()
+    _end_to_end(request.headers, _REQUEST_DROP, headers)
     if add_request_id and "X-Request-Id" not in headers:
         headers["X-Request-Id"] = exchange.request_id
     if exchange.usage_injected:
@@ -182,20 +187,24 @@ def _request_headers(request: web.Request, exchange: Exchange, *, add_request_id
     return headers
 
 
-def _response_headers(
-    upstream: aiohttp.ClientResponse, exchange: Exchange, *, add_request_id: bool
-) -> CIMultiDict[str]:
+def _add_response_headers(
+    upstream: aiohttp.ClientResponse,
+    exchange: Exchange,
+    headers: CIMultiDict[str],
+    *,
+    sse: bool,
+    add_request_id: bool,
+) -> None:
     """The engine's end-to-end headers, plus the SSE flushing hint (and our request id if opted in)."""
-    headers = _end_to_end(upstream.headers, HOP_BY_HOP)
+    _end_to_end(upstream.headers, HOP_BY_HOP, headers)
     if add_request_id:
         headers.setdefault("X-Request-Id", exchange.request_id)
-    if upstream.content_type == "text/event-stream":
+    if sse:
         # nginx and other buffering proxies in front of us flush SSE at once (llama.cpp #24774).
         headers["X-Accel-Buffering"] = "no"
     if exchange.usage_injected:
         # Stripping shortens the body: a length the engine stated no longer holds.
         headers.popall("Content-Length", None)
-    return headers
 
 
 async def _limited_body(request: web.Request, limit: int, prefix: bytes = b"") -> AsyncIterator[bytes]:
@@ -481,7 +490,7 @@ async def _injection_refusal(upstream: aiohttp.ClientResponse) -> tuple[str | No
     return ("refused the injected include_usage" if names_stream_options(peeked) else None), peeked
 
 
-def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange) -> None:
+def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange, *, sse: bool) -> None:
     """Pick how the answer is read for usage: the SSE scanner, or a bounded JSON reader.
 
     A compressed answer is not read (the sidecar never decompresses): its usage is unknown.
@@ -490,7 +499,7 @@ def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange) -> No
         return
     if upstream.headers.get("Content-Encoding", "identity").lower() != "identity":
         return
-    if upstream.content_type == "text/event-stream":
+    if sse:
         engine = exchange.engine_info
         exchange.scanner = StreamScanner(rules_for(engine) if exchange.usage_injected else None)
     else:
@@ -504,8 +513,10 @@ async def _relay(
     exchange.status = upstream.status
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     add_request_id = request.app[SETTINGS].request_id_header
-    response.headers.extend(_response_headers(upstream, exchange, add_request_id=add_request_id))
-    _start_observing(upstream, exchange)
+    # Parsed once: aiohttp parses the Content-Type header anew on each read of content_type.
+    sse = upstream.content_type == "text/event-stream"
+    _add_response_headers(upstream, exchange, response.headers, sse=sse, add_request_id=add_request_id)
+    _start_observing(upstream, exchange, sse=sse)
     scanner, answer = exchange.scanner, exchange.answer
     try:
         await response.prepare(request)

@@ -18,7 +18,7 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # answered by the sidecar itself (400, 413, 503), never by the engine
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Forwarded:
     """Transport facts of one forwarded exchange, observed or not (for metrics)."""
 

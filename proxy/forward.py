@@ -106,9 +106,9 @@ class Exchange:
     scanner: StreamScanner | None = None
     buffered: int = 0  # bytes of max_buffered_bytes this exchange holds (its body, read to be observed)
     answer: JsonAnswer | None = None
-    recorded: bool = False
+    admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
 
-    def forwarded(self, request: web.Request) -> Forwarded:
+    def forwarded(self, request: web.Request, finished_ns: int) -> Forwarded:
         """The transport facts of this exchange, once it is over."""
         sent, head, first = self.upstream_sent_ns, self.upstream_head_ns, self.first_byte_ns
         return Forwarded(
@@ -118,39 +118,42 @@ class Exchange:
             outcome=self.outcome,
             started_ns=self.started_ns,
             first_byte_ns=first,
-            finished_ns=time.time_ns(),
+            finished_ns=finished_ns,
             before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
             after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
         )
 
-    def observation(self, request: web.Request) -> Observation:
+    def observation(self, request: web.Request, finished_ns: int) -> Observation:
         """The frozen record of this exchange, once it is over."""
         usage, engine_id = Usage(), None
         if self.scanner is not None:
             usage, engine_id = self.scanner.usage, self.scanner.engine_id
         elif self.answer is not None:
             usage, engine_id = self.answer.usage(), self.answer.engine_id()
+        headers = request.headers
+        # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to
+        # build, positionally 2.1 µs (timeit, issue 19).
         return Observation(
-            request_id=self.request_id,
-            session_id=stored_id(request.headers.get("X-Session-Id"), SESSION_ID_CHARS),
-            case_id=stored_id(request.headers.get("X-Case-Id"), SESSION_ID_CHARS),
-            method=request.method,
-            path=request.path,
-            status=self.status,
-            stream=self.stream,
-            model=self.model,
-            prompt_tokens=usage.prompt_tokens,
-            completion_tokens=usage.completion_tokens,
-            cached_tokens=usage.cached_tokens,
-            cached_tokens_source=usage.cached_tokens_source,
-            reset_id=self.reset_id,
-            ordinal_since_reset=self.ordinal,
-            started_ns=self.started_ns,
-            first_byte_ns=self.first_byte_ns,
-            finished_ns=time.time_ns(),
-            outcome=self.outcome,
-            usage_injected=self.usage_injected,
-            engine_request_id=engine_id,
+            self.request_id,
+            stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+            stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+            request.method,
+            request.path,
+            self.status,
+            self.stream,
+            self.model,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            usage.cached_tokens_source,
+            self.reset_id,
+            self.ordinal,
+            self.started_ns,
+            self.first_byte_ns,
+            finished_ns,
+            self.outcome,
+            self.usage_injected,
+            engine_id,
         )
 
 
@@ -316,11 +319,17 @@ async def forward(request: web.Request) -> web.StreamResponse:
             return _rejected(exchange, refused.response())
         return await _admit_and_exchange(request, exchange)
     finally:
-        # Every request is counted, those the sidecar itself turned away (400, 413, 503) included;
-        # an inference request it turned away also gets its record (outcome "rejected").
-        app[RECORDER].forwarded(exchange.forwarded(request))
-        if exchange.outcome == Outcome.REJECTED and not exchange.recorded and _is_inference(request):
-            app[RECORDER].rejected(exchange.observation(request))
+        # Every request is counted, those the sidecar itself turned away (400, 413, 503) included,
+        # in one call with its observation when it was observed and admitted; an inference
+        # request turned away before that gets its record too (outcome "rejected").
+        finished_ns = time.time_ns()
+        forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
+        if exchange.observed and exchange.admitted:
+            recorder.finished(forwarded, exchange.observation(request, finished_ns))
+        else:
+            recorder.finished(forwarded, None)
+            if exchange.outcome == Outcome.REJECTED and _is_inference(request):
+                recorder.rejected(exchange.observation(request, finished_ns))
 
 
 def _is_inference(request: web.Request) -> bool:
@@ -383,14 +392,12 @@ async def _observe_and_exchange(
         )
     try:
         if exchange.observed:
+            exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
             exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
         return await _exchange(request, exchange, prepared, settings.upstream_base, limit, prefix=prefix)
     finally:
         admission.leave()
-        if exchange.observed:
-            exchange.recorded = True
-            app[RECORDER].observation(exchange.observation(request))
 
 
 def _prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:

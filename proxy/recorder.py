@@ -33,13 +33,18 @@ class Recorder:
         """The reset this request belongs to and its ordinal since that reset."""
         return self.witness.begin_request()
 
-    def observation(self, observation: Observation) -> None:
-        """Record one inference exchange: never blocks, never raises into the forwarding path."""
-        settled = self.witness.observe(observation)
-        self._evidence.write(observation.to_record())
-        if settled is not None:
-            self._evidence.write(settled.to_record())
-        self._metrics.observe(observation, settled.verdict if settled is not None else None)
+    def finished(self, forwarded: Forwarded, observation: Observation | None) -> None:
+        """Record one forwarded exchange, with its observation when it was an admitted inference request.
+
+        Never blocks, never raises into the forwarding path; the metrics move in one call.
+        """
+        settled = None
+        if observation is not None:
+            settled = self.witness.observe(observation)
+            self._evidence.write(observation.to_record())
+            if settled is not None:
+                self._evidence.write(settled.to_record())
+        self._metrics.finished(forwarded, observation, settled.verdict if settled is not None else None)
 
     def rejected(self, observation: Observation) -> None:
         """Record an inference request the sidecar answered itself (400, 413, 503).
@@ -48,10 +53,6 @@ class Recorder:
         tokens (its status is already in `requests_total`).
         """
         self._evidence.write(observation.to_record())
-
-    def forwarded(self, forwarded: Forwarded) -> None:
-        """Count one forwarded exchange, observed or not."""
-        self._metrics.forwarded(forwarded)
 
     def reset_accepted(
         self,

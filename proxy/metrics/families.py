@@ -200,7 +200,13 @@ class Metrics:
         for model in self.models.learn(listed):
             self._model_series(model)
 
-    def forwarded(self, f: Forwarded) -> None:
+    def finished(self, f: Forwarded, observation: Observation | None, verdict: str | None) -> None:
+        """Everything one finished request moves, in one call: its transport facts, then its tokens."""
+        self._forwarded(f)
+        if observation is not None:
+            self._observed(observation, verdict)
+
+    def _forwarded(self, f: Forwarded) -> None:
         """Count one forwarded exchange: requests, duration, TTFB, overhead, upstream errors."""
         route = f.path if f.path in self._routes else OTHER
         code = _CLASS_OF.get(f.status, "none") if f.status is not None else "none"
@@ -217,7 +223,7 @@ class Metrics:
         if kind is not None:
             self._upstream_errors[kind].inc()
 
-    def observe(self, observation: Observation, verdict: str | None) -> None:
+    def _observed(self, observation: Observation, verdict: str | None) -> None:
         """Count one inference request's tokens by model, and a verdict when it settled one."""
         if not self.models.known and self.on_unknown_models is not None:
             self.on_unknown_models()

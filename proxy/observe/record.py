@@ -10,7 +10,7 @@ from proxy.exchange import Outcome
 __all__ = ["Observation"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Observation:
     """What the sidecar saw of one forwarded inference request (no prompt, text, key or user)."""
 

@@ -43,8 +43,11 @@ class Capture:
 
 
 @asynccontextmanager
-async def capturing(target: str) -> AsyncIterator[Capture]:
-    """Serve a hop that records each request and relays it to `target`, streaming the answer back."""
+async def capturing(target: str, port: int = 0) -> AsyncIterator[Capture]:
+    """Serve a hop that records each request and relays it to `target`, streaming the answer back.
+
+    `port`: where it listens (0: a free port), for an upstream that comes up after its sidecar.
+    """
     app = web.Application()
     capture = Capture(url="")
 
@@ -84,6 +87,6 @@ async def capturing(target: str) -> AsyncIterator[Capture]:
 
     app.cleanup_ctx.append(client_ctx)
     app.router.add_route("*", "/{tail:.*}", relay)
-    async with serve_app(app) as url:
+    async with serve_app(app, port=port) as url:
         capture.url = url
         yield capture

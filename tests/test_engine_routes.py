@@ -16,7 +16,7 @@ from yarl import URL
 
 from proxy.engine_routes import normalise_path
 from tests.capture import Capture, capturing
-from tests.conftest import serve_sidecar
+from tests.conftest import free_port, serve_sidecar
 from tests.sim_helpers import chat, fast, sim
 
 TOKEN = "admin-t0ken-for-route-tests"
@@ -238,6 +238,26 @@ async def test_unknown_engine_kind_guards_every_known_engines_routes(tmp_path, r
         for method, path in [("POST", "/collective_rpc"), ("POST", "/flush_cache"), ("GET", "/slots")]:
             status, _ = await s.call(method, path)
             assert status == 401, path
+
+
+async def test_an_engine_not_yet_detected_is_detected_before_its_reset_route_is_judged(tmp_path) -> None:
+    # The upstream is down when the sidecar starts (kind unknown) and comes up later; the
+    # health watcher does not probe again in the test's time, so the route policy must detect.
+    port = free_port()
+    async with (
+        serve_sidecar(
+            f"http://127.0.0.1:{port}", tmp_path, admin_token=TOKEN, health_interval=3600.0
+        ) as side,
+        sim(fast("vllm")) as engine,
+        capturing(engine.url, port=port) as capture,
+        aiohttp.ClientSession() as http,
+    ):
+        async with http.post(f"{side.url}/collective_rpc") as resp:
+            assert resp.status == 401
+        async with http.post(f"{side.url}/reset_prefix_cache", headers=bearer(TOKEN)) as resp:
+            assert (resp.status, await resp.json()) == (200, {"success": True})
+            assert resp.headers["X-Cachewitness-Answer"] == "acknowledged"  # intercepted, not forwarded
+        assert not [p for p in capture.paths() if "collective" in p]
 
 
 # -- the sidecar's own admin routes are exact method+path pairs (issue 16 item 10) -----------

@@ -1,10 +1,9 @@
-"""The sidecar's own families and the hot-path calls that move them (no I/O, no locks of ours)."""
+"""The sidecar's own families and the hot-path calls that move them (no I/O, no locks)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -16,6 +15,7 @@ from prometheus_client import (
 from proxy.config import Settings
 from proxy.engines.base import OUTCOMES
 from proxy.exchange import Forwarded, Outcome
+from proxy.metrics.hot import HotCollector, HotCounter, HotFamily, HotHistogram, Kind
 from proxy.metrics.labels import (
     _CLASS_OF,
     CACHED_TOKEN_BUCKETS,
@@ -40,18 +40,18 @@ from proxy.verification import CanaryOutcome, Verified
 class _ModelSeries:
     """The per-model children, looked up once per label instead of once per request."""
 
-    prompt: Any
-    cached: Any
-    unknown: Any
-    cached_per_request: Any
+    prompt: HotCounter
+    cached: HotCounter
+    unknown: HotCounter
+    cached_per_request: HotHistogram
 
 
 @dataclass(frozen=True, slots=True)
 class _RouteSeries:
     """The per-route histogram children."""
 
-    duration: Any
-    ttfb: Any
+    duration: HotHistogram
+    ttfb: HotHistogram
 
 
 class Metrics:
@@ -64,64 +64,81 @@ class Metrics:
         # Called (cheaply) from the hot path while the model ids are not known yet.
         self.on_unknown_models: Callable[[], None] | None = None
         registry = self.registry
-        self.requests = Counter(
+        # The families every request moves, without prometheus_client's locks (proxy/metrics/hot.py);
+        # registered first, so the exposition keeps its order.
+        self.requests = HotFamily(
             PREFIX + "requests_total",
             "Forwarded requests by route and response status class.",
             ("route", "code"),
-            registry=registry,
+            Kind.COUNTER,
         )
-        self.request_duration = Histogram(
+        self.request_duration = HotFamily(
             PREFIX + "request_duration_seconds",
             "Forwarded request time, request in to last byte out.",
             ("route",),
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+            Kind.HISTOGRAM,
+            LATENCY_BUCKETS,
         )
-        self.ttfb = Histogram(
+        self.ttfb = HotFamily(
             PREFIX + "time_to_first_byte_seconds",
             "Request in to the response head sent to the client.",
             ("route",),
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+            Kind.HISTOGRAM,
+            LATENCY_BUCKETS,
         )
-        self.overhead = Histogram(
+        self.overhead = HotFamily(
             PREFIX + "sidecar_overhead_seconds",
             "Time the sidecar itself spent: request in to upstream request sent (phase=request), "
             "upstream response head to client response head (phase=response).",
             ("phase",),
-            buckets=OVERHEAD_BUCKETS,
-            registry=registry,
+            Kind.HISTOGRAM,
+            OVERHEAD_BUCKETS,
         )
-        self.upstream_errors = Counter(
+        self.upstream_errors = HotFamily(
             PREFIX + "upstream_errors_total",
             "Forwarded requests the engine failed, by kind.",
             ("kind",),
-            registry=registry,
+            Kind.COUNTER,
         )
-        self.prompt_tokens = Counter(
+        self.prompt_tokens = HotFamily(
             PREFIX + "prompt_tokens_total",
             "Prompt tokens the engine reported, by model.",
             ("model",),
-            registry=registry,
+            Kind.COUNTER,
         )
-        self.cached_tokens = Counter(
+        self.cached_tokens = HotFamily(
             PREFIX + "cached_tokens_total",
             "Prompt tokens the engine reported served from its prefix cache.",
             ("model",),
-            registry=registry,
+            Kind.COUNTER,
         )
-        self.cached_tokens_unknown = Counter(
+        self.cached_tokens_unknown = HotFamily(
             PREFIX + "cached_tokens_unknown_total",
             "Completed 2xx inference responses with no cached-token field.",
             ("model",),
-            registry=registry,
+            Kind.COUNTER,
         )
-        self.request_cached_tokens = Histogram(
+        self.request_cached_tokens = HotFamily(
             PREFIX + "request_cached_tokens",
             "Cached prompt tokens per inference request (where reported).",
             ("model",),
-            buckets=CACHED_TOKEN_BUCKETS,
-            registry=registry,
+            Kind.HISTOGRAM,
+            CACHED_TOKEN_BUCKETS,
+        )
+        registry.register(
+            HotCollector(
+                (
+                    self.requests,
+                    self.request_duration,
+                    self.ttfb,
+                    self.overhead,
+                    self.upstream_errors,
+                    self.prompt_tokens,
+                    self.cached_tokens,
+                    self.cached_tokens_unknown,
+                    self.request_cached_tokens,
+                )
+            )
         )
         self.verifications = Counter(
             PREFIX + "cache_verifications_total",
@@ -161,15 +178,15 @@ class Metrics:
         )
 
         self._requests = {
-            (route, code): self.requests.labels(route, code) for route in ROUTES for code in CODES
+            (route, code): self.requests.counter(route, code) for route in ROUTES for code in CODES
         }
         self._routes = {
-            route: _RouteSeries(self.request_duration.labels(route), self.ttfb.labels(route))
+            route: _RouteSeries(self.request_duration.histogram(route), self.ttfb.histogram(route))
             for route in ROUTES
         }
-        self._overhead_request = self.overhead.labels("request")
-        self._overhead_response = self.overhead.labels("response")
-        self._upstream_errors = {kind: self.upstream_errors.labels(kind) for kind in UPSTREAM_ERROR_KINDS}
+        self._overhead_request = self.overhead.histogram("request")
+        self._overhead_response = self.overhead.histogram("response")
+        self._upstream_errors = {kind: self.upstream_errors.counter(kind) for kind in UPSTREAM_ERROR_KINDS}
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
         self._canary = {outcome: self.canary_requests.labels(outcome.value) for outcome in CanaryOutcome}
         self._verified = {verified: self.resets_verified.labels(verified.value) for verified in Verified}
@@ -187,10 +204,10 @@ class Metrics:
         series = self._models.get(label)
         if series is None:
             series = _ModelSeries(
-                self.prompt_tokens.labels(label),
-                self.cached_tokens.labels(label),
-                self.cached_tokens_unknown.labels(label),
-                self.request_cached_tokens.labels(label),
+                self.prompt_tokens.counter(label),
+                self.cached_tokens.counter(label),
+                self.cached_tokens_unknown.counter(label),
+                self.request_cached_tokens.histogram(label),
             )
             self._models[label] = series
         return series

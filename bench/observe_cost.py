@@ -1,12 +1,14 @@
 """What observing costs: CPU per request of the sidecar with and without evidence + injection.
 
-    .venv/bin/python bench/observe_cost.py [--rounds 5] [--seconds 4] [--concurrency 64]
+    .venv/bin/python bench/observe_cost.py [--rounds 5] [--seconds 4] [--concurrency 64] [--against DIR]
 
 A focused A/B of `make bench`'s "evidence + injection" aim: one simulator (vLLM dialect,
 decode/prefill 0) and two sidecars in front of it — defaults, and `--no-observe
 --no-inject-usage` — each pinned alone on the same core, driven in turn by wrk with small
 non-streaming chat completions. CPU seconds per request (from /proc) is the figure that
 holds on a shared machine; the table gives every round and the median difference.
+`--against DIR` adds a third sidecar, defaults, run from another checkout's code (e.g. a
+`git worktree` of the commit before a change): a before/after of one change, interleaved.
 """
 
 from __future__ import annotations
@@ -34,7 +36,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--against", type=Path, help="another checkout: its sidecar (defaults) runs too")
     ns = parser.parse_args()
+    paths = list(PATHS)
+    if ns.against is not None:
+        ns.against = ns.against.resolve()
+        paths.append((f"observed, from {ns.against}", []))
     _, wrk = ensure_tools()
     cores = Cores.choose(pin=True)
     with tempfile.TemporaryDirectory(prefix="cw-observe-cost-") as tmp:
@@ -64,13 +71,17 @@ def main() -> int:
             "/health",
         )
         sidecars = []
-        for name, extra in PATHS:
+        for index, (_name, extra) in enumerate(paths):
             listen = free_port()
+            # `python -m` puts the working directory first on sys.path: the other checkout's
+            # code runs when started from there (exec keeps the pid we measure).
+            where = ["sh", "-c", f'cd "{ns.against}" && exec "$0" "$@"'] if index == len(PATHS) else []
             sidecars.append(
                 start_service(
-                    name.split()[0],
+                    f"sidecar{index}",
                     [
                         *Cores.prefix(cores.proxy),
+                        *where,
                         sys.executable,
                         "-m",
                         "proxy",
@@ -80,7 +91,7 @@ def main() -> int:
                         "--listen",
                         f"127.0.0.1:{listen}",
                         "--evidence",
-                        str(work / f"{name.split()[0]}.jsonl"),
+                        str(work / f"sidecar{index}.jsonl"),
                         *extra,
                     ],
                     f"http://127.0.0.1:{listen}",
@@ -88,10 +99,10 @@ def main() -> int:
                     "/-/ready",
                 )
             )
-        per_request: dict[str, list[float]] = {name: [] for name, _ in PATHS}
+        per_request: dict[str, list[float]] = {name: [] for name, _ in paths}
         try:
             for _ in range(ns.rounds):
-                for (name, _), sidecar in zip(PATHS, sidecars, strict=True):
+                for (name, _), sidecar in zip(paths, sidecars, strict=True):
                     before = cpu_seconds(sidecar.pids())
                     result = run_wrk(
                         wrk,
@@ -113,7 +124,7 @@ def main() -> int:
     )
     print("| path | " + " | ".join(f"round {i + 1}" for i in range(ns.rounds)) + " | median |")
     print("|---|" + "---:|" * (ns.rounds + 1))
-    for name, _ in PATHS:
+    for name, _ in paths:
         values = per_request[name]
         print(
             f"| {name} | " + " | ".join(f"{v:.0f}" for v in values) + f" | {statistics.median(values):.0f} |"
@@ -121,6 +132,11 @@ def main() -> int:
     print(
         f"\nobserving costs {observed - bare:+.0f} µs per request ({100 * (observed - bare) / bare:+.1f} %)"
     )
+    if ns.against is not None:
+        other = statistics.median(per_request[paths[-1][0]])
+        print(
+            f"this checkout vs {ns.against}: {observed - other:+.0f} µs per request ({100 * (observed - other) / other:+.1f} %)"
+        )
     return 0
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.forward import HOP_BY_HOP
+from proxy.headers import HOP_BY_HOP
 from tests.real.conftest import Pair
 
 MODEL = "tiny"
@@ -68,14 +68,37 @@ def _leaves(doc: Any, path: tuple[Any, ...] = ()) -> dict[tuple[Any, ...], Any]:
 
 
 def volatile_members(first: Answer, second: Answer) -> set[str]:
-    """Names of the members whose values differ between two direct answers to one request."""
+    """Names of the members whose values differ between two direct answers to one request.
+
+    Events are paired in order, as far as both answers go: ids and times are in every event.
+    """
     one, two = first.documents(), second.documents()
-    assert len(one) == len(two), "the engine's two direct answers differ in their number of events"
     names = set()
-    for a, b in zip(one, two, strict=True):
+    for a, b in zip(one, two, strict=False):
         left, right = _leaves(a), _leaves(b)
         names |= {str(path[-1]) for path in left.keys() | right.keys() if left.get(path) != right.get(path)}
     return names
+
+
+def carried(answer: Answer, names: set[str]) -> dict[str, Any]:
+    """What a stream carries, whatever its chunking: the text, and every member but the volatile ones.
+
+    vLLM hands a client the deltas its output queue holds when the client's read comes, so
+    two direct calls can split the same tokens into different events (13 events, then 14;
+    a UTF-8 character held back in one and not the other). Byte equality of streams is then
+    not the engine's own behaviour; what the events carry is.
+    """
+    docs = answer.documents()
+    text = "".join(
+        choice.get("delta", {}).get("content") or "" for doc in docs for choice in doc.get("choices", [])
+    )
+    members = {
+        (tuple("*" if isinstance(key, int) else key for key in path), None if path[-1] in names else value)
+        for doc in docs
+        for path, value in _leaves(doc).items()
+        if path[-1] != "content"
+    }
+    return {"text": text, "events_end": answer.body[-14:], "members": members}
 
 
 def masked(body: bytes, names: set[str]) -> bytes:
@@ -104,7 +127,10 @@ async def test_through_the_sidecar_the_client_gets_the_engines_own_answer(
     assert first.status == second.status == through.status == 200, through.body[:300]
 
     names = volatile_members(first, second)
-    assert masked(through.body, names) == masked(first.body, names)
+    if body["stream"]:
+        assert carried(through, names) == carried(first, names)
+    else:
+        assert masked(through.body, names) == masked(first.body, names)
 
     varying = {
         name

@@ -34,7 +34,7 @@ test: lint
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not real and not soak" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
+	$(PY) -m pytest -q -m "not real and not soak and not slow" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
 
 ## make test-real: only the real llama-server / vLLM tests
 test-real: $(STAMP)

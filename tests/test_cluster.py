@@ -402,6 +402,7 @@ async def test_an_acknowledged_pod_its_canary_could_not_verify_is_not_a_success(
         assert "cached-token" in blind["error"]
 
 
+@pytest.mark.slow
 async def test_a_pod_that_never_answers_is_unreachable_at_the_shared_deadline(tmp_path: Path) -> None:
     """A peer that takes the call and hangs: the others' answers come at the deadline, that pod unreachable."""
     never = asyncio.Event()

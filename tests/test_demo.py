@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_the_session_and_prints_the_report() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "proxy", "demo"], capture_output=True, text=True, timeout=120

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import pytest
 
 from proxy.sim import running_sim
 from tests.sim_helpers import chat, fast
@@ -75,6 +76,7 @@ def observation_lines(path: Path) -> int:
     )
 
 
+@pytest.mark.slow
 async def test_a_full_evidence_disk_costs_no_request_bounded_memory_and_no_uncounted_record(
     tmp_path: Path,
 ) -> None:

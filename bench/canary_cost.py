@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.app import build_app
 from proxy.config import Settings
+from proxy.serve import serving
 from proxy.sim import SimConfig, running_sim
 
 SIM_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
@@ -43,15 +42,8 @@ SIM_CASES: tuple[tuple[str, dict[str, Any]], ...] = (
 async def sidecar(upstream: str, evidence: Path) -> AsyncIterator[str]:
     """A sidecar on a free loopback port in front of `upstream`."""
     settings = Settings(upstream=upstream, listen="127.0.0.1:0", evidence=str(evidence), health_interval=0.5)
-    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(settings) as url:
+        yield url
 
 
 async def timed_reset(http: aiohttp.ClientSession, base: str, verify: str) -> tuple[float, dict[str, Any]]:

@@ -11,11 +11,10 @@ from typing import Any
 
 import aiohttp
 import orjson
-from aiohttp import web
 
-from proxy.app import build_app
 from proxy.config import Settings
 from proxy.evidence_summary import CaseSummary, summarize, summary_table
+from proxy.serve import serving
 from proxy.sim import SimConfig, running_sim
 
 __all__ = ["run_demo"]
@@ -31,15 +30,8 @@ SESSION = "demo"
 async def _sidecar(upstream: str, evidence: Path) -> AsyncIterator[str]:
     """The sidecar app on a free loopback port, the way `cachewitness serve` runs it."""
     settings = Settings(upstream=upstream, listen="127.0.0.1:0", evidence=str(evidence), health_interval=0.2)
-    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(settings) as url:
+        yield url
 
 
 class Session:

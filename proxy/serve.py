@@ -10,6 +10,7 @@ import resource
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 from yarl import URL
@@ -22,7 +23,7 @@ from proxy.logs import log_event
 from proxy.redact import redact_url
 from proxy.reset import RESETS
 
-__all__ = ["ListenError", "make_runner", "make_site", "points_at_itself", "run", "serve"]
+__all__ = ["ListenError", "make_runner", "make_site", "points_at_itself", "run", "serve", "serving"]
 
 log = logging.getLogger("cachewitness.serve")
 
@@ -116,6 +117,22 @@ def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
 def make_site(runner: web.AppRunner, host: str, port: int) -> GuardedSite:
     """The listening site `serve` uses: every connection through the app's ConnectionGuard."""
     return GuardedSite(runner, runner.app[CONNECTIONS], host, port, backlog=1024)
+
+
+@contextlib.asynccontextmanager
+async def serving(settings: Settings, host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """The sidecar for `settings` on a free port of `host`, on `serve`'s own runner and site; yields its URL.
+
+    For the demo and the benchmarks, which run a sidecar inside their own event loop.
+    """
+    runner = make_runner(build_app(settings), settings)
+    await runner.setup()
+    await make_site(runner, host, 0).start()
+    bound_host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{bound_host}:{port}"
+    finally:
+        await runner.cleanup()
 
 
 def _fit_fd_limit(settings: Settings) -> None:

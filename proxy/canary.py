@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.engines.base import CacheReset, EngineCall, bearer, engine_call
+from proxy.engines.base import CacheReset, EngineCall, EngineKind, bearer, engine_call
 from proxy.metrics.merge import fetch_engine_metrics
 from proxy.metrics.models import fetch_model_ids
 from proxy.observe import usage_from_json
@@ -46,16 +46,16 @@ __all__ = [
 DEFAULT_CANARY_TOKENS = 512
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 # The engine flag that makes it report cached tokens.
-_REPORT_FLAGS = {
-    "vllm": "start vLLM with --enable-prompt-tokens-details",
-    "sglang": "start SGLang with --enable-cache-report",
+_REPORT_FLAGS: dict[str, str] = {
+    EngineKind.VLLM: "start vLLM with --enable-prompt-tokens-details",
+    EngineKind.SGLANG: "start SGLang with --enable-cache-report",
 }
-_CONTRADICTED_HINTS = {
-    "llamacpp": (
+_CONTRADICTED_HINTS: dict[str, str] = {
+    EngineKind.LLAMACPP: (
         "llama.cpp's host-RAM prompt cache survives slot erase and no endpoint clears it: "
         "start llama-server with --cache-ram 0"
     ),
-    "vllm": (
+    EngineKind.VLLM: (
         "a KV connector or CPU-offload tier kept the canary: use vLLM >= 0.13 (reset_external) "
         "or switch the offload tier off"
     ),
@@ -105,7 +105,7 @@ class Canary:
         if not models:
             return "the engine lists no model at /v1/models, so no canary could be sent"
         self.model = models[0]
-        if self.kind == "vllm":
+        if self.kind == EngineKind.VLLM:
             text = await fetch_engine_metrics(self.session, self.base_url, self.timeout_s)
             found = _BLOCK_SIZE.search(text or b"")
             self.block_size = int(found.group(1)) if found else None
@@ -120,7 +120,7 @@ class Canary:
             "temperature": 0,
             "stream": False,
         }
-        if self.kind == "mindnano":
+        if self.kind == EngineKind.MINDNANO:
             body["user"] = self.user  # mindnano caches per user
         # No `id_slot` on llama.cpp, though C2 "on C1's slot" was the plan: a pinned request
         # skips the host-RAM prompt cache both ways (llama-server 7e4c0a9, skulk wheel 0.10434.0:

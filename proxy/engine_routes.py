@@ -15,7 +15,7 @@ from urllib.parse import unquote
 
 from proxy.config import Settings
 from proxy.engines import llamacpp, mindnano, sglang, vllm
-from proxy.engines.base import Dialect
+from proxy.engines.base import Dialect, EngineKind
 from proxy.engines.routes import NativeReset, RouteRule, control, control_prefix
 
 __all__ = ["ALL_CONTROL_ROUTES", "RouteClass", "RouteDecision", "RoutePolicy", "normalise_path"]
@@ -28,7 +28,7 @@ ALL_CONTROL_ROUTES: tuple[RouteRule, ...] = (
     *llamacpp.CONTROL_ROUTES,
     *mindnano.CONTROL_ROUTES,
 )
-_KNOWN_KINDS = frozenset({"vllm", "sglang", "llamacpp", "mindnano"})
+_KNOWN_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LLAMACPP, EngineKind.MINDNANO})
 
 
 class RouteClass(StrEnum):
@@ -107,7 +107,11 @@ class RoutePolicy:
         native = dialect.native_reset
         if native is not None and native.rule.matches(method, path):
             return RouteDecision(RouteClass.NATIVE_RESET, path, native)
-        if dialect.kind == "llamacpp" and llamacpp.SLOT_ERASE.matches(method, path) and _erases(query):
+        if (
+            dialect.kind == EngineKind.LLAMACPP
+            and llamacpp.SLOT_ERASE.matches(method, path)
+            and _erases(query)
+        ):
             return RouteDecision(RouteClass.SLOT_ERASE, path)
         if any(rule.matches(method, path) for rule in self.control_routes(dialect)):
             return RouteDecision(RouteClass.CONTROL, path)

@@ -31,6 +31,7 @@ from proxy.engines.base import (
     Dialect,
     EngineCall,
     EngineInfo,
+    EngineKind,
     cache_state_record,
 )
 from proxy.errors import error_response
@@ -313,7 +314,9 @@ class ResetService:
             return "verify none: no canary was sent"
         if not params.drain:
             return "the canary runs inside the drain window only, and this reset had drain false"
-        if engine.kind in ("none", "unknown") or (engine.kind == "generic" and not settings.reset_path):
+        if engine.kind in (EngineKind.NONE, EngineKind.UNKNOWN) or (
+            engine.kind == EngineKind.GENERIC and not settings.reset_path
+        ):
             return "the engine has no reset to verify"
         return Canary(
             self._app[UPSTREAM_POOL],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from proxy.engines.base import EngineInfo
+from proxy.engines.base import EngineInfo, EngineKind
 from proxy.observe.jsonscan import Buffer, find_members, skip_ws, trailing_members
 
 __all__ = [
@@ -60,23 +60,23 @@ class RuleEntry:
 STREAM_RULES: tuple[RuleEntry, ...] = (
     # vLLM 0.32 (seen): no `"usage": null` members; `system_fingerprint` on the last chunk.
     RuleEntry(
-        "vllm",
+        EngineKind.VLLM,
         (),
         StreamRules(null_usage_added=False, last_event_members=frozenset({b'"system_fingerprint"'})),
     ),
     # SGLang's pydantic-era chunks (`model_dump_json()`) carry `"usage": null` whether asked
     # or not; its msgspec encoder (sse_utils.StreamChunk, omit_defaults) never writes it.
     # Either way the null is not the injection's: never strip it.
-    RuleEntry("sglang", (), StreamRules(null_usage_added=False, last_event_members=frozenset())),
+    RuleEntry(EngineKind.SGLANG, (), StreamRules(null_usage_added=False, last_event_members=frozenset())),
     # llama.cpp: never injected — the finish chunk carries `timings.cache_n`, and its
     # /v1/completions streams may carry usage unasked. `timings` rides on the last event.
     RuleEntry(
-        "llamacpp",
+        EngineKind.LLAMACPP,
         (),
         StreamRules(inject=False, null_usage_added=False, last_event_members=frozenset({b'"timings"'})),
     ),
     # mindnano: OpenAI's nulls; `mindnano_metrics` is on the finish chunk already.
-    RuleEntry("mindnano", (), StreamRules(null_usage_added=True, last_event_members=frozenset())),
+    RuleEntry(EngineKind.MINDNANO, (), StreamRules(null_usage_added=True, last_event_members=frozenset())),
 )
 # Any other OpenAI-compatible server: OpenAI's contract, and whatever trails usage moves back.
 DEFAULT_RULES = StreamRules()

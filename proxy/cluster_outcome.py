@@ -19,10 +19,11 @@ from proxy.engines.base import (
     UNREACHABLE,
     UNSUPPORTED,
     CacheReset,
+    Via,
     cache_state_record,
 )
 from proxy.peers import Peer, PeerSet
-from proxy.reset_params import ResetParams
+from proxy.reset_params import CLUSTER, ResetParams
 from proxy.verification import Verified, VerifyMode
 
 __all__ = ["CONTRADICTED", "PARTIAL", "ClusterReset", "PodReset", "pod_answer", "unreached"]
@@ -179,11 +180,11 @@ class ClusterReset:
             reset_id=self.reset_id,
             engine=None,
             at_ns=self.answered_at_ns,
+            via=Via.CLUSTER,
         )
         record["reset"]["url"] = None  # many URLs: each pod's is in `pods`
         record["verified"] = self.verified.value
-        record["scope"] = "cluster"
-        record["via"] = "cluster"
+        record["scope"] = CLUSTER
         record["peers_source"] = self.peers.source
         record["pods"] = [pod.to_json() for pod in self.pods]
         return record

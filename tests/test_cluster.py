@@ -67,6 +67,7 @@ async def test_each_pod_records_the_cluster_reset_as_its_parent(tmp_path: Path) 
         (summary,) = [r for r in c.pods[0].records() if r.get("scope") == "cluster"]
         assert summary["event_type"] == "infer.cache_state"
         assert summary["reset_id"] == cluster_id
+        assert summary["via"] == "cluster" and all(r["via"] == "api" for r in own)
         assert summary["acknowledged"] is True
         assert summary["reset"]["answer"] == "acknowledged"
         assert [p["pod"] for p in summary["pods"]] == [p["pod"] for p in body["pods"]]

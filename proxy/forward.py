@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
-from yarl import URL
 
 from proxy.admission import ADMISSION
 from proxy.body_budget import BODY_BUDGET, BodyBudget
@@ -22,6 +21,7 @@ from proxy.errors import error_response
 from proxy.exchange import Forwarded, Outcome
 from proxy.headers import add_response_headers, request_headers
 from proxy.inbound import refusal
+from proxy.leg import Answer, Body, UpstreamError, UpstreamUnreachable
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -35,11 +35,9 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
-from proxy.pool import UPSTREAM_POOL
+from proxy.pool import UPSTREAM_LEG
 from proxy.recorder import RECORDER
 from proxy.request_ids import SESSION_ID_CHARS, stored_id
-from proxy.resend import send_upstream
-from proxy.upstream_body import SplicedBody
 
 __all__ = ["INJECTION_REFUSALS", "Exchange", "forward", "setup_forward"]
 
@@ -49,9 +47,10 @@ log = logging.getLogger("cachewitness.forward")
 # only one whose body names `stream_options` is (a "context too long" 400 is the client's).
 _REFUSED_INJECTION = frozenset({400, 422})
 _ERROR_PEEK = 64 * 1024
+# An observed body past this goes upstream in pieces of the client's buffer, not one copy.
+_CHUNK = 64 * 1024
 # Engines that refused the injection, remembered so each costs one retried request.
 INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
-_CHUNK = 64 * 1024
 
 
 def setup_forward(app: web.Application) -> None:
@@ -171,13 +170,13 @@ def _too_large(limit: int) -> web.Response:
 
 def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     """Map an upstream failure before the response head to 502/504."""
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+    if isinstance(exc, TimeoutError):
         exchange.outcome = Outcome.TIMEOUT
         status, code, what = 504, "upstream_timeout", "the upstream did not answer in time"
     else:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         status, code = 502, "upstream_unreachable"
-        if isinstance(exc, aiohttp.ClientConnectorError):
+        if isinstance(exc, UpstreamUnreachable):
             what = "the upstream refused the connection or cannot be reached"
         else:
             what = "the upstream broke the connection"
@@ -220,11 +219,11 @@ async def _read_within_budget(
     return body, True
 
 
-def _upstream_data(prepared: PreparedRequest) -> bytes | SplicedBody:
-    """What aiohttp sends upstream: a small body as bytes, a large one in slices of the client's
-    buffer. Both can be sent twice (a stale pooled connection is retried)."""
+def _upstream_data(prepared: PreparedRequest) -> Body:
+    """What goes upstream: a small body as bytes, a large one as pieces of the client's buffer
+    (written in slices, never copied whole). Both can be sent twice (a stale pooled connection)."""
     if prepared.upstream_size > _CHUNK:
-        return SplicedBody(prepared.upstream_pieces())
+        return prepared.upstream_pieces()
     return prepared.upstream_body()
 
 
@@ -357,15 +356,14 @@ async def _exchange(
     `prepared` is an observed body in hand (None: the body streams through, after `prefix`).
     An engine that refuses the injected include_usage gets the client's own body instead.
     """
-    client = request.app[UPSTREAM_POOL]
-    url = URL(base + request.raw_path, encoded=True)
+    leg = request.app[UPSTREAM_LEG]
     headers = request_headers(
         request,
         request_id=exchange.request_id,
         usage_injected=exchange.usage_injected,
         add_request_id=request.app[SETTINGS].request_id_header,
     )
-    data: bytes | SplicedBody | AsyncIterator[bytes] | None
+    data: Body
     if prepared is not None:
         data = _upstream_data(prepared)
         # The body may carry the injection: its length is ours to say.
@@ -374,9 +372,7 @@ async def _exchange(
         data = _limited_body(request, limit, prefix) if request.body_exists else None
     exchange.upstream_sent_ns = time.time_ns()
     try:
-        upstream = await send_upstream(
-            client, request.method, url, headers=headers, data=data, allow_redirects=False
-        )
+        upstream = await leg.send(request.method, request.raw_path, headers, data)
     except BodyTooLarge:
         return _rejected(exchange, _too_large(limit))
     except ClientGone:
@@ -385,10 +381,7 @@ async def _exchange(
     except asyncio.CancelledError:
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise
-    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-        cause = exc.__cause__ if isinstance(exc.__cause__, (BodyTooLarge, ClientGone)) else None
-        if isinstance(cause, BodyTooLarge):
-            return _rejected(exchange, _too_large(limit))
+    except UpstreamError as exc:
         return _upstream_failure(exc, exchange)
     exchange.upstream_head_ns = time.time_ns()
     try:
@@ -411,12 +404,13 @@ async def _exchange(
                 return await _exchange(request, exchange, prepared.without_injection(), base, limit)
         return await _relay(request, upstream, exchange, peeked)
     finally:
-        # close(), not release(): the connection must not go back to the pool half-read, and
-        # closing it is what tells the engine to abort the sequence (production-stack #634).
+        # An answer not read to its end closes its connection: it must not go back to the pool
+        # half-read, and closing it is what tells the engine to abort the sequence
+        # (production-stack #634). A complete answer's connection is already back in the pool.
         upstream.close()
 
 
-async def _injection_refusal(upstream: aiohttp.ClientResponse) -> tuple[str | None, bytes]:
+async def _injection_refusal(upstream: Answer) -> tuple[str | None, bytes]:
     """Why the answer to an injected request cannot stand (None if it can), and what was read of it.
 
     An error naming `stream_options` refuses the injection; a compressed answer (the engine
@@ -427,11 +421,11 @@ async def _injection_refusal(upstream: aiohttp.ClientResponse) -> tuple[str | No
         return "compressed an injected answer", b""
     if upstream.status not in _REFUSED_INJECTION:
         return None, b""
-    peeked = await upstream.content.read(_ERROR_PEEK)
+    peeked = await upstream.peek(_ERROR_PEEK)
     return ("refused the injected include_usage" if names_stream_options(peeked) else None), peeked
 
 
-def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange, *, sse: bool) -> None:
+def _start_observing(upstream: Answer, exchange: Exchange, *, sse: bool) -> None:
     """Pick how the answer is read for usage: the SSE scanner, or a bounded JSON reader.
 
     A compressed answer is not read (the sidecar never decompresses): its usage is unknown.
@@ -448,16 +442,15 @@ def _start_observing(upstream: aiohttp.ClientResponse, exchange: Exchange, *, ss
 
 
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, exchange: Exchange, peeked: bytes = b""
+    request: web.Request, upstream: Answer, exchange: Exchange, peeked: bytes = b""
 ) -> web.StreamResponse:
     """Stream the upstream's answer to the client chunk by chunk (`peeked`: its start, already read)."""
     exchange.status = upstream.status
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     add_request_id = request.app[SETTINGS].request_id_header
-    # Parsed once: aiohttp parses the Content-Type header anew on each read of content_type.
     sse = upstream.content_type == "text/event-stream"
     add_response_headers(
-        upstream,
+        upstream.headers,
         response.headers,
         request_id=exchange.request_id,
         usage_injected=exchange.usage_injected,
@@ -474,7 +467,7 @@ async def _relay(
             if answer is not None:
                 answer.feed(peeked)
             await response.write(scanner.feed(peeked) if scanner is not None else peeked)
-        async for chunk in upstream.content.iter_any():
+        while chunk := await upstream.read():
             if scanner is not None:
                 chunk = scanner.feed(chunk)
                 if not chunk:
@@ -488,10 +481,8 @@ async def _relay(
     except ConnectionResetError:
         # aiohttp's ClientConnectionResetError: the client left; closing upstream aborts the engine.
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
-    except (TimeoutError, aiohttp.ClientError) as exc:
-        exchange.outcome = (
-            Outcome.TIMEOUT if isinstance(exc, asyncio.TimeoutError) else Outcome.UPSTREAM_ERROR
-        )
+    except UpstreamError as exc:
+        exchange.outcome = Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.UPSTREAM_ERROR
         log_event(
             log,
             logging.WARNING,

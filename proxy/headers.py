@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -30,7 +29,9 @@ HOP_BY_HOP = frozenset(
 _REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
 
 
-def _end_to_end(headers: CIMultiDictProxy[str], drop: frozenset[str], into: CIMultiDict[str]) -> None:
+def _end_to_end(
+    headers: CIMultiDictProxy[str] | CIMultiDict[str], drop: frozenset[str], into: CIMultiDict[str]
+) -> None:
     """Add `headers` to `into`, minus the hop-by-hop ones in `drop` and those named in their Connection header.
 
     The Connection header is parsed only when there is one, and the kept headers go straight
@@ -66,7 +67,7 @@ def request_headers(
 
 
 def add_response_headers(
-    upstream: aiohttp.ClientResponse,
+    upstream: CIMultiDict[str],
     headers: CIMultiDict[str],
     *,
     request_id: str,
@@ -75,7 +76,7 @@ def add_response_headers(
     add_request_id: bool,
 ) -> None:
     """The engine's end-to-end headers, plus the SSE flushing hint (and our request id if opted in)."""
-    _end_to_end(upstream.headers, HOP_BY_HOP, headers)
+    _end_to_end(upstream, HOP_BY_HOP, headers)
     if add_request_id:
         headers.setdefault("X-Request-Id", request_id)
     if sse:

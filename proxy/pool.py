@@ -13,11 +13,15 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import SETTINGS, Settings
+from proxy.leg import UpstreamLeg
 from proxy.resend import reuse_trace
 
-__all__ = ["UPSTREAM_POOL", "make_client_session", "setup_upstream_pool"]
+__all__ = ["UPSTREAM_LEG", "UPSTREAM_POOL", "make_client_session", "make_leg", "setup_upstream_pool"]
 
+# The sidecar's own calls to the engine (detection, health, resets, the canary, /metrics).
 UPSTREAM_POOL = web.AppKey("upstream_pool", aiohttp.ClientSession)
+# Forwarded traffic: the hot path, on its own protocol-level pool (proxy/leg).
+UPSTREAM_LEG = web.AppKey("upstream_leg", UpstreamLeg)
 
 
 def make_client_session(settings: Settings) -> aiohttp.ClientSession:
@@ -49,8 +53,19 @@ def make_client_session(settings: Settings) -> aiohttp.ClientSession:
     )
 
 
+def make_leg(settings: Settings) -> UpstreamLeg:
+    """The forwarding pool toward the upstream, with the same timeouts and limits as the session."""
+    return UpstreamLeg(
+        settings.upstream_base,
+        connect_timeout=settings.connect_timeout,
+        read_timeout=settings.read_timeout,
+        keepalive=settings.upstream_keepalive_timeout,
+        limit=settings.upstream_connection_limit,
+    )
+
+
 def setup_upstream_pool(app: web.Application) -> None:
-    """Open the pool at start, close it after everything that uses it has stopped.
+    """Open the pools at start, close them after everything that uses them has stopped.
 
     It lives in cleanup_ctx (not on_shutdown) so streams still draining at shutdown keep
     their upstream connection (SPEC §11).
@@ -59,7 +74,10 @@ def setup_upstream_pool(app: web.Application) -> None:
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         session = make_client_session(app[SETTINGS])
         app[UPSTREAM_POOL] = session
+        leg = make_leg(app[SETTINGS])
+        app[UPSTREAM_LEG] = leg
         yield
+        leg.close()
         await session.close()
 
     app.cleanup_ctx.append(lifetime)

@@ -16,7 +16,6 @@ from typing import Any
 import aiohttp
 
 from proxy.logs import log_event
-from proxy.upstream_body import SplicedBody
 
 __all__ = ["reuse_trace", "send_upstream"]
 
@@ -61,11 +60,11 @@ async def send_upstream(
 ) -> aiohttp.ClientResponse:
     """`session.request`, sent again when a reused connection turned out stale.
 
-    Only a body that can be sent twice (bytes, a SplicedBody, or none) is sent again; a streamed body
+    Only a body that can be sent twice (bytes, or none) is sent again; a streamed body
     has been consumed by the first try. Each stale connection is closed as it fails, so
     the tries run through the pool's stale connections to a fresh one, which is the last.
     """
-    replayable = data is None or isinstance(data, (bytes, SplicedBody))
+    replayable = data is None or isinstance(data, bytes)
     for stale_so_far in range(_MOST_STALE_IN_A_ROW + 1):
         reuse = _Reuse()
         try:

@@ -1,0 +1,146 @@
+"""One answer from the engine: its head once parsed, its body as it arrives, with flow control."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from multidict import CIMultiDict
+
+if TYPE_CHECKING:
+    from proxy.leg.connection import Connection
+
+__all__ = ["Answer"]
+
+# The body buffered past this while the client reads slowly stops reading from the engine
+# (aiohttp's client paused at 128 KiB; a few SSE events or one JSON answer fit either way).
+_HIGH_WATER = 256 * 1024
+
+
+class Answer:
+    """What the engine answered to one request, read by one consumer.
+
+    The connection feeds it (head, body pieces, the end or an error); the consumer takes the
+    body with `read()` until it returns b"". Its states are explicit: head pending → head
+    ready → complete or failed; `close()` at any point gives up the rest and, unless the
+    answer was complete, closes the connection, which is what tells the engine to stop.
+    """
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_complete",
+        "_connection",
+        "_error",
+        "_waiter",
+        "got_bytes",
+        "head_arrived",
+        "headers",
+        "reason",
+        "status",
+        "writer",
+    )
+
+    def __init__(self, connection: Connection, head: asyncio.Future[None]) -> None:
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.got_bytes = False  # any byte of the answer: a stale connection sends none
+        # The task writing a body that is not in one buffer, while the answer may already come.
+        self.writer: asyncio.Task[None] | None = None
+        self._connection: Connection | None = connection
+        self.head_arrived = head  # resolved when the head is in, failed when the answer fails first
+        self._chunks: list[bytes] = []
+        self._buffered = 0
+        self._complete = False
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # --- fed by the connection -------------------------------------------------------------
+
+    def head_ready(self, status: int, reason: str, headers: CIMultiDict[str]) -> None:
+        """The status line and headers are in."""
+        self.status, self.reason, self.headers = status, reason, headers
+        if not self.head_arrived.done():
+            self.head_arrived.set_result(None)
+
+    def body(self, data: bytes) -> bool:
+        """A piece of the body; True when the buffer passed its high-water mark."""
+        self._chunks.append(data)
+        self._buffered += len(data)
+        self._wake()
+        return self._buffered > _HIGH_WATER
+
+    def complete(self) -> None:
+        """The whole answer is in; the connection is no longer this answer's."""
+        self._complete = True
+        self._connection = None
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """The answer cannot be read to its end (the connection is gone or timed out)."""
+        self._error = error
+        self._connection = None
+        if not self.head_arrived.done():
+            self.head_arrived.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # --- read by the consumer --------------------------------------------------------------
+
+    @property
+    def content_type(self) -> str:
+        """The media type without parameters, lower case (aiohttp's default when absent)."""
+        value = self.headers.get("Content-Type")
+        if value is None:
+            return "application/octet-stream"
+        return value.partition(";")[0].strip().lower()
+
+    @property
+    def done(self) -> bool:
+        """Whether the whole answer has arrived."""
+        return self._complete
+
+    async def read(self) -> bytes:
+        """All the body buffered so far, waiting for some; b"" at the end.
+
+        What arrived before a failure is returned first; the failure is raised after it.
+        """
+        while not self._chunks:
+            if self._complete:
+                return b""
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        chunks, self._chunks, self._buffered = self._chunks, [], 0
+        if self._connection is not None:
+            self._connection.taken()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def peek(self, limit: int) -> bytes:
+        """The start of the body: read until `limit` bytes or the end, whichever comes first."""
+        parts: list[bytes] = []
+        size = 0
+        while size < limit and (chunk := await self.read()):
+            parts.append(chunk)
+            size += len(chunk)
+        return b"".join(parts)
+
+    def close(self) -> None:
+        """Give the answer up: an answer not read to its end closes its connection."""
+        writer = self.writer
+        if writer is not None and not writer.done():
+            writer.cancel()
+        if not self.head_arrived.done():
+            self.head_arrived.cancel()
+        connection, self._connection = self._connection, None
+        if connection is not None:
+            connection.abandon(self)

@@ -1,0 +1,55 @@
+"""The request head written upstream: one buffer, in aiohttp's own framing rules.
+
+The sidecar's client leg used to be aiohttp's ClientSession; the engine sees the same head
+it saw then: Host first (from the upstream URL), the client's end-to-end headers in order,
+then the framing: the stated Content-Length, else the body's own length, else chunked; a
+body-less POST/PUT/PATCH/DELETE says `Content-Length: 0`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from multidict import CIMultiDict
+
+__all__ = ["Body", "Pieces", "request_head"]
+
+# A body already in memory is sent whole (bytes) or as pieces of one buffer (a large
+# observed body with the injection spliced in); both can be sent twice. A stream of the
+# client's own body cannot.
+Pieces = tuple[bytes | bytearray | memoryview, ...]
+Body = bytes | Pieces | AsyncIterator[bytes] | None
+
+# Methods aiohttp sends without a Content-Length when they carry no body.
+_BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def body_size(body: Body) -> int | None:
+    """The body's length in bytes, None for a stream."""
+    if body is None:
+        return 0
+    if isinstance(body, bytes):
+        return len(body)
+    if isinstance(body, tuple):
+        return sum(memoryview(piece).nbytes for piece in body)
+    return None
+
+
+def request_head(
+    method: str, target: str, host: str, headers: CIMultiDict[str], body: Body
+) -> tuple[bytes, bool]:
+    """The head's bytes, and whether the body goes chunked."""
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
+    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    chunked = False
+    if "Content-Length" not in headers:
+        size = body_size(body)
+        if size is None:
+            lines.append("Transfer-Encoding: chunked\r\n")
+            chunked = True
+        elif body is not None or method not in _BODILESS:
+            lines.append(f"Content-Length: {size}\r\n")
+    lines.append("\r\n")
+    # surrogateescape: header bytes that are not UTF-8 reach the engine as the client sent them
+    # (aiohttp's server decodes them with the same error handler).
+    return "".join(lines).encode("utf-8", "surrogateescape"), chunked

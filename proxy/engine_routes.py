@@ -28,6 +28,9 @@ ALL_CONTROL_ROUTES: tuple[RouteRule, ...] = (
     *llamacpp.CONTROL_ROUTES,
     *mindnano.CONTROL_ROUTES,
 )
+# Distinct plain-traffic paths remembered; past it, decisions are made afresh (a client
+# spraying random paths only loses the shortcut).
+_MEMO_SIZE = 1024
 _KNOWN_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LLAMACPP, EngineKind.MINDNANO})
 
 
@@ -88,6 +91,10 @@ class RoutePolicy:
         self._unknown = ALL_CONTROL_ROUTES + self._extra
         if settings.reset_path:
             self._unknown += (control(normalise_path(settings.reset_path)),)
+        # Plain traffic's decisions, per (method, raw path), for the dialect they were made for:
+        # a repeated inference path costs 0.3 µs instead of 3.8 µs (timeit, issue 19).
+        self._forwarded: dict[tuple[str, str], RouteDecision] = {}
+        self._forwarded_for: Dialect | None = None
 
     def knows(self, dialect: Dialect) -> bool:
         """True when the dialect is a known engine's, with its own route lists."""
@@ -103,6 +110,24 @@ class RoutePolicy:
         self, method: str, raw_path: str, query: Mapping[str, str], dialect: Dialect
     ) -> RouteDecision:
         """The route class of `method raw_path?query` in front of `dialect`'s engine."""
+        if dialect is not self._forwarded_for:
+            self._forwarded, self._forwarded_for = {}, dialect  # detection changed the engine
+        key = (method, raw_path)
+        known = self._forwarded.get(key)
+        if known is not None:
+            return known
+        decision = self._decide(method, raw_path, query, dialect)
+        if (
+            decision.route is RouteClass.FORWARDED
+            and len(self._forwarded) < _MEMO_SIZE
+            and not _query_decides(method, decision.path, dialect)
+        ):
+            self._forwarded[key] = decision
+        return decision
+
+    def _decide(
+        self, method: str, raw_path: str, query: Mapping[str, str], dialect: Dialect
+    ) -> RouteDecision:
         path = normalise_path(raw_path)
         native = dialect.native_reset
         if native is not None and native.rule.matches(method, path):
@@ -116,6 +141,11 @@ class RoutePolicy:
         if any(rule.matches(method, path) for rule in self.control_routes(dialect)):
             return RouteDecision(RouteClass.CONTROL, path)
         return RouteDecision(RouteClass.FORWARDED, path)
+
+
+def _query_decides(method: str, path: str, dialect: Dialect) -> bool:
+    """Whether the query can change this path's class (a llama.cpp slot action: erase or not)."""
+    return dialect.kind == EngineKind.LLAMACPP and llamacpp.SLOT_ERASE.matches(method, path)
 
 
 def _erases(query: Mapping[str, str]) -> bool:

@@ -324,3 +324,30 @@ async def test_the_admin_token_never_reaches_the_engine(tmp_path) -> None:
     assert len(s.capture.seen) >= 6
     for seen in s.capture.seen:
         assert all(TOKEN not in value for _, value in seen.headers), seen
+
+
+def test_a_remembered_decision_is_for_the_engine_it_was_made_for() -> None:
+    """The policy remembers plain traffic's decisions; a re-detected engine gets its own."""
+    from multidict import MultiDict
+
+    from proxy.config import Settings
+    from proxy.engine_routes import RouteClass, RoutePolicy
+    from proxy.engine_state import make_dialect
+
+    settings = Settings()
+    policy = RoutePolicy(settings)
+    llamacpp, vllm = make_dialect("llamacpp", settings), make_dialect("vllm", settings)
+    for _ in range(2):  # the second time from memory
+        assert (
+            policy.classify("POST", "/reset_prefix_cache", MultiDict(), llamacpp).route
+            is RouteClass.FORWARDED
+        )
+    assert policy.classify("POST", "/reset_prefix_cache", MultiDict(), vllm).route is RouteClass.NATIVE_RESET
+    # A slot call decided without erase does not decide the next one, which erases.
+    assert (
+        policy.classify("POST", "/slots/0", MultiDict(action="restore"), llamacpp).route is RouteClass.CONTROL
+    )
+    assert (
+        policy.classify("POST", "/slots/0", MultiDict(action="erase"), llamacpp).route
+        is RouteClass.SLOT_ERASE
+    )

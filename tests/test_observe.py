@@ -7,6 +7,8 @@ import random
 
 import orjson
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from proxy.engines.base import EngineInfo
 from proxy.observe import (
@@ -200,6 +202,45 @@ def test_injection_keeps_the_clients_bytes_around_it() -> None:
         appended.upstream_body()
         == b'{"stream":true,"m":[{"stream":false}],"stream_options":{"include_usage":true}}'
     )
+
+
+_SCANNED = 16 * 1024 + 1  # past prepare_request's whole-decode size: the scanner reads it
+
+
+@settings(max_examples=300)
+@given(
+    members=st.lists(
+        st.tuples(
+            st.sampled_from(["stream", "model", "messages", "stream_options", "max_tokens"]),
+            st.recursive(
+                st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=8),
+                lambda inner: (
+                    st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+                ),
+                max_leaves=6,
+            ),
+        ),
+        max_size=6,
+    ),
+    inject=st.booleans(),
+)
+@example(members=[("stream", True), ("model", "m")], inject=True)
+@example(members=[("stream", True), ("stream", False), ("model", "a"), ("model", 1)], inject=True)
+@example(members=[("stream", False), ("stream", True)], inject=False)
+def test_a_small_body_decoded_whole_reads_as_the_scanner_reads_it(
+    members: list[tuple[str, object]], inject: bool
+) -> None:
+    """The whole-decode shortcut for small bodies agrees with the scanner (duplicates included)."""
+    body = b"{" + b",".join(orjson.dumps(k) + b":" + orjson.dumps(v) for k, v in members) + b"}"
+    small = prepare_request(body, inject_usage=inject)
+    scanned = prepare_request(body + b" " * _SCANNED, inject_usage=inject)
+    assert (small.stream, small.model, small.usage_injected) == (
+        scanned.stream,
+        scanned.model,
+        scanned.usage_injected,
+    )
+    if small.injection is not None:
+        assert small.upstream_body() + b" " * _SCANNED == scanned.upstream_body()
 
 
 def test_only_top_level_members_count() -> None:

@@ -97,6 +97,10 @@ class PreparedRequest:
 _STREAM, _MODEL, _OPTIONS = b'"stream"', b'"model"', b'"stream_options"'
 _WANTED = frozenset({_STREAM, _MODEL, _OPTIONS})
 _UNREADABLE = object()
+# A body this small is decoded whole first: for a 120-byte chat request that costs 1.2 µs
+# where the scanner costs 7.4 µs (timeit, issue 19). It settles requests that do not stream;
+# a stream (which may get the injection) needs the scanner's byte positions.
+_DECODE_WHOLE = 16 * 1024
 
 
 def _member_value(body: Buffer, member: Member | None) -> Any:
@@ -109,6 +113,25 @@ def _member_value(body: Buffer, member: Member | None) -> Any:
         return _UNREADABLE
 
 
+def _small_non_stream(body: Buffer) -> PreparedRequest | None:
+    """A small request that does not stream, read by decoding it; None when the scanner must decide.
+
+    Anything orjson refuses (not JSON, NaN, integers past 64 bits) goes to the scanner, as does
+    a body whose `stream` is true. A later duplicate member wins here as in the scanner, and
+    as in the engines' parsers.
+    """
+    try:
+        decoded = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(decoded, dict):
+        return PreparedRequest(body=body, stream=False, model=None)
+    if decoded.get("stream") is True:
+        return None
+    model = decoded.get("model")
+    return PreparedRequest(body=body, stream=False, model=model if isinstance(model, str) else None)
+
+
 def prepare_request(body: Buffer, *, inject_usage: bool, path: str | None = None) -> PreparedRequest:
     """Read `stream`/`model` and add `stream_options.include_usage` when allowed; never raises.
 
@@ -116,6 +139,8 @@ def prepare_request(body: Buffer, *, inject_usage: bool, path: str | None = None
     MiB) is neither parsed into objects nor copied. `path`, when given, limits injection to
     `INJECTABLE_PATHS`; None means the caller has already decided the route takes `stream_options`.
     """
+    if len(body) <= _DECODE_WHOLE and (small := _small_non_stream(body)) is not None:
+        return small
     top = top_level_members(body, _WANTED)
     if top is None:
         return PreparedRequest(body=body, stream=False, model=None)

@@ -54,9 +54,7 @@ class Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._write_paused = False
         self._read_paused = False
-        self._read_timeout = 0.0
-        self._last_read = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0  # when the engine last sent a byte (read_timeout counts from it)
         self.served = 0  # answers completed on this connection: > 0 means it is a reused one
         self.idle_since = 0.0
         self.lost = False
@@ -84,7 +82,6 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._stop_timer()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(UpstreamBroke("the engine closed the connection", before_answer=False))
         answer, self._answer = self._answer, None
@@ -161,7 +158,6 @@ class Connection(asyncio.Protocol):
         answer, self._answer = self._answer, None
         if answer is None:
             return
-        self._stop_timer()
         self.served += 1
         answer.complete()
         writing = answer.writer is not None and not answer.writer.done()
@@ -183,7 +179,8 @@ class Connection(asyncio.Protocol):
             raise UpstreamBroke("the pooled connection was closed", before_answer=True)
         answer = Answer(self, self._loop.create_future())
         self._answer, self._head_only, self._until_close = answer, head_only, False
-        self._start_timer()
+        self._last_read = self._loop.time()
+        self._pool.watch(self)
         transport = self._transport
         if body is None:
             transport.write(head)
@@ -266,35 +263,27 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         """Close the connection (the engine sees the client leave)."""
-        self._stop_timer()
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
 
-    # --- the read timeout ------------------------------------------------------------------
+    # --- the read timeout (the pool's watchdog asks) --------------------------------------
 
-    def _start_timer(self) -> None:
-        """Arm read_timeout: one timer per period, re-armed lazily from the last read."""
-        self._read_timeout = self._pool.read_timeout
-        if self._read_timeout > 0:
-            self._last_read = self._loop.time()
-            self._timer = self._loop.call_at(self._last_read + self._read_timeout, self._read_timer)
+    @property
+    def waiting(self) -> bool:
+        """Whether an answer is being read (the watchdog forgets connections that are not)."""
+        return self._answer is not None
 
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+    def check_read_timeout(self, now: float, timeout: float) -> None:
+        """Fail the answer when the engine has sent nothing for `timeout` seconds.
 
-    def _read_timer(self) -> None:
-        self._timer = None
+        Reading paused for a slow client is not the engine's silence: the clock restarts.
+        """
         if self._answer is None:
             return
-        now = self._loop.time()
-        # Reading paused for a slow client is not the engine's silence.
-        due = now + self._read_timeout if self._read_paused else self._last_read + self._read_timeout
-        if now < due:
-            self._timer = self._loop.call_at(due, self._read_timer)
-            return
-        self._fail(UpstreamTimeout(f"the engine sent nothing for {self._read_timeout:g} s (read_timeout)"))
+        if self._read_paused:
+            self._last_read = now
+        elif now - self._last_read >= timeout:
+            self._fail(UpstreamTimeout(f"the engine sent nothing for {timeout:g} s (read_timeout)"))
 
     def _fail(self, error: BaseException) -> None:
         answer, self._answer = self._answer, None

@@ -56,6 +56,10 @@ class UpstreamLeg:
         self._opening = 0
         self._waiters: deque[asyncio.Future[Connection | None]] = deque()
         self._sweep: asyncio.TimerHandle | None = None
+        # Connections reading an answer, checked against read_timeout by one watchdog timer:
+        # a timer per request (call_at and cancel on uvloop) cost 2.2 µs (timeit, issue 19).
+        self._reading: set[Connection] = set()
+        self._watchdog: asyncio.TimerHandle | None = None
         self._closed = False
 
     async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Body) -> Answer:
@@ -168,12 +172,40 @@ class UpstreamLeg:
         if self._idle:
             self._sweep = loop.call_at(self._idle[0].idle_since + self._keepalive, self._sweep_idle)
 
+    # --- read_timeout ----------------------------------------------------------------------
+
+    @property
+    def watch_interval(self) -> float:
+        """How often the watchdog looks: a timeout fires up to this late (1 s; a quarter of a shorter one)."""
+        return min(1.0, self.read_timeout / 4)
+
+    def watch(self, connection: Connection) -> None:
+        """`connection` starts reading an answer: watch it for read_timeout."""
+        if self.read_timeout <= 0:
+            return
+        self._reading.add(connection)
+        if self._watchdog is None:
+            self._watchdog = asyncio.get_running_loop().call_later(self.watch_interval, self._watch)
+
+    def _watch(self) -> None:
+        """Check every reading connection; keep ticking while any is still reading."""
+        self._watchdog = None
+        now = asyncio.get_running_loop().time()
+        for connection in list(self._reading):
+            if connection.waiting:
+                connection.check_read_timeout(now, self.read_timeout)
+            if not connection.waiting:
+                self._reading.discard(connection)
+        if self._reading and not self._closed:
+            self._watchdog = asyncio.get_running_loop().call_later(self.watch_interval, self._watch)
+
     def close(self) -> None:
         """Close every connection, idle or in use (at shutdown, after the grace period)."""
         self._closed = True
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
+        for timer in (self._sweep, self._watchdog):
+            if timer is not None:
+                timer.cancel()
+        self._sweep = self._watchdog = None
         for connection in list(self._open):
             connection.close()
         self._idle.clear()

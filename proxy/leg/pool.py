@@ -191,13 +191,15 @@ class UpstreamLeg:
         """Check every reading connection; keep ticking while any is still reading."""
         self._watchdog = None
         now = asyncio.get_running_loop().time()
-        for connection in list(self._reading):
-            if connection.waiting:
-                connection.check_read_timeout(now, self.read_timeout)
-            if not connection.waiting:
-                self._reading.discard(connection)
-        if self._reading and not self._closed:
-            self._watchdog = asyncio.get_running_loop().call_later(self.watch_interval, self._watch)
+        try:
+            for connection in list(self._reading):
+                if connection.waiting:
+                    connection.check_read_timeout(now, self.read_timeout)
+                if not connection.waiting:
+                    self._reading.discard(connection)
+        finally:
+            if self._reading and not self._closed:
+                self._watchdog = asyncio.get_running_loop().call_later(self.watch_interval, self._watch)
 
     def close(self) -> None:
         """Close every connection, idle or in use (at shutdown, after the grace period)."""

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
+import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -249,3 +254,52 @@ async def test_a_client_reading_slowly_pauses_the_engine_without_a_read_timeout(
             async for chunk in response.content.iter_any():
                 received += len(chunk)
     assert received == size
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key, made with the openssl command line."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command line to make a certificate")
+    cert, key = directory / "engine.crt", directory / "engine.key"
+    subprocess.run(
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"),
+            *("-keyout", str(key), "-out", str(cert)),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+async def test_an_https_engine_is_reached_over_verified_tls(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`upstream = https://...`: the leg speaks TLS and verifies the engine against the trusted CAs."""
+    cert, key = _self_signed(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [], "tls": request.secure})
+
+    engine = web.Application()
+    engine.router.add_get("/v1/models", models)
+    runner = web.AppRunner(engine)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        untrusted = await sidecar(f"https://127.0.0.1:{port}", engine="vllm", health_interval=3600)
+        async with http.get(f"{untrusted}/v1/models") as response:
+            assert response.status == 502  # a certificate no trusted CA signed is refused
+        # The default verify paths honour SSL_CERT_FILE: trust this engine's certificate.
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        trusted = await sidecar(f"https://127.0.0.1:{port}", engine="vllm", health_interval=3600)
+        async with http.get(f"{trusted}/v1/models") as response:
+            assert response.status == 200
+            assert (await response.json())["tls"] is True
+    finally:
+        await runner.cleanup()

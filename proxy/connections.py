@@ -22,6 +22,7 @@ from yarl import URL
 
 from proxy.config import SETTINGS
 from proxy.logs import LogThrottle, log_event
+from proxy.watchdog import Watchdog
 
 __all__ = ["CONNECTIONS", "ConnectionGuard", "GuardedSite", "Limit", "setup_connections"]
 
@@ -77,13 +78,12 @@ class ConnectionGuard:
         self._connections: dict[asyncio.BaseTransport, _GuardedConnection] = {}
         self._idle = asyncio.Event()
         self._idle.set()
-        # Connections with a deadline, checked by one watchdog timer: a timer per request
-        # (call_at and cancel on uvloop) cost 2.2 µs (timeit, issue 19). A limit is enforced
-        # up to one tick late: a second, or a quarter of the shortest limit.
-        self._watched: set[_GuardedConnection] = set()
-        self._watchdog: asyncio.TimerHandle | None = None
+        # Connections with a deadline: a limit is enforced up to one tick late (a second, or a
+        # quarter of the shortest limit).
         limits = [limit / 4 for limit in (header_timeout, body_idle_timeout) if limit > 0]
-        self.watch_interval = min([1.0, *limits])
+        self.watchdog: Watchdog[_GuardedConnection] = Watchdog(
+            min([1.0, *limits]), _GuardedConnection.check_deadline
+        )
 
     def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for `loop.create_server` that wraps aiohttp's request handler."""
@@ -149,24 +149,6 @@ class ConnectionGuard:
         if limit is Limit.BODY_IDLE_TIMEOUT:
             return self.body_idle_timeout
         return self.max_connections
-
-    def watch(self, connection: _GuardedConnection) -> None:
-        """`connection` has a deadline now: keep the watchdog ticking."""
-        self._watched.add(connection)
-        if self._watchdog is None:
-            self._watchdog = asyncio.get_running_loop().call_later(self.watch_interval, self._watch)
-
-    def _watch(self) -> None:
-        """Check every connection with a deadline; tick again while any still has one."""
-        self._watchdog = None
-        now = asyncio.get_running_loop().time()
-        try:
-            for connection in list(self._watched):
-                if not connection.check_deadline(now):
-                    self._watched.discard(connection)
-        finally:
-            if self._watched:
-                self._watchdog = asyncio.get_running_loop().call_later(self.watch_interval, self._watch)
 
     def _opened(self, transport: asyncio.BaseTransport, connection: _GuardedConnection) -> None:
         self.open_connections += 1
@@ -277,7 +259,7 @@ class _GuardedConnection(asyncio.Protocol):
     def _arm(self, when: float | None) -> None:
         self._due = when
         if when is not None:
-            self._guard.watch(self)
+            self._guard.watchdog.watch(self)
 
     def _disarm(self) -> None:
         self._due = None

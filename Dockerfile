@@ -1,5 +1,5 @@
 # cachewitness: the sidecar image. Two stages: the builder installs the package and its
-# runtime dependencies (aiohttp, orjson, prometheus-client, uvloop: all ship manylinux
+# runtime dependencies (aiohttp, httptools, orjson, prometheus-client, uvloop: all ship manylinux
 # wheels, so no compiler is needed) into a venv; the runtime stage copies only that venv.
 #
 #   docker build -t cachewitness:0.1.0 .

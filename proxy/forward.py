@@ -6,19 +6,16 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from proxy.admission import ADMISSION
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
-from proxy.engines.base import EngineInfo
 from proxy.errors import error_response
-from proxy.exchange import Forwarded, Outcome
+from proxy.exchange import Outcome
+from proxy.forward_exchange import Exchange
 from proxy.headers import add_response_headers, request_headers
 from proxy.inbound import refusal
 from proxy.leg import Answer, Body, UpstreamError, UpstreamUnreachable
@@ -26,10 +23,8 @@ from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
     JsonAnswer,
-    Observation,
     PreparedRequest,
     StreamScanner,
-    Usage,
     is_observed,
     names_stream_options,
     prepare_request,
@@ -37,9 +32,10 @@ from proxy.observe import (
 )
 from proxy.pool import UPSTREAM_LEG
 from proxy.recorder import RECORDER
-from proxy.request_ids import SESSION_ID_CHARS, stored_id
+from proxy.request_body import BodyTooLarge, ClientGone, limited_body, read_within_budget
+from proxy.request_ids import stored_id
 
-__all__ = ["INJECTION_REFUSALS", "Exchange", "forward", "setup_forward"]
+__all__ = ["INJECTION_REFUSALS", "forward", "setup_forward"]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -56,107 +52,6 @@ INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
 def setup_forward(app: web.Application) -> None:
     """What forwarding keeps across requests: the engines that refused the injection."""
     app[INJECTION_REFUSALS] = InjectionRefusals()
-
-
-class BodyTooLarge(Exception):
-    """The client's request body passed `max_body_bytes`."""
-
-
-class ClientGone(Exception):
-    """The client went away while its body was being read."""
-
-
-@dataclass
-class Exchange:
-    """Mutable facts about one forwarded exchange, filled in as it goes."""
-
-    request_id: str
-    started_ns: int
-    status: int | None = None
-    first_byte_ns: int | None = None
-    outcome: Outcome = Outcome.OK
-    upstream_sent_ns: int | None = None
-    upstream_head_ns: int | None = None
-    observed: bool = False
-    stream: bool = False
-    model: str | None = None
-    usage_injected: bool = False
-    engine_info: EngineInfo | None = None
-    reset_id: str | None = None
-    ordinal: int | None = None
-    scanner: StreamScanner | None = None
-    buffered: int = 0  # bytes of max_buffered_bytes this exchange holds (its body, read to be observed)
-    answer: JsonAnswer | None = None
-    admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
-
-    def forwarded(self, request: web.Request, finished_ns: int) -> Forwarded:
-        """The transport facts of this exchange, once it is over."""
-        sent, head, first = self.upstream_sent_ns, self.upstream_head_ns, self.first_byte_ns
-        return Forwarded(
-            method=request.method,
-            path=request.path,
-            status=self.status,
-            outcome=self.outcome,
-            started_ns=self.started_ns,
-            first_byte_ns=first,
-            finished_ns=finished_ns,
-            before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
-            after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
-        )
-
-    def observation(self, request: web.Request, finished_ns: int) -> Observation:
-        """The frozen record of this exchange, once it is over."""
-        usage, engine_id = Usage(), None
-        if self.scanner is not None:
-            usage, engine_id = self.scanner.usage, self.scanner.engine_id
-        elif self.answer is not None:
-            usage, engine_id = self.answer.usage(), self.answer.engine_id()
-        headers = request.headers
-        # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to
-        # build, positionally 2.1 µs (timeit, issue 19).
-        return Observation(
-            self.request_id,
-            stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
-            stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
-            request.method,
-            request.path,
-            self.status,
-            self.stream,
-            self.model,
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            usage.cached_tokens,
-            usage.cached_tokens_source,
-            self.reset_id,
-            self.ordinal,
-            self.started_ns,
-            self.first_byte_ns,
-            finished_ns,
-            self.outcome,
-            self.usage_injected,
-            engine_id,
-        )
-
-
-async def _limited_body(request: web.Request, limit: int, prefix: bytes = b"") -> AsyncIterator[bytes]:
-    """Stream the client's body upstream, stopping once it passes `limit` bytes.
-
-    `prefix`: what was read of it already (the start of a body that did not fit the budget).
-    """
-    seen = len(prefix)
-    if prefix:
-        yield prefix
-    while True:
-        try:
-            chunk = await request.content.readany()
-        except (ConnectionError, aiohttp.ClientPayloadError) as exc:
-            raise ClientGone(str(exc)) from exc
-        if not chunk:
-            return
-        seen += len(chunk)
-        if seen > limit:
-            raise BodyTooLarge
-        yield chunk
 
 
 def _too_large(limit: int) -> web.Response:
@@ -190,33 +85,6 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     )
     exchange.status = status
     return error_response(status, f"{what} ({type(exc).__name__})", type_="upstream_error", code=code)
-
-
-async def _read_within_budget(
-    request: web.Request, limit: int, budget: BodyBudget, exchange: Exchange
-) -> tuple[bytearray, bool]:
-    """The request body read into one buffer within the budget, and whether it is all there.
-
-    A body of known length is read only if all of it fits (else nothing is read). One of
-    unknown length (chunked) takes the budget as it arrives; when the budget runs out, what
-    was read is returned incomplete, to be sent ahead of the rest. `exchange.buffered` says
-    what this exchange holds of the budget, for its caller to give back.
-    """
-    body = bytearray()
-    size = request.content_length
-    if size is not None:
-        if not budget.reserve(size):
-            return body, False
-        exchange.buffered = size
-        async for chunk in _limited_body(request, limit):
-            body += chunk
-        return body, True
-    async for chunk in _limited_body(request, limit):
-        body += chunk
-        if not budget.reserve(len(chunk)):
-            return body, False
-        exchange.buffered += len(chunk)
-    return body, True
 
 
 def _upstream_data(prepared: PreparedRequest) -> Body:
@@ -296,7 +164,7 @@ async def _observe_and_exchange(
     prefix = b""
     if settings.observe and is_observed(request.method, request.path):
         try:
-            body, complete = await _read_within_budget(request, limit, budget, exchange)
+            body, complete = await read_within_budget(request, limit, budget, exchange)
         except BodyTooLarge:
             return _rejected(exchange, _too_large(limit))
         except ClientGone:
@@ -369,7 +237,7 @@ async def _exchange(
         # The body may carry the injection: its length is ours to say.
         headers["Content-Length"] = str(prepared.upstream_size)
     else:
-        data = _limited_body(request, limit, prefix) if request.body_exists else None
+        data = limited_body(request, limit, prefix) if request.body_exists else None
     exchange.upstream_sent_ns = time.time_ns()
     try:
         upstream = await leg.send(request.method, request.raw_path, headers, data)

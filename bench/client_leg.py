@@ -32,7 +32,7 @@ from multidict import CIMultiDict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, free_port, start_service
+from harness import Cores, start_simulator
 
 from proxy.leg import UpstreamLeg
 
@@ -191,21 +191,9 @@ def main() -> int:
     if cores.proxy is not None:
         os.sched_setaffinity(0, {int(cores.proxy)})
     with tempfile.TemporaryDirectory(prefix="cw-client-leg-") as tmp:
-        port = free_port()
-        sim = start_service(
-            "sim",
-            [
-                *Cores.prefix(cores.rest),
-                sys.executable,
-                *("-m", "proxy", "sim", "--dialect", "vllm", "--listen", f"127.0.0.1:{port}"),
-                *("--decode-rate", "0", "--prefill-rate", "0"),
-            ],
-            f"http://127.0.0.1:{port}",
-            Path(tmp),
-            "/health",
-        )
+        sim = start_simulator(cores.rest, Path(tmp))
         try:
-            results = uvloop.run(_rounds(port, ns))
+            results = uvloop.run(_rounds(int(sim.url.rsplit(":", 1)[1]), ns))
         finally:
             sim.stop()
     print(

@@ -131,6 +131,23 @@ def start_service(name: str, argv: list[str], url: str, log_dir: Path, probe: st
     return service
 
 
+def start_simulator(core: str | None, log_dir: Path, *, decode_rate: float = 0) -> Service:
+    """The vLLM-dialect simulator on a free loopback port, prefill instant, pinned to `core` (None: not pinned)."""
+    port = free_port()
+    return start_service(
+        "sim",
+        [
+            *Cores.prefix(core),
+            sys.executable,
+            *("-m", "proxy", "sim", "--dialect", "vllm", "--listen", f"127.0.0.1:{port}"),
+            *("--decode-rate", f"{decode_rate:g}", "--prefill-rate", "0"),
+        ],
+        f"http://127.0.0.1:{port}",
+        log_dir,
+        "/health",
+    )
+
+
 def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
     """Poll `url` until it answers 200 (False if the process died or time ran out)."""
     deadline = time.monotonic() + timeout

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, cpu_seconds, free_port, start_service
+from harness import Cores, cpu_seconds, free_port, start_service, start_simulator
 from loads import run_sse
 
 
@@ -44,19 +44,7 @@ def main() -> int:
     cores = Cores.choose(pin=True)
     with tempfile.TemporaryDirectory(prefix="cw-paced-") as tmp:
         work = Path(tmp)
-        port = free_port()
-        sim = start_service(
-            "sim",
-            [
-                *Cores.prefix(cores.rest),
-                sys.executable,
-                *("-m", "proxy", "sim", "--dialect", "vllm", "--listen", f"127.0.0.1:{port}"),
-                *("--decode-rate", f"{ns.rate:g}", "--prefill-rate", "0"),
-            ],
-            f"http://127.0.0.1:{port}",
-            work,
-            "/health",
-        )
+        sim = start_simulator(cores.rest, work, decode_rate=ns.rate)
         sidecars = []
         for index in range(len(names)):
             listen = free_port()

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service
+from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service, start_simulator
 from loads import WRK_SCRIPT, run_wrk
 
 _IDLE = ("epoll", "select", "_run_once (asyncio", "poll (selectors")
@@ -98,19 +98,8 @@ def main() -> int:
         work = Path(tmp)
         script = work / "post.lua"
         script.write_text(WRK_SCRIPT)
-        port, listen = free_port(), free_port()
-        sim = start_service(
-            "sim",
-            [
-                *Cores.prefix(cores.rest),
-                sys.executable,
-                *("-m", "proxy", "sim", "--dialect", "vllm", "--listen", f"127.0.0.1:{port}"),
-                *("--decode-rate", "0", "--prefill-rate", "0"),
-            ],
-            f"http://127.0.0.1:{port}",
-            work,
-            "/health",
-        )
+        listen = free_port()
+        sim = start_simulator(cores.rest, work)
         sidecar = start_service(
             "sidecar",
             [

@@ -17,13 +17,13 @@ import aiohttp
 
 from proxy.logs import log_event
 
-__all__ = ["reuse_trace", "send_upstream"]
+__all__ = ["MOST_STALE_IN_A_ROW", "reuse_trace", "send_upstream"]
 
 log = logging.getLogger("cachewitness.pool")
 
 # A failed stale connection is closed, not pooled again; a pool of many connections all
 # closed at once by the engine could hand out several in a row, so a few are tolerated.
-_MOST_STALE_IN_A_ROW = 8
+MOST_STALE_IN_A_ROW = 8
 
 
 @dataclass
@@ -65,12 +65,12 @@ async def send_upstream(
     the tries run through the pool's stale connections to a fresh one, which is the last.
     """
     replayable = data is None or isinstance(data, bytes)
-    for stale_so_far in range(_MOST_STALE_IN_A_ROW + 1):
+    for stale_so_far in range(MOST_STALE_IN_A_ROW + 1):
         reuse = _Reuse()
         try:
             return await session.request(method, url, data=data, trace_request_ctx=reuse, **options)
         except (aiohttp.ClientError, OSError) as exc:
-            if not (replayable and _stale(exc, reuse)) or stale_so_far == _MOST_STALE_IN_A_ROW:
+            if not (replayable and _stale(exc, reuse)) or stale_so_far == MOST_STALE_IN_A_ROW:
                 raise
             log_event(log, logging.INFO, "stale upstream connection; sending again", error=type(exc).__name__)
     raise AssertionError("unreachable: the last try returns or raises")

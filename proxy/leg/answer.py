@@ -100,11 +100,6 @@ class Answer:
             return "application/octet-stream"
         return value.partition(";")[0].strip().lower()
 
-    @property
-    def done(self) -> bool:
-        """Whether the whole answer has arrived."""
-        return self._complete
-
     async def read(self) -> bytes:
         """All the body buffered so far, waiting for some; b"" at the end.
 

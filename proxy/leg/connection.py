@@ -55,7 +55,7 @@ class Connection(asyncio.Protocol):
         self._write_paused = False
         self._read_paused = False
         self._last_read = 0.0  # when the engine last sent a byte (read_timeout counts from it)
-        self.served = 0  # answers completed on this connection: > 0 means it is a reused one
+        self.served = 0  # answers completed on a kept connection: > 0 means it is a reused one
         self.idle_since = 0.0
         self.lost = False
 
@@ -87,7 +87,6 @@ class Connection(asyncio.Protocol):
         answer, self._answer = self._answer, None
         if answer is not None:
             if self._until_close and answer.status:
-                self.served += 1
                 answer.complete()
             else:
                 what = "reset" if exc is not None else "closed"
@@ -139,7 +138,6 @@ class Connection(asyncio.Protocol):
             # llhttp cannot be told that a HEAD answer has no body: the answer ends here,
             # and the connection with it.
             self._answer = None
-            self.served += 1
             answer.complete()
             self.close()
 

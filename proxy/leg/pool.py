@@ -21,15 +21,12 @@ from proxy.leg.connection import Connection
 from proxy.leg.errors import UpstreamBroke, UpstreamTimeout, UpstreamUnreachable
 from proxy.leg.head import Body, request_head
 from proxy.logs import log_event
+from proxy.resend import MOST_STALE_IN_A_ROW
 from proxy.watchdog import Watchdog
 
 __all__ = ["UpstreamLeg"]
 
 log = logging.getLogger("cachewitness.pool")
-
-# The engine may close many pooled connections at once: a request passes over a few stale
-# ones in a row before it is answered, or fails.
-_MOST_STALE_IN_A_ROW = 8
 
 
 class UpstreamLeg:
@@ -70,14 +67,16 @@ class UpstreamLeg:
         """
         head, chunked = request_head(method, self.path_prefix + target, self.host_header, headers, body)
         replayable = body is None or isinstance(body, (bytes, tuple))
-        for stale_so_far in range(_MOST_STALE_IN_A_ROW + 1):
+        # The same bound as the sidecar's own calls (proxy/resend.py); the loop is written out
+        # here rather than shared through a callback: this is the per-request path.
+        for stale_so_far in range(MOST_STALE_IN_A_ROW + 1):
             connection = await self._acquire()
             reused = connection.served > 0
             try:
                 return await connection.exchange(head, body, chunked=chunked, head_only=method == "HEAD")
             except UpstreamBroke as exc:
                 stale = reused and exc.before_answer
-                if not (replayable and stale) or stale_so_far == _MOST_STALE_IN_A_ROW:
+                if not (replayable and stale) or stale_so_far == MOST_STALE_IN_A_ROW:
                     raise
                 log_event(log, logging.INFO, "stale upstream connection; sending again", error=str(exc))
         raise AssertionError("unreachable: the last try returns or raises")

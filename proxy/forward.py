@@ -16,15 +16,13 @@ from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.exchange import Outcome
 from proxy.forward_exchange import Exchange
-from proxy.headers import add_response_headers, request_headers
+from proxy.headers import request_headers
 from proxy.inbound import refusal
 from proxy.leg import Answer, Body, UpstreamError, UpstreamUnreachable
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
-    JsonAnswer,
     PreparedRequest,
-    StreamScanner,
     is_observed,
     names_stream_options,
     prepare_request,
@@ -32,6 +30,7 @@ from proxy.observe import (
 )
 from proxy.pool import UPSTREAM_LEG
 from proxy.recorder import RECORDER
+from proxy.relay import relay
 from proxy.request_body import BodyTooLarge, ClientGone, limited_body, read_within_budget
 from proxy.request_ids import stored_id
 
@@ -270,7 +269,7 @@ async def _exchange(
                     status=upstream.status,
                 )
                 return await _exchange(request, exchange, prepared.without_injection(), base, limit)
-        return await _relay(request, upstream, exchange, peeked)
+        return await relay(request, upstream, exchange, peeked)
     finally:
         # An answer not read to its end closes its connection: it must not go back to the pool
         # half-read, and closing it is what tells the engine to abort the sequence
@@ -291,78 +290,3 @@ async def _injection_refusal(upstream: Answer) -> tuple[str | None, bytes]:
         return None, b""
     peeked = await upstream.peek(_ERROR_PEEK)
     return ("refused the injected include_usage" if names_stream_options(peeked) else None), peeked
-
-
-def _start_observing(upstream: Answer, exchange: Exchange, *, sse: bool) -> None:
-    """Pick how the answer is read for usage: the SSE scanner, or a bounded JSON reader.
-
-    A compressed answer is not read (the sidecar never decompresses): its usage is unknown.
-    """
-    if not exchange.observed:
-        return
-    if upstream.headers.get("Content-Encoding", "identity").lower() != "identity":
-        return
-    if sse:
-        engine = exchange.engine_info
-        exchange.scanner = StreamScanner(rules_for(engine) if exchange.usage_injected else None)
-    else:
-        exchange.answer = JsonAnswer()
-
-
-async def _relay(
-    request: web.Request, upstream: Answer, exchange: Exchange, peeked: bytes = b""
-) -> web.StreamResponse:
-    """Stream the upstream's answer to the client chunk by chunk (`peeked`: its start, already read)."""
-    exchange.status = upstream.status
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-    add_request_id = request.app[SETTINGS].request_id_header
-    sse = upstream.content_type == "text/event-stream"
-    add_response_headers(
-        upstream.headers,
-        response.headers,
-        request_id=exchange.request_id,
-        usage_injected=exchange.usage_injected,
-        sse=sse,
-        add_request_id=add_request_id,
-    )
-    _start_observing(upstream, exchange, sse=sse)
-    scanner, answer = exchange.scanner, exchange.answer
-    try:
-        await response.prepare(request)
-        exchange.first_byte_ns = time.time_ns()
-        if peeked:
-            # The start of an error answer, read to see whether it refused the injection.
-            if answer is not None:
-                answer.feed(peeked)
-            await response.write(scanner.feed(peeked) if scanner is not None else peeked)
-        while chunk := await upstream.read():
-            if scanner is not None:
-                chunk = scanner.feed(chunk)
-                if not chunk:
-                    continue
-            elif answer is not None:
-                answer.feed(chunk)
-            await response.write(chunk)
-        if scanner is not None and (tail := scanner.finish()):
-            await response.write(tail)
-        await response.write_eof()
-    except ConnectionResetError:
-        # aiohttp's ClientConnectionResetError: the client left; closing upstream aborts the engine.
-        exchange.outcome = Outcome.CLIENT_DISCONNECTED
-    except UpstreamError as exc:
-        exchange.outcome = Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.UPSTREAM_ERROR
-        log_event(
-            log,
-            logging.WARNING,
-            "upstream broke mid-response",
-            request_id=exchange.request_id,
-            error=type(exc).__name__,
-        )
-        # The head is gone already: cut the client's connection so a truncated body is never
-        # mistaken for a complete one.
-        if request.transport is not None:
-            request.transport.abort()
-    except asyncio.CancelledError:
-        exchange.outcome = Outcome.CLIENT_DISCONNECTED
-        raise
-    return response

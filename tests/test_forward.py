@@ -168,7 +168,8 @@ async def test_sse_events_reach_the_client_one_by_one(
 ) -> None:
     proxy = await sidecar(upstream)
     state = upstream_app[STATE]
-    async with client.get(proxy + "/sse/paced?n=5") as response:
+    # The head comes before any event (the engine sends it first): the gates open only after it.
+    async with asyncio.timeout(10), client.get(proxy + "/sse/paced?n=5") as response:
         assert response.headers["X-Accel-Buffering"] == "no"
         assert response.headers["Content-Type"].startswith("text/event-stream")
         for index in range(5):

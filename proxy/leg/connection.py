@@ -76,6 +76,10 @@ class Connection(asyncio.Protocol):
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(UpstreamBroke(f"the engine's answer is not valid HTTP ({exc})", before_answer=False))
+            return
+        answer = self._answer  # None if the answer ended in this read (it relayed its end itself)
+        if answer is not None and answer.flush():
+            self._pause_reading()
 
     def eof_received(self) -> bool:
         return False  # close our side too: connection_lost follows
@@ -143,8 +147,12 @@ class Connection(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         answer = self._answer
-        if answer is not None and answer.body(body) and not self._read_paused:
-            # The consumer (a slow client) is behind: stop reading from the engine.
+        if answer is not None and answer.body(body):
+            self._pause_reading()
+
+    def _pause_reading(self) -> None:
+        """The consumer (a slow client) is behind: stop reading from the engine."""
+        if not self._read_paused:
             self._read_paused = True
             if self._transport is not None:
                 self._transport.pause_reading()

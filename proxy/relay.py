@@ -77,7 +77,12 @@ def _start_observing(upstream: Answer, exchange: Exchange, *, sse: bool) -> Obse
 
 
 def _client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunked: bool) -> Sink:
-    """Write each body piece to the client as it comes; True when the client is behind."""
+    """Write each body piece to the client as it comes; True when the client is behind.
+
+    Behind is past the transport's own high-water mark too: the transport has then paused
+    writing, which is what the relay's `drain()` waits out (below it, drain returns at once).
+    """
+    behind = max(_CLIENT_BEHIND, transport.get_write_buffer_limits()[1])
 
     def sink(chunk: bytes) -> bool:
         if observe is not None:
@@ -87,7 +92,7 @@ def _client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunk
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
         transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
-        return transport.get_write_buffer_size() > _CLIENT_BEHIND
+        return transport.get_write_buffer_size() > behind
 
     return sink
 

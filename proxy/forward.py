@@ -190,7 +190,7 @@ async def _observe_and_exchange(
             exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
             exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
-        return await _exchange(request, exchange, prepared, settings.upstream_base, limit, prefix=prefix)
+        return await _exchange(request, exchange, prepared, limit, prefix=prefix)
     finally:
         admission.leave()
 
@@ -213,7 +213,6 @@ async def _exchange(
     request: web.Request,
     exchange: Exchange,
     prepared: PreparedRequest | None,
-    base: str,
     limit: int,
     *,
     prefix: bytes = b"",
@@ -268,7 +267,7 @@ async def _exchange(
                     request_id=exchange.request_id,
                     status=upstream.status,
                 )
-                return await _exchange(request, exchange, prepared.without_injection(), base, limit)
+                return await _exchange(request, exchange, prepared.without_injection(), limit)
         return await relay(request, upstream, exchange, peeked)
     finally:
         # An answer not read to its end closes its connection: it must not go back to the pool

@@ -22,17 +22,14 @@ from proxy.exchange import Outcome
 from proxy.forward_exchange import Exchange
 from proxy.headers import add_response_headers
 from proxy.leg import Answer, UpstreamError
-from proxy.leg.answer import Sink
+from proxy.leg.answer import HIGH_WATER, Sink
+from proxy.leg.head import framed
 from proxy.logs import log_event
 from proxy.observe import JsonAnswer, StreamScanner, rules_for
 
 __all__ = ["relay"]
 
 log = logging.getLogger("cachewitness.forward")
-
-# The client's unsent bytes past this stop reading from the engine until they drain (the
-# leg's own buffer stops at the same mark; a few SSE events or one JSON answer fit either way).
-_CLIENT_BEHIND = 256 * 1024
 
 # What each body piece goes through on its way: the SSE scanner (which may hold back or
 # rewrite bytes) or the JSON reader (which only reads); None when the answer is not observed.
@@ -79,10 +76,11 @@ def _start_observing(upstream: Answer, exchange: Exchange, *, sse: bool) -> Obse
 def _client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunked: bool) -> Sink:
     """Write each body piece to the client as it comes; True when the client is behind.
 
-    Behind is past the transport's own high-water mark too: the transport has then paused
+    Behind is the client's unsent bytes past the mark the leg's own buffer stops at, and past
+    the transport's own high-water mark too: the transport has then paused
     writing, which is what the relay's `drain()` waits out (below it, drain returns at once).
     """
-    behind = max(_CLIENT_BEHIND, transport.get_write_buffer_limits()[1])
+    behind = max(HIGH_WATER, transport.get_write_buffer_limits()[1])
 
     def sink(chunk: bytes) -> bool:
         if observe is not None:
@@ -91,7 +89,7 @@ def _client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunk
                 return False  # the scanner holds a partial event
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
-        transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+        transport.write(framed(chunk, chunked=chunked))
         return transport.get_write_buffer_size() > behind
 
     return sink

@@ -11,14 +11,15 @@ from multidict import CIMultiDict
 if TYPE_CHECKING:
     from proxy.leg.connection import Connection
 
-__all__ = ["Answer", "Sink"]
+__all__ = ["HIGH_WATER", "Answer", "Sink"]
 
 # Takes one body piece as it arrives; True when its reader is behind (stop reading the engine).
 Sink = Callable[[bytes], bool]
 
 # The body buffered past this while the client reads slowly stops reading from the engine
 # (aiohttp's client paused at 128 KiB; a few SSE events or one JSON answer fit either way).
-_HIGH_WATER = 256 * 1024
+# The relay holds the client's unsent bytes to the same mark (proxy/relay.py).
+HIGH_WATER = 256 * 1024
 
 
 class Answer:
@@ -82,7 +83,7 @@ class Answer:
         if self._sink is not None:
             return False  # relayed by `flush` at the end of this read
         self._wake()
-        return self._buffered > _HIGH_WATER
+        return self._buffered > HIGH_WATER
 
     def flush(self) -> bool:
         """The end of one read from the engine: while relaying, what it brought goes to the sink.

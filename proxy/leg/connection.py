@@ -16,7 +16,7 @@ from multidict import CIMultiDict
 
 from proxy.leg.answer import Answer
 from proxy.leg.errors import UpstreamBroke, UpstreamError, UpstreamTimeout
-from proxy.leg.head import Body
+from proxy.leg.head import Body, framed
 
 if TYPE_CHECKING:
     from proxy.leg.pool import UpstreamLeg
@@ -234,7 +234,7 @@ class Connection(asyncio.Protocol):
         async for chunk in body:
             if not chunk:
                 continue  # an empty chunk would end a chunked body
-            transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
+            transport.write(framed(chunk, chunked=chunked))
             await self._drained()
         if chunked:
             transport.write(b"0\r\n\r\n")

@@ -1,4 +1,4 @@
-"""The request head written upstream: one buffer, in aiohttp's own framing rules.
+"""The request head written upstream (one buffer, in aiohttp's own framing rules), and body framing.
 
 The sidecar's client leg used to be aiohttp's ClientSession; the engine sees the same head
 it saw then: Host first (from the upstream URL), the client's end-to-end headers in order,
@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from multidict import CIMultiDict
 
-__all__ = ["Body", "Pieces", "request_head"]
+__all__ = ["Body", "Pieces", "framed", "request_head"]
 
 # A body already in memory is sent whole (bytes) or as pieces of one buffer (a large
 # observed body with the injection spliced in); both can be sent twice. A stream of the
@@ -22,6 +22,11 @@ Body = bytes | Pieces | AsyncIterator[bytes] | None
 
 # Methods aiohttp sends without a Content-Length when they carry no body.
 _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
+
+
+def framed(chunk: bytes, *, chunked: bool) -> bytes:
+    """One piece of a body as it goes on the wire: an HTTP/1.1 chunk when the body is chunked."""
+    return b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk
 
 
 def body_size(body: Body) -> int | None:

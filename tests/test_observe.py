@@ -453,6 +453,20 @@ def test_complete_events_are_not_held_back() -> None:
     assert out.endswith(b"\n\n") and len(out) == first_end - len(b',"usage":null')
 
 
+@pytest.mark.parametrize(
+    "odd",
+    [
+        b': ping,"usage":null}\n\n',  # a comment is not a data event
+        b'data: {"id":"chatcmpl-1","choices":[]}\nid: 7,"usage":null}\n\n',  # nor an id line
+    ],
+)
+def test_a_read_of_whole_events_cuts_only_nulls_that_end_data_events(odd: bytes) -> None:
+    content = b'data: {"id":"chatcmpl-1","choices":[{"delta":{"content":"a"},"finish_reason":null}]'
+    scanner = StreamScanner(StreamRules(null_usage_added=True))
+    read = content + b',"usage":null}\n\n' + odd + content + b',"usage":null}\n\n'
+    assert scanner.feed(read) == content + b"}\n\n" + odd + content + b"}\n\n"
+
+
 def test_usage_on_content_chunk_is_read_before_it_is_removed() -> None:
     scanner = StreamScanner(StreamRules())
     run(scanner, [llamacpp_completions_stream(include_usage=True)])

@@ -16,6 +16,7 @@ hypothesis profile (tests/conftest.py): `ci` runs 10,000 examples of each proper
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,33 +197,60 @@ draws = st.builds(
     usage=st.tuples(st.integers(0, 10**6), st.integers(0, 10**5), st.integers(0, 10**6)),
     layout=layouts,
 )
-# Chunk sizes, cycled; at most ~2,000 chunks per stream so that 2 MiB events stay quick.
-splits = st.lists(st.integers(1, 64 * 1024), min_size=1, max_size=8)
+# How the stream arrives: chunks of byte sizes, cycled (at most ~2,000 chunks per stream so
+# that 2 MiB events stay quick), or reads of whole events, so many events per read, cycled
+# (engines write whole events; a burst of them is one read, which the scanner answers with
+# searches over the whole read).
+Reads = tuple[str, list[int]]
+splits = st.one_of(
+    st.lists(st.integers(1, 64 * 1024), min_size=1, max_size=8).map(lambda sizes: ("bytes", sizes)),
+    st.lists(st.integers(1, 12), min_size=1, max_size=8).map(lambda counts: ("events", counts)),
+)
+# Where an event ends: the first blank line, `\n\n` or `\n\r\n`, as the SSE spec frames them.
+BLANK_LINE = re.compile(rb"\n\r?\n")
 
 
-def feed(scanner: StreamScanner, data: bytes, sizes: list[int]) -> bytes:
-    """What the client gets when data arrives in chunks of these sizes."""
+def cuts(data: bytes, reads: Reads) -> list[bytes]:
+    """The stream as the reads deliver it."""
+    mode, counts = reads
+    if mode == "events":
+        ends = [match.end() for match in BLANK_LINE.finditer(data)]
+        if not ends or ends[-1] != len(data):
+            ends.append(len(data))
+        out, pos, index = [], 0, 0
+        for count in itertools.cycle(counts):
+            if index >= len(ends):
+                return out
+            index = min(index + count, len(ends))
+            out.append(data[pos : ends[index - 1]])
+            pos = ends[index - 1]
     floor = len(data) // 2000
     out, pos = [], 0
-    for size in itertools.cycle(sizes):
+    for size in itertools.cycle(counts):
         if pos >= len(data):
             break
         step = max(size, floor)
-        out.append(scanner.feed(data[pos : pos + step]))
+        out.append(data[pos : pos + step])
         pos += step
+    return out
+
+
+def feed(scanner: StreamScanner, data: bytes, reads: Reads) -> bytes:
+    """What the client gets when data arrives in these reads."""
+    out = [scanner.feed(chunk) for chunk in cuts(data, reads)]
     out.append(scanner.finish())
     return b"".join(out)
 
 
-@given(shape=st.sampled_from(sorted(INJECTED_SHAPES)), draw=draws, sizes=splits)
+@given(shape=st.sampled_from(sorted(INJECTED_SHAPES)), draw=draws, reads=splits)
 def test_an_injected_stream_reaches_the_client_as_its_own_answer(
-    shape: str, draw: Draw, sizes: list[int]
+    shape: str, draw: Draw, reads: Reads
 ) -> None:
     engine = INJECTED_SHAPES[shape]
     direct = render(engine, draw, include_usage=False)
     injected = render(engine, draw, include_usage=True)
     scanner = StreamScanner(rules_for(EngineInfo(engine.kind, engine.version)))
-    assert feed(scanner, injected, sizes) == direct
+    assert feed(scanner, injected, reads) == direct
     prompt, completion, cached = draw.usage
     assert scanner.usage == Usage(prompt, completion, cached, "usage.prompt_tokens_details.cached_tokens")
     assert scanner.engine_id == "chatcmpl-1"
@@ -303,13 +331,13 @@ def messages_stream(draw: Draw) -> tuple[bytes, Usage]:
 PASS_THROUGH = {"llamacpp": llamacpp_stream, "responses": responses_stream, "messages": messages_stream}
 
 
-@given(kind=st.sampled_from(sorted(PASS_THROUGH)), draw=draws, sizes=splits)
+@given(kind=st.sampled_from(sorted(PASS_THROUGH)), draw=draws, reads=splits)
 def test_a_stream_not_injected_into_passes_unchanged_and_its_usage_is_read(
-    kind: str, draw: Draw, sizes: list[int]
+    kind: str, draw: Draw, reads: Reads
 ) -> None:
     data, usage = PASS_THROUGH[kind](draw)
     scanner = StreamScanner()
-    assert feed(scanner, data, sizes) == data
+    assert feed(scanner, data, reads) == data
     assert scanner.usage == usage
 
 

@@ -166,14 +166,32 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of these processes (all their threads)."""
-    total = 0
+    return sum(cpu_split(pids))
+
+
+def cpu_split(pids: list[int]) -> tuple[float, float]:
+    """(user, system) CPU seconds of these processes (all their threads)."""
+    user = system = 0
     for pid in pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
         except OSError:
             continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / CLK_TCK
+        user += int(fields[11])  # utime, stime (fields 14 and 15 of stat)
+        system += int(fields[12])
+    return user / CLK_TCK, system / CLK_TCK
+
+
+def read_calls(pids: list[int]) -> int:
+    """Read-type system calls (read, recv, ...) these processes have made: /proc/PID/io `syscr`."""
+    total = 0
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+        except OSError:
+            continue
+        total += sum(int(line.split()[1]) for line in lines if line.startswith("syscr:"))
+    return total
 
 
 def machine_busy_seconds() -> float:

@@ -127,8 +127,9 @@ def render(
         f"### Streaming chat completions ({_tokens(runs)} tokens each, back to back on every connection)",
         "",
         "| streams | path | SSE events/s | spread | TTFB p50 ms | TTFB p99 ms | inter-event gap p99 ms "
-        "| events/s vs direct | events/s vs nginx | proxy CPU µs/event | limited by |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| events/s vs direct | events/s vs nginx | proxy CPU µs/event | of which user / kernel "
+        "| events per proxy read | limited by |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for conc in sorted({r["concurrency"] for r in runs if r["case"] == "stream"}):
         for path in PATHS:
@@ -144,6 +145,9 @@ def render(
                 "vs_direct": _paired(runs, "stream", conc, path, "direct", _ratio("events_per_s")),
                 "vs_nginx": _paired(runs, "stream", conc, path, "nginx", _ratio("events_per_s")),
                 "cpu_us": _cpu_us(rs, "events"),
+                "user_us": _cpu_us(rs, "events", "proxy_user_s"),
+                "kernel_us": _cpu_us(rs, "events", "proxy_system_s"),
+                "events_per_read": _per_read(rs),
                 "errors": sum(r["errors"] for r in rs),
                 "limited_by": _median_run(rs, "events_per_s")["bottleneck"],
             }
@@ -152,8 +156,18 @@ def render(
             lines.append(
                 f"| {conc} | {LABELS[path]}{err} | {_fmt(row['events_per_s'])} | {_fmt(_pct(row['spread']), 0, '%')} "
                 f"| {_fmt(row['ttfb_p50_ms'], 1)} | {_fmt(row['ttfb_p99_ms'], 1)} | {_fmt(row['gap_p99_ms'], 2)} "
-                f"| {_x(row['vs_direct'])} | {_x(row['vs_nginx'])} | {_fmt(row['cpu_us'], 2)} | {row['limited_by']} |"
+                f"| {_x(row['vs_direct'])} | {_x(row['vs_nginx'])} | {_fmt(row['cpu_us'], 2)} "
+                f"| {_fmt(row['user_us'], 2)} / {_fmt(row['kernel_us'], 2)} | {_fmt(row['events_per_read'], 1)} "
+                f"| {row['limited_by']} |"
             )
+    lines += [
+        "",
+        "The CPU per event moves with how many events each read from the engine carries: each read "
+        "and write costs the kernel the same whatever it carries, and a proxy that spends longer per "
+        "read finds more events waiting at the next. Reads are the proxy's read-type system calls "
+        "(`/proc/PID/io` syscr, which counts read() and readv() as the event loop calls them; nginx "
+        "calls recv(), which it does not count: —) over the events the load generator got.",
+    ]
     lines += _cpu_section(runs, summary)
     lines += _memory_section(memory)
     lines += _aims_section(summary, memory)
@@ -162,9 +176,21 @@ def render(
     return "\n".join(lines) + "\n", summary
 
 
-def _cpu_us(rs: list[Run], count: str) -> float | None:
-    """The proxy's CPU µs per request (or per SSE event), median over rounds; the direct path has none."""
-    return _median([1e6 * r["proxy_cpu_s"] / r[count] for r in rs if r.get(count) and r["path"] != "direct"])
+def _cpu_us(rs: list[Run], count: str, cpu: str = "proxy_cpu_s") -> float | None:
+    """The proxy's CPU µs per request (or per SSE event), median over rounds; the direct path has none.
+
+    `cpu`: the proxy's user or system seconds alone (runs from before they were kept have none).
+    """
+    return _median(
+        [1e6 * r[cpu] / r[count] for r in rs if r.get(count) and cpu in r and r["path"] != "direct"]
+    )
+
+
+def _per_read(rs: list[Run]) -> float | None:
+    """SSE events per read-type system call of the proxy, median over rounds."""
+    return _median(
+        [r["events"] / r["proxy_reads"] for r in rs if r.get("proxy_reads") and r["path"] != "direct"]
+    )
 
 
 def _pct(value: float | None) -> float | None:

@@ -31,8 +31,10 @@ from harness import (
     Cores,
     Service,
     cpu_seconds,
+    cpu_split,
     ensure_tools,
     free_port,
+    read_calls,
     rss_mb,
     start_service,
 )
@@ -181,6 +183,8 @@ class Bench:
             resource.getrusage(resource.RUSAGE_CHILDREN),
             cpu_seconds(sorted(set(ours))),
             _per_core_busy(),
+            cpu_split(proxy.pids()) if proxy else (0.0, 0.0),
+            read_calls(proxy.pids()) if proxy else 0,
         )
         try:
             result = run()
@@ -195,6 +199,8 @@ class Bench:
             resource.getrusage(resource.RUSAGE_CHILDREN),
             cpu_seconds(sorted(set(ours))),
             _per_core_busy(),
+            cpu_split(proxy.pids()) if proxy else (0.0, 0.0),
+            read_calls(proxy.pids()) if proxy else 0,
         )
         wall = after[0] - before[0]
         loadgen = (after[3].ru_utime + after[3].ru_stime) - (before[3].ru_utime + before[3].ru_stime)
@@ -202,6 +208,11 @@ class Bench:
         result.update(
             wall_s=wall,
             proxy_cpu_s=after[1] - before[1],
+            # The user/kernel split and the reads show how much of the proxy's CPU is the
+            # kernel's, and how many events each read from the engine (and write) carried.
+            proxy_user_s=after[6][0] - before[6][0],
+            proxy_system_s=after[6][1] - before[6][1],
+            proxy_reads=after[7] - before[7],
             upstream_cpu_s=after[2] - before[2],
             loadgen_cpu_s=loadgen,
             foreign_cores=max(0.0, sum(cores.values()) - (after[4] - before[4] + loadgen) / wall),

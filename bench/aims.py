@@ -46,15 +46,7 @@ def aims_section(summary: dict[str, Any], memory: dict[str, dict[str, float]]) -
             cost[1],
         ),
     ]
-    lines = [
-        "",
-        "### Aims (issue 9), one sidecar process",
-        "",
-        "| aim | target | measured | met |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {a} | {t} | {m} | {'yes' if ok else '**no**'} |" for a, t, m, ok in aims]
-    return lines
+    return _table("### Aims (issue 9), one sidecar process", aims)
 
 
 def cpu_aims_section(
@@ -103,15 +95,7 @@ def cpu_aims_section(
             open_mb is not None and open_mb <= 80,
         ),
     ]
-    lines = [
-        "",
-        "### Aims (issue 19: CPU per request), evidence and injection on",
-        "",
-        "| aim | target | measured | met |",
-        "|---|---|---|---|",
-    ]
-    lines += [f"| {a} | {t} | {m} | {'yes' if ok else '**no**'} |" for a, t, m, ok in aims]
-    return lines
+    return _table("### Aims (issue 19: CPU per request), evidence and injection on", aims)
 
 
 def _paired_cost(summary: dict[str, Any]) -> tuple[str, bool]:
@@ -137,3 +121,10 @@ def _paired_cost(summary: dict[str, Any]) -> tuple[str, bool]:
         + f"; CPU per request +{extra * 100:.1f} %"
     )
     return text, extra <= 0.10
+
+
+def _table(title: str, aims: list[tuple[str, str, str, bool]]) -> list[str]:
+    """The aims as a Markdown table under its heading: aim, target, measured, met."""
+    lines = ["", title, "", "| aim | target | measured | met |", "|---|---|---|---|"]
+    lines += [f"| {a} | {t} | {m} | {'yes' if ok else '**no**'} |" for a, t, m, ok in aims]
+    return lines

@@ -1,0 +1,306 @@
+"""The paths `make bench` compares: the services started for them, and a case measured against each.
+
+Direct to the simulator, cachewitness with evidence and injection on, cachewitness bare and
+nginx, each in front of the same simulator; a slow simulator behind a second port of each proxy
+holds 1,000 streams open for the memory figure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness import (
+    Cores,
+    Service,
+    cpu_seconds,
+    cpu_split,
+    ensure_tools,
+    free_port,
+    read_calls,
+    rss_mb,
+    start_service,
+)
+from loads import WRK_SCRIPT
+from nginx_conf import nginx_config
+
+__all__ = ["Bench", "Snapshot"]
+
+HERE = Path(__file__).resolve().parent
+OPEN_STREAMS = 1000
+
+
+def _per_core_busy() -> dict[str, float]:
+    """Busy CPU seconds so far per core (`cpu0`, `cpu1`, ...)."""
+    busy: dict[str, float] = {}
+    tck = os.sysconf("SC_CLK_TCK")
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            name, *values = line.split()
+            v = [int(x) for x in values]
+            busy[name[3:]] = (sum(v[:8]) - v[3] - v[4]) / tck
+    return busy
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Counters at one instant: a measurement is the difference of two."""
+
+    clock: float  # perf_counter seconds
+    proxy_user: float  # CPU seconds of the proxy under test (none for the direct path)
+    proxy_system: float
+    proxy_reads: int  # its read-type system calls
+    upstream_cpu: float  # CPU seconds of the simulator
+    loadgen_cpu: float  # CPU seconds of finished children: the load generators
+    ours_cpu: float  # CPU seconds of every service we started
+    core_busy: dict[str, float]  # busy seconds per core, everyone's
+
+
+class Bench:
+    """The running services and how to measure a case against each path."""
+
+    def __init__(self, tmp: Path, pin: bool) -> None:
+        """Install the tools if needed and start everything."""
+        self.tmp = tmp
+        self.nginx_bin, self.wrk = ensure_tools()
+        self.cores = Cores.choose(pin)
+        self.script = tmp / "post.lua"
+        self.script.write_text(WRK_SCRIPT)
+        py = [sys.executable]
+        proxy_pin, rest_pin = Cores.prefix(self.cores.proxy), Cores.prefix(self.cores.rest)
+        self.services: dict[str, Service] = {}
+        sim_port, slow_port = free_port(), free_port()
+        self.services["sim"] = start_service(
+            "sim",
+            [
+                *rest_pin,
+                *py,
+                "-m",
+                "proxy",
+                "sim",
+                "--dialect",
+                "vllm",
+                "--listen",
+                f"127.0.0.1:{sim_port}",
+                "--decode-rate",
+                "0",
+                "--prefill-rate",
+                "0",
+            ],
+            f"http://127.0.0.1:{sim_port}",
+            tmp,
+            "/health",
+        )
+        # Open streams need an engine that is still generating: 1 token/s (memory case only).
+        self.services["slow-sim"] = start_service(
+            "slow-sim",
+            [
+                *rest_pin,
+                *py,
+                "-m",
+                "proxy",
+                "sim",
+                "--dialect",
+                "vllm",
+                "--listen",
+                f"127.0.0.1:{slow_port}",
+                "--decode-rate",
+                "1",
+                "--prefill-rate",
+                "0",
+            ],
+            f"http://127.0.0.1:{slow_port}",
+            tmp,
+            "/health",
+        )
+        for name, upstream, extra in (
+            ("cw", sim_port, []),
+            ("cw-bare", sim_port, ["--no-observe", "--no-inject-usage"]),
+        ):
+            port = free_port()
+            self.services[name] = start_service(
+                name,
+                [
+                    *proxy_pin,
+                    *py,
+                    "-m",
+                    "proxy",
+                    "serve",
+                    "--upstream",
+                    f"http://127.0.0.1:{upstream}",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--evidence",
+                    str(tmp / f"{name}.jsonl"),
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                f"http://127.0.0.1:{port}",
+                tmp,
+                "/-/ready",
+            )
+        nginx_port, nginx_slow_port = free_port(), free_port()
+        prefix = tmp / "nginx"
+        prefix.mkdir()
+        conf = prefix / "nginx.conf"
+        conf.write_text(
+            nginx_config(
+                prefix, [(nginx_port, f"127.0.0.1:{sim_port}"), (nginx_slow_port, f"127.0.0.1:{slow_port}")]
+            )
+        )
+        self.services["nginx"] = start_service(
+            "nginx",
+            [*proxy_pin, self.nginx_bin, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
+            f"http://127.0.0.1:{nginx_port}",
+            tmp,
+            "/health",
+        )
+        self.nginx_slow_url = f"http://127.0.0.1:{nginx_slow_port}"
+        self.services["direct"] = self.services["sim"]
+        self.idle_rss = {name: rss_mb(self.services[name].pids()) for name in ("cw", "cw-bare", "nginx")}
+
+    def url(self, path: str) -> str:
+        """Base URL the load generator targets for a path."""
+        return self.services[path].url
+
+    def measure(self, path: str, run: callable) -> dict[str, float]:  # type: ignore[valid-type]
+        """Run one load against one path; add CPU of proxy, upstream, load generator and the machine."""
+        before = self._snapshot(path)
+        try:
+            result = run()
+        except (RuntimeError, ValueError, subprocess.SubprocessError, OSError) as exc:
+            # One disturbed run (a stalled machine, a timeout) must not lose the others: keep it as failed.
+            print(f"  {path}: run failed: {str(exc)[:300]}", file=sys.stderr, flush=True)
+            result = {"failed": str(exc)[:2000], "errors": 1.0}
+        after = self._snapshot(path)
+        wall = after.clock - before.clock
+        loadgen = after.loadgen_cpu - before.loadgen_cpu
+        cores = {c: (after.core_busy[c] - before.core_busy.get(c, 0.0)) / wall for c in after.core_busy}
+        result.update(
+            wall_s=wall,
+            proxy_cpu_s=after.proxy_user + after.proxy_system - before.proxy_user - before.proxy_system,
+            # The user/kernel split and the reads show how much of the proxy's CPU is the
+            # kernel's, and how many events each read from the engine (and write) carried.
+            proxy_user_s=after.proxy_user - before.proxy_user,
+            proxy_system_s=after.proxy_system - before.proxy_system,
+            proxy_reads=after.proxy_reads - before.proxy_reads,
+            upstream_cpu_s=after.upstream_cpu - before.upstream_cpu,
+            loadgen_cpu_s=loadgen,
+            foreign_cores=max(0.0, sum(cores.values()) - (after.ours_cpu - before.ours_cpu + loadgen) / wall),
+            core_busy={c: round(v, 3) for c, v in cores.items()},
+        )
+        result["bottleneck"] = self._bottleneck(path, result)
+        return result
+
+    def _snapshot(self, path: str) -> Snapshot:
+        """The counters `measure` takes the difference of, now."""
+        proxy = self.services[path].pids() if path != "direct" else []
+        ours = sorted({p for s in self.services.values() for p in s.pids()})
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        user, system = cpu_split(proxy)
+        return Snapshot(
+            clock=time.perf_counter(),
+            proxy_user=user,
+            proxy_system=system,
+            proxy_reads=read_calls(proxy),
+            upstream_cpu=cpu_seconds(self.services["sim"].pids()),
+            loadgen_cpu=children.ru_utime + children.ru_stime,
+            ours_cpu=cpu_seconds(ours),
+            core_busy=_per_core_busy(),
+        )
+
+    def _bottleneck(self, path: str, r: dict[str, object]) -> str:
+        """Which side ran out of CPU during this run, in words."""
+        wall = float(r["wall_s"])  # type: ignore[arg-type]
+        proxy_u = float(r["proxy_cpu_s"]) / wall  # type: ignore[arg-type]
+        rest_u = (float(r["upstream_cpu_s"]) + float(r["loadgen_cpu_s"])) / wall  # type: ignore[arg-type]
+        busy: dict[str, float] = r["core_busy"]  # type: ignore[assignment]
+        found = []
+        if self.cores.proxy is None:
+            if sum(busy.values()) >= 0.9 * len(busy):
+                found.append(f"machine full (proxy {proxy_u:.0%}, sim+loadgen {rest_u:.0%})")
+        else:
+            if path != "direct" and busy.get(self.cores.proxy, 0.0) >= 0.9:
+                found.append(f"proxy core full (proxy {proxy_u:.0%})")
+            if busy.get(self.cores.rest, 0.0) >= 0.9:  # type: ignore[arg-type]
+                found.append(f"loadgen+sim core full ({rest_u:.0%} theirs)")
+        return "; ".join(found) or "no core full (latency-bound)"
+
+    def open_streams_rss(self, path: str) -> dict[str, float]:
+        """RSS of a proxy with OPEN_STREAMS streams open through it (the slow simulator behind it)."""
+        slow = self.services["slow-sim"].url.rsplit(":", 1)[1]
+        if path == "nginx":
+            service, url = self.services["nginx"], self.nginx_slow_url
+        else:
+            port = free_port()
+            extra = ["--no-observe", "--no-inject-usage"] if path == "cw-bare" else []
+            service = start_service(
+                f"{path}-mem",
+                [
+                    *Cores.prefix(self.cores.proxy),
+                    sys.executable,
+                    "-m",
+                    "proxy",
+                    "serve",
+                    "--upstream",
+                    f"http://127.0.0.1:{slow}",
+                    "--listen",
+                    f"127.0.0.1:{port}",
+                    "--evidence",
+                    str(self.tmp / f"{path}-mem.jsonl"),
+                    "--log-level",
+                    "warning",
+                    *extra,
+                ],
+                f"http://127.0.0.1:{port}",
+                self.tmp,
+                "/-/ready",
+            )
+            url = service.url
+        try:
+            idle = rss_mb(service.pids())
+            client = subprocess.Popen(
+                [
+                    *Cores.prefix(self.cores.rest),
+                    sys.executable,
+                    str(HERE / "sse_load.py"),
+                    "--url",
+                    url,
+                    "--concurrency",
+                    str(OPEN_STREAMS),
+                    "--hold",
+                    "--max-tokens",
+                    "100000",
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert client.stdout is not None and client.stdin is not None
+            ready = json.loads(client.stdout.readline() or "{}")
+            time.sleep(1.0)  # let a couple of tokens flow through every stream
+            held = rss_mb(service.pids())
+            client.stdin.close()
+            client.wait(60)
+            return {
+                "idle_mb": idle,
+                "open_mb": held,
+                "open_streams": float(ready.get("ready", 0)),
+                "errors": float(ready.get("errors", 0)),
+            }
+        finally:
+            if path != "nginx":
+                service.stop()
+
+    def stop(self) -> None:
+        """Stop every service."""
+        for name, service in self.services.items():
+            if name != "direct":
+                service.stop()

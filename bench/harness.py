@@ -131,11 +131,11 @@ def start_service(name: str, argv: list[str], url: str, log_dir: Path, probe: st
     return service
 
 
-def start_simulator(core: str | None, log_dir: Path, *, decode_rate: float = 0) -> Service:
+def start_simulator(core: str | None, log_dir: Path, *, decode_rate: float = 0, name: str = "sim") -> Service:
     """The vLLM-dialect simulator on a free loopback port, prefill instant, pinned to `core` (None: not pinned)."""
     port = free_port()
     return start_service(
-        "sim",
+        name,
         [
             *Cores.prefix(core),
             sys.executable,

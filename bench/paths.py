@@ -26,6 +26,7 @@ from harness import (
     read_calls,
     rss_mb,
     start_service,
+    start_simulator,
 )
 from loads import WRK_SCRIPT
 from nginx_conf import nginx_config
@@ -73,55 +74,15 @@ class Bench:
         self.script = tmp / "post.lua"
         self.script.write_text(WRK_SCRIPT)
         py = [sys.executable]
-        proxy_pin, rest_pin = Cores.prefix(self.cores.proxy), Cores.prefix(self.cores.rest)
+        proxy_pin = Cores.prefix(self.cores.proxy)
         self.services: dict[str, Service] = {}
-        sim_port, slow_port = free_port(), free_port()
-        self.services["sim"] = start_service(
-            "sim",
-            [
-                *rest_pin,
-                *py,
-                "-m",
-                "proxy",
-                "sim",
-                "--dialect",
-                "vllm",
-                "--listen",
-                f"127.0.0.1:{sim_port}",
-                "--decode-rate",
-                "0",
-                "--prefill-rate",
-                "0",
-            ],
-            f"http://127.0.0.1:{sim_port}",
-            tmp,
-            "/health",
-        )
+        self.services["sim"] = start_simulator(self.cores.rest, tmp)
         # Open streams need an engine that is still generating: 1 token/s (memory case only).
-        self.services["slow-sim"] = start_service(
-            "slow-sim",
-            [
-                *rest_pin,
-                *py,
-                "-m",
-                "proxy",
-                "sim",
-                "--dialect",
-                "vllm",
-                "--listen",
-                f"127.0.0.1:{slow_port}",
-                "--decode-rate",
-                "1",
-                "--prefill-rate",
-                "0",
-            ],
-            f"http://127.0.0.1:{slow_port}",
-            tmp,
-            "/health",
-        )
+        self.services["slow-sim"] = start_simulator(self.cores.rest, tmp, decode_rate=1, name="slow-sim")
+        sim, slow = self.services["sim"].url, self.services["slow-sim"].url
         for name, upstream, extra in (
-            ("cw", sim_port, []),
-            ("cw-bare", sim_port, ["--no-observe", "--no-inject-usage"]),
+            ("cw", sim, []),
+            ("cw-bare", sim, ["--no-observe", "--no-inject-usage"]),
         ):
             port = free_port()
             self.services[name] = start_service(
@@ -133,7 +94,7 @@ class Bench:
                     "proxy",
                     "serve",
                     "--upstream",
-                    f"http://127.0.0.1:{upstream}",
+                    upstream,
                     "--listen",
                     f"127.0.0.1:{port}",
                     "--evidence",
@@ -152,7 +113,8 @@ class Bench:
         conf = prefix / "nginx.conf"
         conf.write_text(
             nginx_config(
-                prefix, [(nginx_port, f"127.0.0.1:{sim_port}"), (nginx_slow_port, f"127.0.0.1:{slow_port}")]
+                prefix,
+                [(nginx_port, sim.removeprefix("http://")), (nginx_slow_port, slow.removeprefix("http://"))],
             )
         )
         self.services["nginx"] = start_service(

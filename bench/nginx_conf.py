@@ -4,7 +4,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["nginx_config"]
+from harness import Cores, Service, free_port, start_service
+
+__all__ = ["nginx_config", "start_nginx"]
+
+
+def start_nginx(
+    nginx_bin: str, core: str | None, work: Path, upstreams: list[str]
+) -> tuple[Service, list[str]]:
+    """nginx pinned to `core`, one server per upstream base URL; the service and each server's URL.
+
+    Its files live under work/nginx; the service's URL is the first server's.
+    """
+    ports = [free_port() for _ in upstreams]
+    prefix = work / "nginx"
+    prefix.mkdir()
+    conf = prefix / "nginx.conf"
+    conf.write_text(
+        nginx_config(
+            prefix, [(port, up.removeprefix("http://")) for port, up in zip(ports, upstreams, strict=True)]
+        )
+    )
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    service = start_service(
+        "nginx",
+        [*Cores.prefix(core), nginx_bin, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
+        urls[0],
+        work,
+        "/health",
+    )
+    return service, urls
 
 
 def nginx_config(prefix: Path, routes: list[tuple[int, str]]) -> str:

@@ -1,6 +1,6 @@
 """The sidecar's CPU per SSE event when events come as an engine sends them: paced, one at a time.
 
-    .venv/bin/python bench/paced_streams.py [--streams 200] [--rate 50] [--rounds 3] [--seconds 5] [--against DIR]
+    .venv/bin/python bench/paced_streams.py [--streams 200] [--rate 50] [--rounds 3] [--seconds 5] [--against DIR] [--nginx]
 
 `make bench` streams at decode rate 0: events arrive in bursts, and the CPU per event it
 reports depends on how many events each read and write carries, which moves with how busy
@@ -10,7 +10,8 @@ own: the per-event cost of a real deployment, where an engine emits a token ever
 milliseconds per sequence. The sidecar (defaults: evidence and injection on) runs pinned alone
 on one core; the simulator and the load generator (bench/sse_load.py) share the other.
 `--against DIR` adds the same sidecar run from another checkout's code, interleaved round by
-round: a before/after.
+round: a before/after. `--nginx` adds nginx (one worker, as in `make bench`) on the sidecar's core,
+interleaved too: what a streaming proxy in C costs per event relayed alone.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, cpu_seconds, free_port, start_service, start_simulator
+from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service, start_simulator
 from loads import run_sse
+from nginx_conf import start_nginx
 
 
 def main() -> int:
@@ -36,6 +38,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--against", type=Path, help="another checkout: its sidecar runs too")
+    parser.add_argument("--nginx", action="store_true", help="nginx runs too, on the sidecar's core")
     ns = parser.parse_args()
     names = ["this checkout"]
     if ns.against is not None:
@@ -66,6 +69,9 @@ def main() -> int:
                     "/-/ready",
                 )
             )
+        if ns.nginx:
+            names.append("nginx (1 worker)")
+            sidecars.append(start_nginx(ensure_tools()[0], cores.proxy, work, [sim.url])[0])
         per_event: dict[str, list[float]] = {name: [] for name in names}
         events_per_s: dict[str, list[float]] = {name: [] for name in names}
         try:

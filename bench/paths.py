@@ -29,7 +29,7 @@ from harness import (
     start_simulator,
 )
 from loads import WRK_SCRIPT
-from nginx_conf import nginx_config
+from nginx_conf import start_nginx
 
 __all__ = ["Bench", "Snapshot"]
 
@@ -107,24 +107,9 @@ class Bench:
                 tmp,
                 "/-/ready",
             )
-        nginx_port, nginx_slow_port = free_port(), free_port()
-        prefix = tmp / "nginx"
-        prefix.mkdir()
-        conf = prefix / "nginx.conf"
-        conf.write_text(
-            nginx_config(
-                prefix,
-                [(nginx_port, sim.removeprefix("http://")), (nginx_slow_port, slow.removeprefix("http://"))],
-            )
+        self.services["nginx"], (_, self.nginx_slow_url) = start_nginx(
+            self.nginx_bin, self.cores.proxy, tmp, [sim, slow]
         )
-        self.services["nginx"] = start_service(
-            "nginx",
-            [*proxy_pin, self.nginx_bin, "-p", str(prefix), "-c", str(conf), "-e", str(prefix / "error.log")],
-            f"http://127.0.0.1:{nginx_port}",
-            tmp,
-            "/health",
-        )
-        self.nginx_slow_url = f"http://127.0.0.1:{nginx_slow_port}"
         self.services["direct"] = self.services["sim"]
         self.idle_rss = {name: rss_mb(self.services[name].pids()) for name in ("cw", "cw-bare", "nginx")}
 

@@ -4,7 +4,7 @@
 
 The sidecar's CPU per streamed token is mostly this scanner. Streams are shaped as the
 engines write them (a ~250-byte chat chunk per token, then the finish and usage chunks),
-delivered one event per read (an engine at decode speed) or 256 events per read (a burst).
+delivered one event per read (an engine at decode speed), or 100 or 256 events per read (bursts).
 CPU time of this process, best of the rounds: on a shared machine that is the figure that holds.
 Run it with PYTHONPATH pointing at another checkout to compare versions: it speaks both the
 `StreamScanner(rules)` API and the older `StreamScanner(strip_injected=...)`.
@@ -80,8 +80,12 @@ def main() -> int:
     ):
         events = stream(tokens, include_usage=strip, null_usage=null)
         cases.append((label + ", 1 event per read", scanner_factory(strip, null), events, len(events)))
-        bursts = [b"".join(events[i : i + 256]) for i in range(0, len(events), 256)]
-        cases.append((label + ", 256 events per read", scanner_factory(strip, null), bursts, len(events)))
+        for size in (100, 256):
+            # 100: the last read (59 events) carries content chunks, then the finish and usage chunks.
+            bursts = [b"".join(events[i : i + size]) for i in range(0, len(events), size)]
+            cases.append(
+                (f"{label}, {size} events per read", scanner_factory(strip, null), bursts, len(events))
+            )
     print(
         f"stream scanner, µs per event (median of {ns.rounds} rounds of {ns.events} events; module {observe.__file__})\n"
     )

@@ -33,6 +33,8 @@ _READ_END = b"\n\n"
 _NULL_TAIL_EVENT = _NULL_TAIL + _READ_END
 _NULL_CUT_EVENT = b"}" + _READ_END
 _DATA_EVENT = _READ_END + b"data:"
+# What ends a read's plain prefix when stripping: usage, a metrics block, a finish set compactly.
+_PREFIX_MARKERS = (_USAGE_KEY, *_SIDE_MARKERS, b'"finish_reason":"')
 # What is kept unsent of an event over MAX_EVENT_BYTES: its end, where usage and the
 # closing brace (for members moved back) are.
 _BIG_TAIL = 64 * 1024
@@ -95,12 +97,25 @@ class StreamScanner:
         if self._big is not None:
             emitted = self._feed_big(chunk)
             return emitted if strip else chunk
-        if not self._carry:
+        if self._carry:
+            emitted = self._feed_framed(chunk)
+        else:
             whole = self._whole_read(chunk)
             if whole is not None:
                 return whole
+            # The plain events a read starts with go at once; from the first that has something
+            # to read (a burst's last read: the finish and usage chunks), event by event.
+            cut = self._plain_prefix(chunk)
+            emitted = self._feed_framed(chunk[cut:] if cut else chunk)
+            if cut and strip:
+                emitted = chunk[:cut] + emitted
+        return emitted if strip else chunk
+
+    def _feed_framed(self, chunk: bytes) -> bytes:
+        """Frame the chunk's events one by one (after what is carried); what can go now, stripping."""
         # Frame the chunk in place when nothing is carried (the usual case: engines write
         # whole events); otherwise append to the carry and frame that.
+        strip = self._rules is not None
         data: bytes | bytearray = chunk
         search_from = 0
         if self._carry:
@@ -123,7 +138,7 @@ class StreamScanner:
         if len(self._carry) > MAX_EVENT_BYTES:
             self._big, self._carry, self._big_finish = self._carry, bytearray(), False
             emitted += self._hold.release() + self._big_emit()
-        return emitted if strip else chunk
+        return emitted
 
     def finish(self) -> bytes:
         """At the end of the answer: scan and return whatever is still buffered."""
@@ -186,6 +201,31 @@ class StreamScanner:
         if rules is None or not rules.null_usage_added:
             return chunk
         return chunk.replace(_NULL_TAIL_EVENT, _NULL_CUT_EVENT)
+
+    def _plain_prefix(self, chunk: bytes) -> int:
+        """How many bytes a read starts with of whole events with nothing to read in any; 0: none.
+
+        The events before the first usage, metrics block or set `finish_reason` (compact
+        `"finish_reason":"`, any other form in them refuses the lot), up to the blank line
+        before it; at the read's last blank line when there is none. A burst's last read (its
+        content chunks, then the finish and usage chunks) and a read that ends inside an event
+        no longer go event by event from the start (bench/scanner_cost.py, 100-event reads,
+        stripped, vLLM's shape: 0.84 -> 0.58 µs per event).
+        """
+        if self._hold.held is not None or not self._id_read:
+            return 0
+        first = len(chunk)
+        for marker in (_USAGE_KEY, *_SIDE_MARKERS) if self._rules is None else _PREFIX_MARKERS:
+            at = chunk.find(marker, 0, first)
+            if at != -1:
+                first = at
+        end = chunk.rfind(_READ_END, 0, first)
+        if end == -1:
+            return 0
+        end += len(_READ_END)
+        if self._rules is not None and chunk.count(_FINISH_KEY, 0, end) != chunk.count(_FINISH_NULL, 0, end):
+            return 0
+        return end
 
     # -- framing ---------------------------------------------------------------------------
     def _frame(self, data: Buffer, search_from: int = 0) -> tuple[bytes | None, int]:

@@ -5,36 +5,24 @@ is only scanned. Stripping (the stream was injected into): events are framed and
 engine's `StreamRules` say the injection added is removed byte-wise, never re-serialised.
 A finish chunk waits in a `FinishHold` (hold.py) until the next data event, so that what
 the engine put on the usage chunk for the stream's last event can move back onto it.
+A read of many whole events, or its start, is first offered to burst.py, which answers it
+with searches over the whole read instead of event by event.
 """
 
 from __future__ import annotations
 
+from proxy.observe.burst import plain_prefix, whole_read
 from proxy.observe.hold import FinishHold
 from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, without
+from proxy.observe.markers import FINISH_KEY, NULL_TAIL, SIDE_MARKERS, USAGE_KEY
 from proxy.observe.rules import StreamRules, has_finish, is_usage_only
 from proxy.observe.sse import CRLF_BLANK, LF_BLANK, MAX_EVENT_BYTES, DataLines, data_lines, next_separator
 from proxy.observe.usage import NO_USAGE, Usage, first_id, usage_from_fragment, usage_from_json
 
 __all__ = ["StreamScanner", "decode_count"]
 
-_USAGE_KEY = b'"usage"'
-# Markers of the other places counts live (llama.cpp, SGLang /generate, mindnano).
-_SIDE_MARKERS = (b'"timings"', b'"meta_info"', b'"mindnano_metrics"')
-# How an injected `"usage":null` usually ends a content chunk (compact JSON, usage last).
-_NULL_TAIL = b',"usage":null}'
-_NULL_TAIL_LEN = len(_NULL_TAIL)
-_FINISH_KEY = b'"finish_reason"'
-_FINISH_KEY_LEN = len(_FINISH_KEY)
-_FINISH_NULL = b'"finish_reason":null'
-# A read's last bytes when its last event is whole, and the injected null at an event's end.
-# (A read ending in more blank lines is whole too: the per-event path would carry the last
-# one to the next read, where an empty line before an event changes nothing.)
-_READ_END = b"\n\n"
-_NULL_TAIL_EVENT = _NULL_TAIL + _READ_END
-_NULL_CUT_EVENT = b"}" + _READ_END
-_DATA_EVENT = _READ_END + b"data:"
-# What ends a read's plain prefix when stripping: usage, a metrics block, a finish set compactly.
-_PREFIX_MARKERS = (_USAGE_KEY, *_SIDE_MARKERS, b'"finish_reason":"')
+_NULL_TAIL_LEN = len(NULL_TAIL)
+_FINISH_KEY_LEN = len(FINISH_KEY)
 # What is kept unsent of an event over MAX_EVENT_BYTES: its end, where usage and the
 # closing brace (for members moved back) are.
 _BIG_TAIL = 64 * 1024
@@ -100,16 +88,33 @@ class StreamScanner:
         if self._carry:
             emitted = self._feed_framed(chunk)
         else:
-            whole = self._whole_read(chunk)
-            if whole is not None:
-                return whole
-            # The plain events a read starts with go at once; from the first that has something
-            # to read (a burst's last read: the finish and usage chunks), event by event.
-            cut = self._plain_prefix(chunk)
+            cut = 0
+            if self._hold.held is None and self._knows_id(chunk):
+                whole = whole_read(chunk, self._rules)
+                if whole is not None:
+                    return whole
+                # The plain events a read starts with go at once; from the first that has
+                # something to read (a burst's last read: the finish and usage chunks), one by one.
+                cut = plain_prefix(chunk, self._rules)
             emitted = self._feed_framed(chunk[cut:] if cut else chunk)
             if cut and strip:
                 emitted = chunk[:cut] + emitted
         return emitted if strip else chunk
+
+    def _knows_id(self, chunk: bytes) -> bool:
+        """Whether the engine's id is known, reading it from the read's first event if need be.
+
+        On the stream's first read the id is read here, as the per-event path reads it, when
+        that event is one `data:` line; otherwise that path reads it.
+        """
+        if self._id_read:
+            return True
+        line_end = chunk.find(b"\n")
+        if not chunk.startswith(b"data:") or chunk[line_end + 1 : line_end + 2] != b"\n":
+            return False
+        self._id_read = True
+        self._engine_id = first_id(chunk, 5, line_end - 1 if chunk[line_end - 1] == 0x0D else line_end)
+        return True
 
     def _feed_framed(self, chunk: bytes) -> bytes:
         """Frame the chunk's events one by one (after what is carried); what can go now, stripping."""
@@ -156,77 +161,6 @@ class StreamScanner:
         self._apply_deferred()
         return self._hold.release() + piece if self._rules is not None else b""
 
-    # -- whole reads -------------------------------------------------------------------------
-    def _whole_read(self, chunk: bytes) -> bytes | None:
-        """What goes out for a read of whole events with nothing to read in any; None: scan event by event.
-
-        Content chunks are answered with a few searches over the whole read instead of several
-        per event (bench/scanner_cost.py, issue 19: stripped, vLLM's shape, 2.1 -> 1.2 µs per
-        event one event per read, 1.7 -> 0.5 in 256-event reads; passed through 1.5 -> 0.9 and
-        1.1 -> 0.3). Taken when nothing is held and no event carries usage, a metrics block or
-        a set `finish_reason` — except the injected `,"usage":null}` ending single-line `data:`
-        events, cut as the per-event path cuts it. The stream's first read reads the engine's
-        id here when its first event is one `data:` line.
-        """
-        if self._hold.held is not None:
-            return None
-        if not chunk.endswith(_READ_END):
-            return None
-        if not self._id_read:
-            # The stream's first read: its first event must be one `data:` line, read here
-            # as the per-event path reads it.
-            line_end = chunk.find(b"\n")
-            if not chunk.startswith(b"data:") or chunk[line_end + 1 : line_end + 2] != b"\n":
-                return None
-            self._id_read = True
-            self._engine_id = first_id(chunk, 5, line_end - 1 if chunk[line_end - 1] == 0x0D else line_end)
-        for marker in _SIDE_MARKERS:
-            if marker in chunk:
-                return None
-        rules = self._rules
-        if rules is not None and chunk.count(_FINISH_KEY) != chunk.count(_FINISH_NULL):
-            return None
-        usages = chunk.count(_USAGE_KEY)
-        if not usages:
-            return chunk
-        if usages != chunk.count(_NULL_TAIL_EVENT):
-            return None
-        # Every event one `data:` line (so each null above ends one, as its only usage): the
-        # events start at 0 and after each blank line, and there are as many newlines as
-        # twice the blank lines.
-        events = chunk.count(_READ_END)
-        data_events = chunk.count(_DATA_EVENT) + chunk.startswith(b"data:")
-        if data_events != events or chunk.count(b"\n") != 2 * events:
-            return None
-        if rules is None or not rules.null_usage_added:
-            return chunk
-        return chunk.replace(_NULL_TAIL_EVENT, _NULL_CUT_EVENT)
-
-    def _plain_prefix(self, chunk: bytes) -> int:
-        """How many bytes a read starts with of whole events with nothing to read in any; 0: none.
-
-        The events before the first usage, metrics block or set `finish_reason` (compact
-        `"finish_reason":"`, any other form in them refuses the lot), up to the blank line
-        before it; at the read's last blank line when there is none. A burst's last read (its
-        content chunks, then the finish and usage chunks) and a read that ends inside an event
-        no longer go event by event from the start (bench/scanner_cost.py, 100-event reads,
-        stripped, vLLM's shape: 0.84 -> 0.58 µs per event).
-        """
-        if self._hold.held is not None or not self._id_read:
-            return 0
-        first = len(chunk)
-        for marker in (_USAGE_KEY, *_SIDE_MARKERS) if self._rules is None else _PREFIX_MARKERS:
-            at = chunk.find(marker, 0, first)
-            if at != -1:
-                first = at
-        end = chunk.rfind(_READ_END, 0, first)
-        if end == -1:
-            return 0
-        end += len(_READ_END)
-        if self._rules is not None and chunk.count(_FINISH_KEY, 0, end) != chunk.count(_FINISH_NULL, 0, end):
-            return 0
-        return end
-
     # -- framing ---------------------------------------------------------------------------
     def _frame(self, data: Buffer, search_from: int = 0) -> tuple[bytes | None, int]:
         """Scan every complete event in data: (replacement or None if nothing changed, bytes consumed)."""
@@ -271,10 +205,10 @@ class StreamScanner:
             # usual content chunk: this runs for every token of every stream).
             if (
                 self._id_read
-                and data.find(_USAGE_KEY, start, body_end) == -1
-                and data.find(_SIDE_MARKERS[0], start, body_end) == -1
-                and data.find(_SIDE_MARKERS[1], start, body_end) == -1
-                and data.find(_SIDE_MARKERS[2], start, body_end) == -1
+                and data.find(USAGE_KEY, start, body_end) == -1
+                and data.find(SIDE_MARKERS[0], start, body_end) == -1
+                and data.find(SIDE_MARKERS[1], start, body_end) == -1
+                and data.find(SIDE_MARKERS[2], start, body_end) == -1
             ):
                 return None
         else:
@@ -295,17 +229,17 @@ class StreamScanner:
             self._id_read = True
             self._engine_id = first_id(buf, s, e)
         if rules is not None:
-            pos = buf.find(_FINISH_KEY, s, e)
+            pos = buf.find(FINISH_KEY, s, e)
             if pos != -1:
                 # `"finish_reason":null` on every content chunk, `:"stop"` on the finish chunk:
                 # the compact forms answered at once, any other spacing by the scanner.
                 follows = buf[pos + _FINISH_KEY_LEN : pos + _FINISH_KEY_LEN + 2]
                 self._finish = follows == b':"' or (follows != b":n" and has_finish(buf, pos, e))
-        first = buf.find(_USAGE_KEY, s, e)
+        first = buf.find(USAGE_KEY, s, e)
         if first == -1:
             self._note_side_markers(buf, s, e)
             return None
-        if lines is None and first == e - _NULL_TAIL_LEN + 1 and data.startswith(_NULL_TAIL, first - 1):
+        if lines is None and first == e - _NULL_TAIL_LEN + 1 and data.startswith(NULL_TAIL, first - 1):
             # The usual content chunk under injection: `..., "usage":null}` as its only usage
             # member, last. Same result as the general path, minus its allocations: this runs
             # for every token of every stream.
@@ -313,7 +247,7 @@ class StreamScanner:
             if rules is not None and rules.null_usage_added:
                 return b"".join((data[start : first - 1], data[e - 1 : event_end]))
             return None
-        members = find_members(buf, _USAGE_KEY, s, e)
+        members = find_members(buf, USAGE_KEY, s, e)
         if not any(m.is_object for m in members):
             self._note_side_markers(buf, s, e)
             if rules is not None and rules.null_usage_added and members:
@@ -396,7 +330,7 @@ class StreamScanner:
             return b""
         members = [
             m
-            for m in find_members(payload, _USAGE_KEY, 0, len(payload))
+            for m in find_members(payload, USAGE_KEY, 0, len(payload))
             if m.is_object or rules.null_usage_added
         ]
         return self._cut(big, 0, event_end, lines, removal_cuts(payload, 0, len(payload), members))
@@ -404,7 +338,7 @@ class StreamScanner:
     # -- lazily decoded metrics blocks -------------------------------------------------------
     def _note_side_markers(self, data: Buffer, start: int, end: int) -> None:
         """Keep the event for a lazy decode if it carries one of the engines' metrics blocks."""
-        for marker in _SIDE_MARKERS:
+        for marker in SIDE_MARKERS:
             if data.find(marker, start, end) != -1:
                 # Cumulative blocks (SGLang /generate meta_info, mindnano_metrics) ride on
                 # every event: keep the latest, decode once when asked.

@@ -183,7 +183,10 @@ def cpu_split(pids: list[int]) -> tuple[float, float]:
 
 
 def read_calls(pids: list[int]) -> int:
-    """Read-type system calls (read, recv, ...) these processes have made: /proc/PID/io `syscr`."""
+    """read()-type system calls (read, readv, ...) these processes have made: /proc/PID/io `syscr`.
+
+    recv() and recvmsg() are not counted there: nginx's reads do not show.
+    """
     total = 0
     for pid in pids:
         try:

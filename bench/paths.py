@@ -35,6 +35,8 @@ __all__ = ["Bench", "Snapshot"]
 
 HERE = Path(__file__).resolve().parent
 OPEN_STREAMS = 1000
+# The bare sidecar: a plain streaming proxy.
+BARE = ["--no-observe", "--no-inject-usage"]
 
 
 def _per_core_busy() -> dict[str, float]:
@@ -73,40 +75,13 @@ class Bench:
         self.cores = Cores.choose(pin)
         self.script = tmp / "post.lua"
         self.script.write_text(WRK_SCRIPT)
-        py = [sys.executable]
-        proxy_pin = Cores.prefix(self.cores.proxy)
         self.services: dict[str, Service] = {}
         self.services["sim"] = start_simulator(self.cores.rest, tmp)
         # Open streams need an engine that is still generating: 1 token/s (memory case only).
         self.services["slow-sim"] = start_simulator(self.cores.rest, tmp, decode_rate=1, name="slow-sim")
         sim, slow = self.services["sim"].url, self.services["slow-sim"].url
-        for name, upstream, extra in (
-            ("cw", sim, []),
-            ("cw-bare", sim, ["--no-observe", "--no-inject-usage"]),
-        ):
-            port = free_port()
-            self.services[name] = start_service(
-                name,
-                [
-                    *proxy_pin,
-                    *py,
-                    "-m",
-                    "proxy",
-                    "serve",
-                    "--upstream",
-                    upstream,
-                    "--listen",
-                    f"127.0.0.1:{port}",
-                    "--evidence",
-                    str(tmp / f"{name}.jsonl"),
-                    "--log-level",
-                    "warning",
-                    *extra,
-                ],
-                f"http://127.0.0.1:{port}",
-                tmp,
-                "/-/ready",
-            )
+        for name, extra in (("cw", []), ("cw-bare", BARE)):
+            self.services[name] = self._start_sidecar(name, sim, extra)
         self.services["nginx"], (_, self.nginx_slow_url) = start_nginx(
             self.nginx_bin, self.cores.proxy, tmp, [sim, slow]
         )
@@ -182,34 +157,11 @@ class Bench:
 
     def open_streams_rss(self, path: str) -> dict[str, float]:
         """RSS of a proxy with OPEN_STREAMS streams open through it (the slow simulator behind it)."""
-        slow = self.services["slow-sim"].url.rsplit(":", 1)[1]
         if path == "nginx":
             service, url = self.services["nginx"], self.nginx_slow_url
         else:
-            port = free_port()
-            extra = ["--no-observe", "--no-inject-usage"] if path == "cw-bare" else []
-            service = start_service(
-                f"{path}-mem",
-                [
-                    *Cores.prefix(self.cores.proxy),
-                    sys.executable,
-                    "-m",
-                    "proxy",
-                    "serve",
-                    "--upstream",
-                    f"http://127.0.0.1:{slow}",
-                    "--listen",
-                    f"127.0.0.1:{port}",
-                    "--evidence",
-                    str(self.tmp / f"{path}-mem.jsonl"),
-                    "--log-level",
-                    "warning",
-                    *extra,
-                ],
-                f"http://127.0.0.1:{port}",
-                self.tmp,
-                "/-/ready",
-            )
+            extra = BARE if path == "cw-bare" else []
+            service = self._start_sidecar(f"{path}-mem", self.services["slow-sim"].url, extra)
             url = service.url
         try:
             idle = rss_mb(service.pids())
@@ -245,6 +197,22 @@ class Bench:
         finally:
             if path != "nginx":
                 service.stop()
+
+    def _start_sidecar(self, name: str, upstream: str, extra: list[str]) -> Service:
+        """A cachewitness sidecar in front of `upstream`, pinned to the proxy's core."""
+        port = free_port()
+        return start_service(
+            name,
+            [
+                *Cores.prefix(self.cores.proxy),
+                sys.executable,
+                *("-m", "proxy", "serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
+                *("--evidence", str(self.tmp / f"{name}.jsonl"), "--log-level", "warning", *extra),
+            ],
+            f"http://127.0.0.1:{port}",
+            self.tmp,
+            "/-/ready",
+        )
 
     def stop(self) -> None:
         """Stop every service."""

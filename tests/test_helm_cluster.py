@@ -19,9 +19,11 @@ from tests.test_helm import (  # the chart helpers, and the fixture that insists
     client_service,
     deploy_tools,  # noqa: F401
     env_values,
+    helm_template,
     kinds,
     only,
     peers_service,
+    pod_spec,
     render,
     render_text,
     sidecar,
@@ -61,6 +63,109 @@ def test_replicas_3_renders_a_headless_service_over_the_same_pods() -> None:
     (port,) = headless["spec"]["ports"]
     container_ports = {p["name"]: p["containerPort"] for p in sidecar(manifests)["ports"]}
     assert container_ports[port["targetPort"]] == port["port"] == 8000
+
+
+def pod_labels(manifests: list[Manifest]) -> dict[str, str]:
+    """The labels of the Deployment's pods."""
+    labels: dict[str, str] = only(manifests, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def test_one_replica_is_recreated_with_no_budget_and_no_spread() -> None:
+    """replicaCount 1: Recreate (its GPU is freed first), no PodDisruptionBudget (it would block every
+    drain), no topology spread."""
+    manifests = render()
+    deployment = only(manifests, "Deployment")
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert "PodDisruptionBudget" not in kinds(manifests)
+    assert "topologySpreadConstraints" not in deployment["spec"]["template"]["spec"]
+
+
+def test_three_replicas_roll_one_at_a_time_under_a_budget_spread_over_nodes() -> None:
+    """replicaCount 3: RollingUpdate without surge, one pod down at a time; a PDB over the same pods;
+    a soft spread over hostnames counting only the pods of one template."""
+    manifests = render(*REPLICAS_3)
+    deployment = only(manifests, "Deployment")
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1},
+    }
+    budget = only(manifests, "PodDisruptionBudget")
+    assert budget["apiVersion"] == "policy/v1"
+    assert budget["spec"]["maxUnavailable"] == 1 and "minAvailable" not in budget["spec"]
+    assert matches(budget["spec"]["selector"], pod_labels(manifests))
+    (spread,) = deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["maxSkew"], spread["whenUnsatisfiable"]) == (
+        "kubernetes.io/hostname", 1, "ScheduleAnyway",
+    )  # fmt: skip
+    assert matches(spread["labelSelector"], pod_labels(manifests))
+    assert spread["matchLabelKeys"] == ["pod-template-hash"]
+
+
+def test_budget_takes_min_available_and_refuses_both_bounds() -> None:
+    """pdb.minAvailable replaces the default maxUnavailable 1; both set is refused at render time."""
+    budget = only(render(*REPLICAS_3, "--set", "pdb.minAvailable=2"), "PodDisruptionBudget")
+    assert budget["spec"]["minAvailable"] == 2 and "maxUnavailable" not in budget["spec"]
+    both = helm_template(*REPLICAS_3, "--set", "pdb.minAvailable=2", "--set", "pdb.maxUnavailable=1")
+    assert both.returncode != 0 and "not both" in both.stderr
+    assert "PodDisruptionBudget" not in kinds(render(*REPLICAS_3, "--set", "pdb.enabled=false"))
+
+
+def test_given_spread_constraints_get_the_pods_selector_and_a_given_strategy_wins() -> None:
+    """topologySpreadConstraints from values are used (a missing labelSelector filled in); strategy too."""
+    manifests = render(
+        *REPLICAS_3,
+        "--set", "topologySpreadConstraints[0].maxSkew=1",
+        "--set", "topologySpreadConstraints[0].topologyKey=topology.kubernetes.io/zone",
+        "--set", "topologySpreadConstraints[0].whenUnsatisfiable=DoNotSchedule",
+        "--set", "strategy.type=Recreate",
+    )  # fmt: skip
+    spec = only(manifests, "Deployment")["spec"]
+    (spread,) = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert (spread["topologyKey"], spread["whenUnsatisfiable"]) == (
+        "topology.kubernetes.io/zone",
+        "DoNotSchedule",
+    )
+    assert matches(spread["labelSelector"], pod_labels(manifests))
+    assert spec["strategy"] == {"type": "Recreate"}
+
+
+def _admitted(policy: Manifest, namespace: str, labels: dict[str, str]) -> bool:
+    """Whether the policy's one ingress rule admits a pod with these labels in this namespace."""
+    (rule,) = policy["spec"]["ingress"]
+    for peer in rule["from"]:
+        if "namespaceSelector" in peer:
+            if matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace}):
+                return True
+        elif namespace == "ns" and matches(peer["podSelector"], labels):
+            return True
+    return False
+
+
+def test_network_policy_opens_only_the_sidecar_port_to_clients_peers_and_helm_test() -> None:
+    """networkPolicy.enabled: ingress to the pods on the sidecar's port only (the engine's is in no rule),
+    from clientNamespaces (default the release's), the release's pods and helm test's pod."""
+    assert "NetworkPolicy" not in kinds(render())
+    manifests = render(*REPLICAS_3, "--set", "networkPolicy.enabled=true")
+    policy = only(manifests, "NetworkPolicy")
+    assert matches(policy["spec"]["podSelector"], pod_labels(manifests))
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert {p["name"] for p in sidecar(manifests)["ports"]} == {"http"}
+    assert "ports" not in next(c for c in pod_spec(manifests)["containers"] if c["name"] == "engine")
+    (test_pod,) = [m for m in manifests if m["kind"] == "Pod"]
+    assert _admitted(policy, "ns", {"app": "client"})
+    assert _admitted(policy, "ns", pod_labels(manifests))
+    assert _admitted(policy, "ns", test_pod["metadata"]["labels"])
+    assert not _admitted(policy, "elsewhere", {"app": "client"})
+    listed = only(
+        render(*REPLICAS_3, "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.clientNamespaces={gateway,monitoring}"),
+        "NetworkPolicy",
+    )  # fmt: skip
+    assert _admitted(listed, "gateway", {}) and _admitted(listed, "monitoring", {})
+    assert not _admitted(listed, "ns", {"app": "client"})
+    assert _admitted(listed, "ns", pod_labels(manifests))  # peers still reach each other
 
 
 def test_sidecar_resolves_the_headless_service_by_its_cluster_name(tmp_path: Path) -> None:

@@ -191,6 +191,9 @@ async def _observe_and_exchange(
             # Assigned after admission: a request held during a drain belongs to the new reset.
             begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
             exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
+        elif _is_inference(request):
+            # Streamed past the observation budget: no record, yet it reaches the engine.
+            app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
         return await _exchange(request, exchange, prepared, limit, prefix=prefix)
     finally:
         admission.leave()

@@ -36,6 +36,10 @@ class Recorder:
         reset_id, ordinal = self.witness.begin_request(own=own)
         return reset_id, ordinal, own
 
+    def unobserved_request(self, case_header: str | None) -> None:
+        """An inference request about to reach the engine unobserved (past the observation budget)."""
+        self.witness.unobserved(own=self.witness.carries_token(case_header))
+
     def finished(self, forwarded: Forwarded, observation: Observation | None) -> None:
         """Record one forwarded exchange, with its observation when it was an admitted inference request.
 

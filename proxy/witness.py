@@ -197,6 +197,15 @@ class Witness:
                 self._started[ordinal] = start
         return sequence.reset_id, ordinal
 
+    def unobserved(self, *, own: bool, now_ns: int | None = None) -> None:
+        """An inference request reaching the engine unobserved: it gets no ordinal, but with `bind`
+        and no token it is foreign traffic ahead of every request numbered after it."""
+        sequence = self._sequence
+        if sequence is None or not sequence.bind or own or self._verdict != Verdict.PENDING:
+            return
+        if self._first_foreign is None:
+            self._first_foreign = (self._next_ordinal, time.time_ns() if now_ns is None else now_ns)
+
     def reset_accepted(
         self,
         *,

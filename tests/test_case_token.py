@@ -65,12 +65,12 @@ class Rig:
 
 
 @asynccontextmanager
-async def rig(tmp_path: Path, config: SimConfig | None = None) -> AsyncIterator[Rig]:
-    """vLLM's simulator (fast unless `config`), a capturing hop, a sidecar (evidence under tmp_path), a client."""
+async def rig(tmp_path: Path, config: SimConfig | None = None, **overrides: Any) -> AsyncIterator[Rig]:
+    """vLLM's simulator (fast unless `config`), a capturing hop, a sidecar with `overrides`, a client."""
     async with (
         sim(config or fast("vllm")) as engine,
         capturing(engine.url) as hop,
-        serve_sidecar(hop.url, tmp_path) as sidecar,
+        serve_sidecar(hop.url, tmp_path, **overrides) as sidecar,
         aiohttp.ClientSession() as http,
     ):
         yield Rig(sidecar.url, hop, http, engine)
@@ -119,6 +119,23 @@ async def test_with_bind_a_foreign_request_before_the_first_byte_makes_it_inconc
         state = await r.state()
         observed = {o["request_id"]: o for o in await r.records("infer.cache_observation")}
     assert observed["own"]["ordinal_since_reset"] == 1 and observed["own"]["cached_tokens"] == 0
+    assert (state["verdict"], state["verdict_request_id"]) == ("inconclusive", "own")
+
+
+async def test_with_bind_a_foreign_request_past_the_observation_budget_still_counts_as_first(
+    tmp_path: Path,
+) -> None:
+    """A body too large to observe streams through unnumbered, yet it reached the engine first."""
+    async with rig(tmp_path, max_buffered_bytes=4096) as r:
+        token = (await r.reset(bind=True))["case_token"]
+        large = chat(words(40, "foreign") + " " + "x" * 8192)
+        async with r.http.post(r.url + CHAT, json=large, headers={"X-Request-Id": "large"}) as response:
+            assert response.status == 200, await response.text()
+            await response.read()
+        await r.infer("own", "benchmark", token=token)
+        state = await r.state()
+        observed = [o["request_id"] for o in await r.records("infer.cache_observation")]
+    assert observed == ["own"]  # the large one has no record: it was never observed
     assert (state["verdict"], state["verdict_request_id"]) == ("inconclusive", "own")
 
 

@@ -139,6 +139,11 @@ def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prove the reset with a canary (the sidecar's default) or not",
     )
+    parser.add_argument(
+        "--bind",
+        action="store_true",
+        help="only requests carrying the answer's case_token (header X-Cachewitness-Case) decide the verdict",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer's JSON body")
 
 
@@ -246,6 +251,8 @@ def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
         body["drain"] = False
     if ns.force:
         body["force"] = True
+    if getattr(ns, "bind", False):
+        body["bind"] = True
     if ns.scope == "cluster":
         body["scope"] = "cluster"
     return body
@@ -269,6 +276,9 @@ def _human_line(answer: dict[str, Any]) -> str:
         )
     if answer.get("verified"):
         parts.append(f"{answer['verified']} ({(answer.get('verification') or {}).get('reason')})")
+    if answer.get("bind") and answer.get("case_token"):
+        # The caller asked to bind: its benchmark must send this token, so it is shown.
+        parts.append(f"case_token {answer['case_token']} (send it as X-Cachewitness-Case)")
     line = ", ".join(parts)
     for key in ("detail", "hint", "warning"):
         if answer.get(key):

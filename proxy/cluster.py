@@ -65,7 +65,8 @@ def admin_headers(settings: Settings) -> dict[str, str]:
 
 def _pod_body(params: ResetParams, reset_id: str) -> bytes:
     """The caller's parameters for one pod: scope pod, this cluster reset as parent."""
-    values = {name: getattr(params, name) for name in INPUT_FIELDS}
+    # `bind` is refused with scope cluster; left out, a peer of an older version still takes the body.
+    values = {name: getattr(params, name) for name in INPUT_FIELDS if name != "bind"}
     values.update(scope=POD, parent_reset_id=reset_id)
     return orjson.dumps({name: value for name, value in values.items() if value is not None})
 

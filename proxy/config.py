@@ -99,6 +99,7 @@ class Settings:
     reset_attempt_timeout: float = 30.0
     verify: str = "canary"
     inject_usage: bool = True
+    inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
     request_id_header: bool = False
     engine_api_key: str | None = field(default=None, repr=False)
@@ -360,6 +361,12 @@ OPTIONS: tuple[Option, ...] = (
         "canary or none",
     ),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
+    Option(
+        "inject_usage_reprobe_seconds",
+        _positive_float,
+        "seconds an engine that refused the injected include_usage goes uninjected before it is tried again",
+        "seconds ≥ 0 (0 = try every stream)",
+    ),
     Option("observe", _bool, "observe inference requests and write evidence", "true or false"),
     Option(
         "request_id_header",

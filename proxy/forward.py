@@ -16,7 +16,7 @@ from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.exchange import Outcome
 from proxy.forward_exchange import Exchange
-from proxy.headers import request_headers
+from proxy.headers import CASE_HEADER, request_headers
 from proxy.inbound import refusal
 from proxy.leg import Answer, Body, UpstreamError, UpstreamUnreachable
 from proxy.logs import log_event
@@ -44,13 +44,13 @@ _REFUSED_INJECTION = frozenset({400, 422})
 _ERROR_PEEK = 64 * 1024
 # An observed body past this goes upstream in pieces of the client's buffer, not one copy.
 _CHUNK = 64 * 1024
-# Engines that refused the injection, remembered so each costs one retried request.
+# Engines that refused the injection, remembered for a while so each costs one retried request.
 INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
 
 
 def setup_forward(app: web.Application) -> None:
     """What forwarding keeps across requests: the engines that refused the injection."""
-    app[INJECTION_REFUSALS] = InjectionRefusals()
+    app[INJECTION_REFUSALS] = InjectionRefusals(app[SETTINGS].inject_usage_reprobe_seconds)
 
 
 def _too_large(limit: int) -> web.Response:
@@ -189,7 +189,11 @@ async def _observe_and_exchange(
         if exchange.observed:
             exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
-            exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
+            begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
+            exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
+        elif _is_inference(request):
+            # Streamed past the observation budget: no record, yet it reaches the engine.
+            app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
         return await _exchange(request, exchange, prepared, limit, prefix=prefix)
     finally:
         admission.leave()
@@ -216,11 +220,13 @@ async def _exchange(
     limit: int,
     *,
     prefix: bytes = b"",
+    refusal: str | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and relay the answer; the admission slot is held throughout.
 
     `prepared` is an observed body in hand (None: the body streams through, after `prefix`).
-    An engine that refuses the injected include_usage gets the client's own body instead.
+    An engine that refuses the injected include_usage gets the client's own body instead,
+    once: `refusal` then says why the injected one could not stand.
     """
     leg = request.app[UPSTREAM_LEG]
     headers = request_headers(
@@ -252,28 +258,45 @@ async def _exchange(
     exchange.upstream_head_ns = time.time_ns()
     try:
         peeked = b""
-        if exchange.usage_injected and prepared is not None:
-            refusal, peeked = await _injection_refusal(upstream)
-            if refusal is not None:
+        if refusal is not None:
+            _judge_refusal(request.app, exchange, upstream.status, refusal)
+        elif exchange.usage_injected and prepared is not None:
+            refused, peeked = await _injection_refusal(upstream)
+            if refused is not None:
                 # The client must not fail, nor get other bytes, because of us: it gets the
-                # engine's answer to its own request, and this engine is not injected again.
+                # engine's answer to its own request, sent once more as the client wrote it.
                 upstream.close()
                 exchange.usage_injected = False
-                request.app[INJECTION_REFUSALS].remember(exchange.engine_info)
-                log_event(
-                    log,
-                    logging.INFO,
-                    f"engine {refusal}; sent the client's own body and stopped injecting for this engine",
-                    request_id=exchange.request_id,
-                    status=upstream.status,
+                return await _exchange(
+                    request, exchange, prepared.without_injection(), limit, refusal=refused
                 )
-                return await _exchange(request, exchange, prepared.without_injection(), limit)
         return await relay(request, upstream, exchange, peeked)
     finally:
         # An answer not read to its end closes its connection: it must not go back to the pool
         # half-read, and closing it is what tells the engine to abort the sequence
         # (production-stack #634). A complete answer's connection is already back in the pool.
         upstream.close()
+
+
+def _judge_refusal(app: web.Application, exchange: Exchange, status: int, refusal: str) -> None:
+    """Remember a refusal only when the client's own request, without the injection, succeeded.
+
+    Only then can the error have come from the injection: a client's bad request whose
+    error merely quotes `stream_options` (`"messages": "stream_options"`) fails both ways,
+    and must not switch the injection off for everyone else.
+    """
+    if not 200 <= status < 300:
+        return
+    refusals = app[INJECTION_REFUSALS]
+    refusals.remember(exchange.engine_info)
+    log_event(
+        log,
+        logging.INFO,
+        f"engine {refusal}, and took the client's own request without it; "
+        f"not injecting for this engine for {refusals.reprobe_s:g} s",
+        request_id=exchange.request_id,
+        status=status,
+    )
 
 
 async def _injection_refusal(upstream: Answer) -> tuple[str | None, bytes]:

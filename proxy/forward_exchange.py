@@ -32,6 +32,7 @@ class Exchange:
     engine_info: EngineInfo | None = None
     reset_id: str | None = None
     ordinal: int | None = None
+    case_token_carried: bool = False  # the request carried its reset's X-Cachewitness-Case token
     scanner: StreamScanner | None = None
     buffered: int = 0  # bytes of max_buffered_bytes this exchange holds (its body, read to be observed)
     answer: JsonAnswer | None = None
@@ -83,4 +84,5 @@ class Exchange:
             self.outcome,
             self.usage_injected,
             engine_id,
+            self.case_token_carried,
         )

@@ -7,7 +7,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.request_ids import ID_HEADERS, forwardable
 
-__all__ = ["HOP_BY_HOP", "add_response_headers", "request_headers"]
+__all__ = ["CASE_HEADER", "HOP_BY_HOP", "add_response_headers", "request_headers"]
+
+# A reset's case token (proxy/witness.py): the sidecar's own, a secret, never the engine's.
+CASE_HEADER = "X-Cachewitness-Case"
 
 # RFC 9110 §7.6.1 connection-specific fields, plus the de-facto ones proxies drop.
 HOP_BY_HOP = frozenset(
@@ -26,7 +29,7 @@ HOP_BY_HOP = frozenset(
 # `Expect: 100-continue` is answered by the sidecar itself (aiohttp sends the 100 before the
 # handler reads the body); forwarded with a body already in hand, an upstream that never
 # sends 100 would stall the request.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "expect"}
+_REQUEST_DROP = HOP_BY_HOP | {"host", "expect", CASE_HEADER.lower()}
 
 
 def _end_to_end(

@@ -29,9 +29,16 @@ class Recorder:
         self._evidence = evidence
         self._metrics = metrics
 
-    def begin_request(self) -> tuple[str | None, int | None]:
-        """The reset this request belongs to and its ordinal since that reset."""
-        return self.witness.begin_request()
+    def begin_request(self, case_header: str | None = None) -> tuple[str | None, int | None, bool]:
+        """The reset this request belongs to, its ordinal since that reset, and whether
+        `case_header` (its X-Cachewitness-Case) is that reset's case token."""
+        own = self.witness.carries_token(case_header)
+        reset_id, ordinal = self.witness.begin_request(own=own)
+        return reset_id, ordinal, own
+
+    def unobserved_request(self, case_header: str | None) -> None:
+        """An inference request about to reach the engine unobserved (past the observation budget)."""
+        self.witness.unobserved(own=self.witness.carries_token(case_header))
 
     def finished(self, forwarded: Forwarded, observation: Observation | None) -> None:
         """Record one forwarded exchange, with its observation when it was an admitted inference request.
@@ -62,10 +69,18 @@ class Recorder:
         case_id: str | None,
         at_ns: int,
         verified: Verified = Verified.UNVERIFIED,
+        case_token: str | None = None,
+        bind: bool = False,
     ) -> None:
         """An engine reset succeeded: requests from now on are numbered after it."""
         self.witness.reset_accepted(
-            reset_id=reset_id, session_id=session_id, case_id=case_id, at_ns=at_ns, verified=verified
+            reset_id=reset_id,
+            session_id=session_id,
+            case_id=case_id,
+            at_ns=at_ns,
+            verified=verified,
+            case_token=case_token,
+            bind=bind,
         )
 
     def canary_request(self, outcome: CanaryOutcome) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -135,6 +136,9 @@ class _Round:
 
     callers: list[_Caller]
     reset_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # Requests carrying it (X-Cachewitness-Case) are this reset's own traffic; only the
+    # callers' answers show it, never a record or a log.
+    case_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
 
     @property
     def params(self) -> ResetParams:
@@ -295,6 +299,8 @@ class ResetService:
                     case_id=params.case_id,
                     at_ns=reset.answered_at_ns or reset.at_ns,
                     verified=verification.verified,
+                    case_token=current.case_token,
+                    bind=params.bind,
                 )
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,
@@ -408,6 +414,9 @@ def _answer(
             "case_id": params.case_id,
             "coalesced": index > 0,
             "parent_reset_id": params.parent_reset_id,
+            # Only a reset that started a new sequence has traffic of its own to name.
+            "case_token": current.case_token if reset.succeeded else None,
+            "bind": current.params.bind if reset.succeeded else None,
             "cache_state": record,
         }
     )

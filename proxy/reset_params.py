@@ -50,6 +50,7 @@ INPUT_FIELDS = (
     "scope",
     "parent_reset_id",
     "verify",
+    "bind",
 )
 # `scope`: this pod's engine, or every peer's (proxy/cluster.py).
 POD = "pod"
@@ -83,6 +84,8 @@ class ResetParams:
     # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
     parent_reset_id: str | None = None
     verify: VerifyMode = VerifyMode.CANARY
+    # Only requests carrying the reset's case_token decide its traffic verdict (proxy/witness.py).
+    bind: bool = False
     # Not caller input: how the reset reached the sidecar, and whether a refusal is retried
     # (an engine's own reset route called with native_resets = "engine" makes one attempt).
     via: Via = Via.API
@@ -127,7 +130,7 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
         if value not in (COLD, UNSPECIFIED):
             raise BadInput(name, 'requested must be "cold" or "unspecified"')
         return value
-    if name in ("drain", "force"):
+    if name in ("drain", "force", "bind"):
         if from_query and isinstance(value, str):
             return _text_bool(name, value)
         if not isinstance(value, bool):
@@ -174,6 +177,9 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
             if value is None and not from_query:
                 continue  # JSON null: as if not given
             values[name] = _parse_field(name, value, from_query)
+    if values.get("scope") == CLUSTER and values.get("bind"):
+        # Each pod's reset has its own case token, and a client cannot tell which pod it reaches.
+        raise BadInput("bind", "bind works per pod: reset each pod with scope pod to bind its verdict")
     if values.get("scope") == CLUSTER and values.get("parent_reset_id") is not None:
         raise BadInput(
             "parent_reset_id", "a cluster reset cannot be part of another one: leave out parent_reset_id"

@@ -5,10 +5,16 @@ first request after a reset that answers with a cached-token count decides it. A
 contradicts the reset only when that request had the engine to itself until its first byte;
 when another request after the same reset reached the engine first, the engine may have run
 that one first and filled the cache, so the verdict is `inconclusive`.
+
+Each reset has a `case_token` (random); requests carrying it (`X-Cachewitness-Case`) are the
+reset's own traffic. A reset that `bind`s its verdict lets only them decide it, and when any
+other request reached the engine before the deciding one's first byte, that other request may
+have filled or emptied the cache in between: the verdict is `inconclusive`, never `consistent`.
 """
 
 from __future__ import annotations
 
+import hmac
 import time
 from dataclasses import asdict, dataclass
 from enum import StrEnum
@@ -47,6 +53,8 @@ class _Sequence:
     case_id: str | None
     at_ns: int
     verified: Verified
+    case_token: str | None = None
+    bind: bool = False
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class TrafficVerdict:
     request_id: str
     cached_tokens: int | None
     at_ns: int
+    bind: bool = False
 
     def to_record(self) -> dict[str, Any]:
         """The evidence record (SPEC §5.3)."""
@@ -83,6 +92,7 @@ class TrafficVerdict:
             "verdict": self.verdict.value,
             "request_id": self.request_id,
             "cached_tokens": self.cached_tokens,
+            "bind": self.bind,
         }
 
 
@@ -143,6 +153,8 @@ class Witness:
         self._last_reset: ResetSummary | None = None
         # Ordinal → when it reached the engine (time.time_ns()), while the verdict is pending.
         self._started: dict[int, int] = {}
+        # With `bind`: the first request without the case token, (ordinal, when it reached the engine).
+        self._first_foreign: tuple[int, int] | None = None
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -154,17 +166,45 @@ class Witness:
         self._ratio_prompt = 0
         self._ratio_cached = 0
 
-    def begin_request(self, now_ns: int | None = None) -> tuple[str | None, int | None]:
-        """(reset_id, ordinal_since_reset) for a request about to reach the engine; (None, None) before any reset."""
-        if self._sequence is None:
+    def carries_token(self, header: str | None) -> bool:
+        """Whether an `X-Cachewitness-Case` value is the current reset's case token (constant time)."""
+        sequence = self._sequence
+        if header is None or sequence is None or sequence.case_token is None:
+            return False
+        return hmac.compare_digest(
+            header.encode("utf-8", "surrogateescape"), sequence.case_token.encode("ascii")
+        )
+
+    def begin_request(self, now_ns: int | None = None, *, own: bool = False) -> tuple[str | None, int | None]:
+        """(reset_id, ordinal_since_reset) for a request about to reach the engine; (None, None) before any reset.
+
+        `own`: the request carries the reset's case token. Every request is numbered; with
+        `bind` only the reset's own ones can decide, so only they are waited for.
+        """
+        sequence = self._sequence
+        if sequence is None:
             return None, None
         ordinal = self._next_ordinal
         self._next_ordinal += 1
         if self._verdict == Verdict.PENDING:
-            self._in_flight.add(ordinal)
+            start = time.time_ns() if now_ns is None else now_ns
+            if sequence.bind and not own:
+                if self._first_foreign is None:
+                    self._first_foreign = (ordinal, start)
+            else:
+                self._in_flight.add(ordinal)
             if ordinal <= _TIMED_ORDINALS:
-                self._started[ordinal] = time.time_ns() if now_ns is None else now_ns
-        return self._sequence.reset_id, ordinal
+                self._started[ordinal] = start
+        return sequence.reset_id, ordinal
+
+    def unobserved(self, *, own: bool, now_ns: int | None = None) -> None:
+        """An inference request reaching the engine unobserved: it gets no ordinal, but with `bind`
+        and no token it is foreign traffic ahead of every request numbered after it."""
+        sequence = self._sequence
+        if sequence is None or not sequence.bind or own or self._verdict != Verdict.PENDING:
+            return
+        if self._first_foreign is None:
+            self._first_foreign = (self._next_ordinal, time.time_ns() if now_ns is None else now_ns)
 
     def reset_accepted(
         self,
@@ -174,18 +214,21 @@ class Witness:
         case_id: str | None,
         at_ns: int,
         verified: Verified = Verified.UNVERIFIED,
+        case_token: str | None = None,
+        bind: bool = False,
     ) -> None:
         """Start a new sequence (acknowledged or accepted_unverified resets only).
 
         Coalesced callers share one reset_id: a repeat of the current one keeps
-        the sequence (and the first caller's session and case).
+        the sequence (and the first caller's session, case, token and bind).
         """
         if self._sequence is not None and self._sequence.reset_id == reset_id:
             return
-        self._sequence = _Sequence(reset_id, session_id, case_id, at_ns, verified)
+        self._sequence = _Sequence(reset_id, session_id, case_id, at_ns, verified, case_token, bind)
         self._next_ordinal = 1
         self._in_flight = set()
         self._started = {}
+        self._first_foreign = None
         self._best = None
         self._verdict = Verdict.PENDING
         self._decided = None
@@ -209,16 +252,24 @@ class Witness:
         if self._verdict != Verdict.PENDING or obs.ordinal_since_reset is None:
             return None
         self._in_flight.discard(obs.ordinal_since_reset)
-        if _decides(obs) and (self._best is None or obs.ordinal_since_reset < self._best.ordinal):
+        if self._may_decide(obs) and (self._best is None or obs.ordinal_since_reset < self._best.ordinal):
             self._best = _Candidate(
                 obs.ordinal_since_reset, self._verdict_of(obs), obs.request_id, obs.cached_tokens
             )
         return self._settle()
 
+    def _may_decide(self, obs: Observation) -> bool:
+        """A completed 2xx exchange; with `bind`, one of the reset's own (it carried the case token)."""
+        sequence = self._sequence
+        own = obs.case_token_carried or (sequence is not None and not sequence.bind)
+        return own and _decides(obs)
+
     def _verdict_of(self, obs: Observation) -> Verdict:
         """What one deciding request says of its reset."""
         if obs.cached_tokens is None:
             return Verdict.UNOBSERVABLE
+        if self._foreign_before(obs):
+            return Verdict.INCONCLUSIVE
         if obs.cached_tokens == 0:
             return Verdict.CONSISTENT
         return Verdict.INCONCLUSIVE if self._had_company(obs) else Verdict.CONTRADICTED
@@ -233,6 +284,16 @@ class Witness:
         next_start = self._started.get(ordinal + 1)
         first_byte = obs.first_byte_ns if obs.first_byte_ns is not None else obs.finished_ns
         return next_start is not None and next_start < first_byte
+
+    def _foreign_before(self, obs: Observation) -> bool:
+        """With `bind`: whether a request without the case token reached the engine before this one's first byte."""
+        foreign = self._first_foreign
+        if foreign is None:
+            return False
+        ordinal, started = foreign
+        assert obs.ordinal_since_reset is not None
+        first_byte = obs.first_byte_ns if obs.first_byte_ns is not None else obs.finished_ns
+        return ordinal < obs.ordinal_since_reset or started < first_byte
 
     def _current(self, reset_id: str | None) -> bool:
         """Whether an observation belongs to the current sequence (or both are before any reset)."""
@@ -264,6 +325,7 @@ class Witness:
         self._best = None
         self._in_flight = set()
         self._started = {}
+        self._first_foreign = None
         sequence = self._sequence
         return TrafficVerdict(
             sequence.reset_id,
@@ -273,6 +335,7 @@ class Witness:
             best.request_id,
             best.cached_tokens,
             time.time_ns(),
+            sequence.bind,
         )
 
     @property
@@ -294,6 +357,7 @@ class Witness:
             "reset_at_ns": sequence.at_ns if sequence else None,
             # Two witnesses of the last accepted reset: its canary, and the traffic after it.
             "verified": sequence.verified.value if sequence else None,
+            "bind": sequence.bind if sequence else None,
             "verdict": self._verdict.value,
             "verdict_request_id": decided.request_id if decided else None,
             "verdict_cached_tokens": decided.cached_tokens if decided else None,

@@ -74,6 +74,20 @@ async def test_json_prints_the_answer_body(tmp_path) -> None:
     assert answer["answer"] == "acknowledged" and answer["cache_state"]["session_id"] == "s1"
 
 
+async def test_bind_asks_to_bind_and_prints_the_case_token(tmp_path) -> None:
+    """`--bind`: the sidecar binds the verdict, and the one line shows the token to send."""
+    async with sidecar(fast("vllm"), tmp_path) as (_, url), aiohttp.ClientSession() as http:
+        run = await cli("reset", "--url", url, "--bind", "--verify", "none")
+        async with http.get(url + "/cache/state") as response:
+            state = await response.json()
+        plain = await cli("reset", "--url", url, "--verify", "none")
+    assert run.code == 0, run.stderr
+    token = run.stdout.split("case_token ", 1)[1].split()[0]
+    assert len(token) >= 40 and state["bind"] is True
+    # Without --bind nothing needs the token: the line does not show it.
+    assert plain.code == 0 and "case_token" not in plain.stdout
+
+
 async def test_accepted_unverified_exits_3(tmp_path) -> None:
     async with sidecar(fast("vllm", legacy_empty_body=True), tmp_path) as (_, url):
         run = await cli("reset", "--url", url)

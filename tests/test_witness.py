@@ -61,7 +61,7 @@ def test_zero_cached_first_request_is_consistent() -> None:
     assert verification is not None
     assert {k: v for k, v in verification.items() if k != "at_ns"} == {
         "schema_version": 1, "event_type": "infer.cache_verification", "reset_id": "x1", "session_id": "s",
-        "case_id": "c", "verdict": "consistent", "request_id": "r1", "cached_tokens": 0,
+        "case_id": "c", "verdict": "consistent", "request_id": "r1", "cached_tokens": 0, "bind": False,
     }  # fmt: skip
     assert witness.state()["verdict"] == "consistent"
 

@@ -35,6 +35,8 @@ class Observation:
     usage_injected: bool
     # The engine's own id for the answer (its body's first `id`); the sidecar adds none.
     engine_request_id: str | None = None
+    # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
+    case_token_carried: bool = False
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.cache_observation` evidence record (SPEC §5.2)."""
@@ -62,4 +64,5 @@ class Observation:
             "outcome": self.outcome,
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
+            "case_token_carried": self.case_token_carried,
         }

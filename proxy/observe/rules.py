@@ -7,12 +7,14 @@ one entry here and one test. The scanner (`stream.py`) applies the row; it knows
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass
 
 from proxy.engines.base import EngineInfo, EngineKind
 from proxy.observe.jsonscan import Buffer, find_members, skip_ws, trailing_members
 
 __all__ = [
+    "INJECTION_REPROBE_S",
     "STREAM_RULES",
     "InjectionRefusals",
     "RuleEntry",
@@ -152,24 +154,40 @@ def with_members(event: bytes, members: bytes) -> bytes:
     return event[:close] + members + event[close:]
 
 
-class InjectionRefusals:
-    """Engines (kind and version) that answered an injected `stream_options` with an error naming it.
+# How long a refusal is remembered (config `inject_usage_reprobe_seconds`): the engine is then
+# tried again, so an engine fixed or upgraded in place is noticed, and nothing any request
+# does switches the injection off for longer.
+INJECTION_REPROBE_S = 600.0
 
-    Remembered for the life of the process, so each such engine costs one retried request,
-    not one per stream; an engine upgraded in place is a new key and is tried again.
+
+class InjectionRefusals:
+    """Engines (kind and version) that refused an injected `stream_options`, each for `reprobe_s`.
+
+    The caller remembers a refusal only once the client's own request, sent again without
+    the injection, succeeded (proxy/forward.py), so only the injection can have caused the
+    error. Each such engine costs one retried request per `reprobe_s`, not one per stream.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, reprobe_s: float = INJECTION_REPROBE_S) -> None:
         """None known yet."""
-        self._refused: set[tuple[str, str | None]] = set()
+        self.reprobe_s = reprobe_s
+        # Engine key -> time.monotonic() of its last confirmed refusal.
+        self._refused: dict[tuple[str, str | None], float] = {}
 
     def refused(self, info: EngineInfo | None) -> bool:
-        """Whether this engine is known to refuse the injection."""
-        return _key(info) in self._refused
+        """Whether this engine refused the injection less than `reprobe_s` ago."""
+        key = _key(info)
+        at = self._refused.get(key)
+        if at is None:
+            return False
+        if time.monotonic() - at < self.reprobe_s:
+            return True
+        del self._refused[key]  # stale: the next stream probes the engine again
+        return False
 
     def remember(self, info: EngineInfo | None) -> None:
-        """This engine refused it."""
-        self._refused.add(_key(info))
+        """This engine refused it, and the same request without it succeeded."""
+        self._refused[_key(info)] = time.monotonic()
 
 
 def _key(info: EngineInfo | None) -> tuple[str, str | None]:

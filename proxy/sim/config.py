@@ -47,6 +47,9 @@ class SimConfig:
     # Seconds an idle client connection stays open (uvicorn, under vLLM and SGLang: 5);
     # None: aiohttp's default.
     keepalive_timeout: float | None = None
+    # Strict validation (an OpenAI-compatible server that forbids unknown fields): any
+    # `stream_options` is a 400, so an injected one is refused.
+    reject_stream_options: bool = False
     # vllm
     legacy_empty_body: bool = False
     dev_mode: bool = True
@@ -150,6 +153,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.scheduling_policy,
         help="who of the waiting requests runs next (priority: the request field `priority`, lowest first)",
     )
+    parser.add_argument(
+        "--reject-stream-options",
+        action="store_true",
+        help="strict validation: any stream_options is an unknown field (400)",
+    )
     vllm = parser.add_argument_group("vllm dialect")
     vllm.add_argument(
         "--legacy-empty-body",
@@ -193,6 +201,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         cache_blocks=ns.cache_blocks,
         max_concurrency=ns.max_concurrency,
         keepalive_timeout=ns.keepalive_timeout,
+        reject_stream_options=ns.reject_stream_options,
         scheduling_policy=ns.scheduling_policy,
         legacy_empty_body=ns.legacy_empty_body,
         dev_mode=not ns.no_dev_mode,

@@ -80,6 +80,8 @@ class OpenAIRoutes:
             return body
         stream = body.get("stream") is True
         stream_options = body.get("stream_options")
+        if stream_options is not None and self.config.reject_stream_options:
+            return error_response(400, "Unrecognized request argument supplied: stream_options")
         if stream_options is not None and not stream and self.dialect.rejects_stream_options_without_stream:
             return error_response(400, "Stream options can only be defined when `stream=True`.")
         include_usage = (

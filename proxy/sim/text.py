@@ -77,7 +77,8 @@ class ChatTemplate:
     def chat(self, messages: Any) -> list[str]:
         """The prompt tokens of a list of OpenAI messages."""
         if not isinstance(messages, list) or not messages:
-            raise PromptError("'messages' must be a non-empty list")
+            # Quoting the input, as pydantic's validation errors (vLLM's, SGLang's 400/422) do.
+            raise PromptError(f"'messages' must be a non-empty list (input: {messages!r:.100})")
         tokens = list(self.preamble)
         for message in messages:
             if not isinstance(message, dict):

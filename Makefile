@@ -25,7 +25,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-## make test: everything CI runs — unit/integration suite, deployment checks, real engines
+## make test: everything CI runs — unit/integration suite, deployment checks (the alerts on promtool
+## and a real Prometheus included), real engines
 test: lint
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
@@ -44,7 +45,7 @@ test-real: $(STAMP)
 test-deploy: $(STAMP)
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
-	$(PY) -m pytest -q tests/test_helm.py tests/test_helm_cluster.py
+	$(PY) -m pytest -q tests/test_helm.py tests/test_helm_cluster.py tests/test_alerts.py tests/test_prometheus_live.py
 
 ## make soak: 10 minutes of mixed load, engine killed and restarted, evidence disk filled and freed
 soak: $(STAMP)

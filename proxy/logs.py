@@ -1,4 +1,11 @@
-"""Structured JSON log lines on stderr."""
+"""Structured JSON log lines on stderr, one object per line, for a log shipper (docs/operations.md).
+
+Every line starts with the same four keys: `ts` (UTC, RFC 3339 with milliseconds), `level`
+(`debug` … `critical`), `logger` (`cachewitness.<concern>`, or a library's name) and `msg`;
+a line about one of the sidecar's events adds `event` and that event's fields. A field never
+replaces those four. Evidence records, when `evidence_stdout` is on, go to stdout instead, so
+the two streams never mix.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | 
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, message, and any `extra` fields."""
+    """One JSON object per line: time, level, logger, message, then any `extra` fields."""
 
     def format(self, record: logging.LogRecord) -> str:
         """Render the record as a single JSON line."""
@@ -27,7 +34,7 @@ class JsonFormatter(logging.Formatter):
             "msg": record.getMessage(),
         }
         for key, value in record.__dict__.items():
-            if key not in _RESERVED and not key.startswith("_"):
+            if key not in _RESERVED and not key.startswith("_") and key not in payload:
                 payload[key] = value
         if record.exc_info and record.levelno >= logging.ERROR:
             payload["exc"] = self.formatException(record.exc_info)
@@ -47,6 +54,12 @@ def setup_logging(level: str = "info") -> None:
     aio.handlers[:] = [handler]
     aio.setLevel(logging.WARNING)
     aio.propagate = False
+    # Everything else (asyncio's "Task exception was never retrieved", Python warnings, any
+    # library) through the root logger in the same format, not logging's plain-text last resort.
+    base = logging.getLogger()
+    base.handlers[:] = [handler]
+    base.setLevel(logging.WARNING)
+    logging.captureWarnings(True)
 
 
 def log_event(logger: logging.Logger, level: int, msg: str, **fields: Any) -> None:

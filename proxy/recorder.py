@@ -97,12 +97,16 @@ class Recorder:
         attempts: int,
         verified: Verified = Verified.UNVERIFIED,
     ) -> None:
-        """One engine reset answered: each caller's record, the witness's summary, the counters once."""
+        """One engine reset answered: each caller's record, the witness's summary, the counters once.
+
+        `answer` is the engine's word; the counter takes the callers' (`summary.answer`), which is
+        `contradicted` where a witness disproved an acknowledged reset.
+        """
         for record in records:
             self._evidence.write(record)
         self.witness.reset_answered(summary)
         # Once per engine reset: coalesced callers count once.
-        self._metrics.reset_answered(engine_kind, answer, summary.duration_s, attempts)
+        self._metrics.reset_answered(engine_kind, summary.answer, summary.duration_s, attempts)
         self._metrics.reset_verified(verified)
 
     def slot_erased(self, record: dict[str, Any]) -> None:

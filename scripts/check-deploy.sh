@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Lint and validate the deployment artefacts offline, with the pinned tools that
 # scripts/install-deploy-tools.sh puts in .cache/tools/:
-#   - helm lint --strict, for each engine preset;
-#   - helm template for each preset x monitoring off/on, plus the existing-secret, PVC and
-#     replicas-3 with the PrometheusRule, no-peers and examples/values-*.yaml variants, each validated with
+#   - helm lint --strict, for each engine preset and each examples/values-*.yaml;
+#   - helm template for each preset x monitoring off/on, plus the existing-secret, PVC,
+#     replicas-3 with the PrometheusRule (PodDisruptionBudget, spread, NetworkPolicy), signing-key,
+#     no-peers and examples/values-*.yaml variants, each validated with
 #     kubernetes-validate --strict against Kubernetes 1.29.0 and 1.33.0
 #     (CRDs such as ServiceMonitor and PrometheusRule have no bundled schema: tests/test_helm.py checks them);
 #   - hadolint on the Dockerfile.
@@ -18,6 +19,8 @@ HADOLINT="$TOOLS/venv/bin/hadolint"
 CHART="$ROOT/helm/cachewitness"
 EXAMPLES="$ROOT/helm/examples"
 KUBE_VERSIONS=(1.29.0 1.33.0)
+# The chart requires the sidecar's image to name a registry.
+IMAGE=(--set sidecar.image.repository=registry.example.com/cachewitness)
 
 for tool in "$HELM" "$KV" "$HADOLINT"; do
     if [ ! -x "$tool" ]; then
@@ -50,7 +53,7 @@ run_check() {
 render() {
     local kube_version="$1" out="$2"
     shift 2
-    "$HELM" template cw "$CHART" --namespace cw --kube-version "$kube_version" "$@" >"$out"
+    "$HELM" template cw "$CHART" --namespace cw --kube-version "$kube_version" "${IMAGE[@]}" "$@" >"$out"
 }
 
 # validate_render NAME HELM-ARGS...: for each Kubernetes version, render the chart
@@ -71,8 +74,13 @@ echo "== tools: $("$HELM" version --short), $("$HADOLINT" --version), kubernetes
 
 echo "== helm lint"
 for preset in vllm sglang llamacpp; do
-    run_check "helm lint --strict [preset=$preset]" "$HELM" lint --strict "$CHART" --set "engine.preset=$preset"
+    run_check "helm lint --strict [preset=$preset]" "$HELM" lint --strict "$CHART" "${IMAGE[@]}" --set "engine.preset=$preset"
 done
+for example in "$EXAMPLES"/values-*.yaml; do
+    run_check "helm lint --strict [$(basename "$example")]" "$HELM" lint --strict "$CHART" "${IMAGE[@]}" -f "$example"
+done
+run_check "helm lint --strict [replicas=3, network policy]" "$HELM" lint --strict "$CHART" "${IMAGE[@]}" \
+    --set replicaCount=3 --set networkPolicy.enabled=true
 
 echo "== render and validate"
 MONITORING=(--set serviceMonitor.enabled=true --set podMonitor.enabled=true --set dashboard.enabled=true)
@@ -84,6 +92,10 @@ validate_render "existing-secret" --set adminToken.existingSecret=my-admin-token
 validate_render "evidence-pvc" --set evidence.persistence.enabled=true --set evidence.persistence.storageClassName=standard
 validate_render "evidence-existing-claim" --set evidence.persistence.enabled=true --set evidence.persistence.existingClaim=evidence
 validate_render "replicas-3-alerts" --set replicaCount=3 --set prometheusRule.enabled=true "${MONITORING[@]}"
+validate_render "replicas-3-operator" --set replicaCount=3 --set networkPolicy.enabled=true \
+    --set networkPolicy.clientNamespaces='{gateway,monitoring}' --set pdb.minAvailable=2
+validate_render "network-policy" --set networkPolicy.enabled=true
+validate_render "signing-key" --set evidence.signingKey.existingSecret=evidence-key
 validate_render "no-peers" --set peers.enabled=false
 validate_render "example-sglang" -f "$EXAMPLES/values-sglang.yaml" "${MONITORING[@]}"
 validate_render "example-llamacpp" -f "$EXAMPLES/values-llamacpp.yaml" "${MONITORING[@]}"

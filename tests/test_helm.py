@@ -49,8 +49,12 @@ def deploy_tools() -> None:
         )
 
 
+# The chart requires the sidecar's image to name a registry; later arguments may override it.
+IMAGE = ("--set", "sidecar.image.repository=registry.example.com/cachewitness")
+
+
 def helm_template(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run `helm template` on the chart with extra arguments; never raises on failure."""
+    """Run `helm template` on the chart with the image and extra arguments; never raises on failure."""
     command = [
         str(HELM),
         "template",
@@ -60,6 +64,7 @@ def helm_template(*args: str) -> subprocess.CompletedProcess[str]:
         "ns",
         "--kube-version",
         "1.33.0",
+        *IMAGE,
         *args,
     ]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
@@ -233,6 +238,58 @@ def test_sidecar_env_is_a_valid_cachewitness_configuration(tmp_path: Path) -> No
     assert (settings.native_resets, settings.engine_routes) == ("uniform", "admin")
 
 
+def test_sidecar_image_must_name_a_registry() -> None:
+    """No bare `cachewitness:0.1.0` (a node would pull it from Docker Hub): rendering without a
+    repository fails saying what to set, one without a registry fails the schema."""
+    empty = helm_template("--set", "sidecar.image.repository=")
+    assert empty.returncode != 0
+    assert "sidecar.image.repository must name your registry" in empty.stderr
+    bare = helm_template("--set", "sidecar.image.repository=cachewitness")
+    assert bare.returncode != 0 and "sidecar.image.repository" in bare.stderr
+    assert sidecar(render())["image"] == "registry.example.com/cachewitness:0.1.0"
+
+
+PINNED_TAGS = {
+    "vllm": re.compile(r"v\d+\.\d+\.\d+"),
+    "sglang": re.compile(r"v\d+\.\d+\.\d+"),
+    "llamacpp": re.compile(r"server-cuda-b\d+"),
+}
+
+
+@pytest.mark.parametrize("source", ["preset", "values-sglang.yaml", "values-llamacpp.yaml"])
+def test_engine_images_are_pinned_releases(source: str) -> None:
+    """Every preset and example names a release of its engine, never a floating tag (server-cuda,
+    latest); SGLang is the release its routes were checked against."""
+    renders = (
+        {preset: render("--set", f"engine.preset={preset}") for preset in PINNED_TAGS}
+        if source == "preset"
+        else {"example": render("-f", str(EXAMPLES / source))}
+    )
+    for manifests in renders.values():
+        preset = only(manifests, "Deployment")["metadata"]["labels"]["cachewitness.io/engine"]
+        tag = engine(manifests)["image"].rsplit(":", 1)[1]
+        assert PINNED_TAGS[preset].fullmatch(tag), (preset, tag)
+        if preset == "sglang":
+            assert tag == "v0.5.23"
+
+
+def test_evidence_signing_key_is_mounted_and_passed_only_when_set() -> None:
+    """evidence.signingKey.existingSecret: its key mounted read-only and given as
+    --evidence-signing-key-file; unset, neither (and no Secret is generated for it)."""
+    assert "args" not in sidecar(render())
+    assert "evidence-signing-key" not in {v["name"] for v in pod_spec(render())["volumes"]}
+    manifests = render("--set", "evidence.signingKey.existingSecret=evidence-key")
+    container = sidecar(manifests)
+    assert container["args"][0] == "--evidence-signing-key-file"
+    path = Path(container["args"][1])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "evidence-signing-key")
+    assert mount["readOnly"] is True and path.parent == Path(mount["mountPath"])
+    volume = next(v for v in pod_spec(manifests)["volumes"] if v["name"] == "evidence-signing-key")
+    assert volume["secret"]["secretName"] == "evidence-key"
+    assert volume["secret"]["items"] == [{"key": "signing-key", "path": path.name}]
+    assert kinds(manifests).count("Secret") == 1  # the admin token's only
+
+
 # --- the admin token --------------------------------------------------------------------------
 
 
@@ -282,6 +339,15 @@ def test_sidecar_probes_use_health_and_ready_routes() -> None:
         "livenessProbe": "/-/healthy",
     }
     assert {container[kind]["httpGet"]["port"] for kind in paths} == {"http"}
+
+
+def test_sidecar_liveness_tolerates_a_pause_and_readiness_stays_fast() -> None:
+    """Liveness restarts the sidecar after 3 missed probes 10 s apart, not on one slow second;
+    readiness still follows the engine within seconds."""
+    container = sidecar(render())
+    liveness, readiness = container["livenessProbe"], container["readinessProbe"]
+    assert (liveness["periodSeconds"], liveness["failureThreshold"]) == (10, 3)
+    assert readiness["periodSeconds"] == 1 and readiness["failureThreshold"] <= 3
 
 
 def test_engine_startup_probe_tolerates_ten_minutes_of_model_loading() -> None:

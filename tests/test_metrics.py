@@ -1,4 +1,4 @@
-"""`GET /metrics` (SPEC §7): the sidecar's families, their bounded labels, and the merge with the engine's."""
+"""`GET /metrics`: the sidecar's families, their bounded labels, and the merge with the engine's."""
 
 from __future__ import annotations
 
@@ -24,14 +24,15 @@ from tests.sim_helpers import sim as sim_client
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
 
-# Every family SPEC §7 names, plus the ones this sidecar adds.
+# Every family the README's metrics table names.
 FAMILIES = (
     "cachewitness_requests_total",
     "cachewitness_request_duration_seconds",
     "cachewitness_time_to_first_byte_seconds",
     "cachewitness_prompt_tokens_total",
     "cachewitness_cached_tokens_total",
-    "cachewitness_cached_tokens_unknown_total",
+    "cachewitness_responses_without_cached_tokens_total",
+    "cachewitness_cached_tokens_unknown_total",  # its deprecated alias, kept one release
     "cachewitness_request_cached_tokens",
     "cachewitness_cache_resets_total",
     "cachewitness_cache_reset_duration_seconds",
@@ -56,7 +57,7 @@ FAMILIES = (
 MODEL_FAMILIES = (
     "cachewitness_prompt_tokens_total",
     "cachewitness_cached_tokens_total",
-    "cachewitness_cached_tokens_unknown_total",
+    "cachewitness_responses_without_cached_tokens_total",
     "cachewitness_request_cached_tokens_count",
 )
 
@@ -152,6 +153,51 @@ async def test_every_family_is_present_right_after_start(
     assert first.value("cachewitness_cache_verifications_total", verdict="contradicted") == 0
 
 
+async def test_exposition_has_one_help_per_family_no_created_series_and_no_document_citations(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """After traffic and a reset: each `# HELP` name once, no `*_created` sample, no HELP citing a document."""
+    async with running_sim(fast("vllm")) as engine:
+        url = await sidecar(engine)
+        await post_chat(http, url, chat(PROMPT))
+        async with http.post(url + "/cache/reset", json={"retry_seconds": 0}) as resp:
+            assert resp.status == 200
+        result = await scrape(http, url)
+    helps = [line for line in result.text.splitlines() if line.startswith("# HELP cachewitness_")]
+    names = [line.split()[2] for line in helps]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
+    assert sorted(name for name in result.names() if name.endswith("_created")) == []
+    assert [line for line in helps if re.search(r"SPEC|§|docs/", line)] == []
+
+
+async def test_resets_are_precreated_for_the_detected_engine_only(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """Before any reset: one zero per answer (contradicted included) for the engine there, none for others."""
+    async with running_sim(fast("sglang")) as engine:
+        url = await sidecar(engine)
+        result = await scrape(http, url)
+    assert result.label_values("cachewitness_cache_resets_total", "engine") == {"sglang"}
+    assert result.label_values("cachewitness_cache_resets_total", "answer") == {
+        "acknowledged", "accepted_unverified", "refused", "unsupported", "unreachable", "error", "contradicted",
+    }  # fmt: skip
+    assert result.value("cachewitness_cache_resets_total", engine="sglang", answer="contradicted") == 0
+
+
+async def test_reset_the_canary_contradicts_counts_as_contradicted_not_acknowledged(
+    tmp_path: Path, sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """llama.cpp with its RAM prompt cache: the erase is acknowledged, the canary still hits."""
+    async with running_sim(fast("llamacpp", slot_save_path=str(tmp_path), ram_cache=True)) as engine:
+        url = await sidecar(engine)
+        async with http.post(url + "/cache/reset", json={"retry_seconds": 0}) as resp:
+            assert (await resp.json())["answer"] == "contradicted"
+        result = await scrape(http, url)
+    assert result.value("cachewitness_cache_resets_total", engine="llamacpp", answer="contradicted") == 1
+    assert result.value("cachewitness_cache_resets_total", engine="llamacpp", answer="acknowledged") == 0
+    assert result.value("cachewitness_cache_resets_verified_total", verified="contradicted") == 1
+
+
 async def test_engine_info_shows_the_detected_kind_and_version(
     sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -225,23 +271,27 @@ async def test_token_counters_move_by_exactly_the_usage_the_engine_reported(
     assert delta("cachewitness_cached_tokens_total") == cold + warm
     assert delta("cachewitness_request_cached_tokens_count") == 2
     assert delta("cachewitness_request_cached_tokens_sum") == cold + warm
-    assert delta("cachewitness_cached_tokens_unknown_total") == 0
+    assert delta("cachewitness_responses_without_cached_tokens_total") == 0
     # The cold answer lands in the le="0" bucket on its own.
     assert after.value("cachewitness_request_cached_tokens_bucket", model="sim-model", le="0.0") == 1
 
 
-async def test_cached_tokens_unknown_moves_when_the_engine_reports_no_cached_field(
+async def test_responses_without_cached_tokens_move_when_the_engine_reports_no_cached_field(
     sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
-    """vLLM without --enable-prompt-tokens-details: unknown counts the response, cached stays put."""
+    """vLLM without --enable-prompt-tokens-details: the response is counted (and its deprecated alias
+    says the same), cached tokens stay put."""
     async with running_sim(fast("vllm", prompt_tokens_details=False)) as engine:
         url = await sidecar(engine)
         usage = await post_chat(http, url, chat(PROMPT))
+        await post_chat(http, url, chat(PROMPT))
         result = await scrape(http, url)
     assert "prompt_tokens_details" not in usage
-    assert result.value("cachewitness_cached_tokens_unknown_total", model="sim-model") == 1
+    assert result.value("cachewitness_responses_without_cached_tokens_total", model="sim-model") == 2
+    assert result.value("cachewitness_cached_tokens_unknown_total", model="sim-model") == 2
+    assert "Deprecated" in result.families["cachewitness_cached_tokens_unknown"].documentation
     assert result.value("cachewitness_cached_tokens_total", model="sim-model") == 0
-    assert result.value("cachewitness_prompt_tokens_total", model="sim-model") == usage["prompt_tokens"]
+    assert result.value("cachewitness_prompt_tokens_total", model="sim-model") == 2 * usage["prompt_tokens"]
 
 
 async def test_model_label_stays_within_the_engines_models_and_other(

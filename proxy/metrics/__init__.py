@@ -1,4 +1,4 @@
-"""Prometheus metrics on a private registry, and `GET /metrics` merged with the engine's own (SPEC §7).
+"""Prometheus metrics on a private registry, and `GET /metrics` merged with the engine's own.
 
 The sidecar's families all start with `cachewitness_` and live on their own
 `CollectorRegistry`: the engine's exposition already carries `process_*`/`python_*`
@@ -16,6 +16,7 @@ from aiohttp import web
 from prometheus_client import disable_created_metrics
 
 from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
 from proxy.metrics.families import Metrics
 from proxy.metrics.labels import (
     CODES,
@@ -76,6 +77,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
     """GET /metrics: the sidecar's exposition, then the engine's own when it has one."""
     app = request.app
     metrics = app[METRICS]
+    metrics.show_engine(app[ENGINE].info.kind)
     session = app[UPSTREAM_POOL]
     engine_text: bytes | None = None
     if not session.closed:

@@ -13,9 +13,9 @@ from prometheus_client import (
 )
 
 from proxy.config import Settings
-from proxy.engines.base import OUTCOMES
+from proxy.engines.base import EngineKind
 from proxy.exchange import Forwarded, Outcome
-from proxy.metrics.hot import HotCollector, HotCounter, HotFamily, HotHistogram, Kind
+from proxy.metrics.hot import Alias, HotCollector, HotCounter, HotFamily, HotHistogram, Kind
 from proxy.metrics.labels import (
     _CLASS_OF,
     CACHED_TOKEN_BUCKETS,
@@ -25,6 +25,7 @@ from proxy.metrics.labels import (
     OTHER,
     OVERHEAD_BUCKETS,
     PREFIX,
+    RESET_ANSWERS,
     RESET_ATTEMPT_BUCKETS,
     RESET_DURATION_BUCKETS,
     ROUTES,
@@ -42,7 +43,7 @@ class _ModelSeries:
 
     prompt: HotCounter
     cached: HotCounter
-    unknown: HotCounter
+    without_cached: HotCounter
     cached_per_request: HotHistogram
 
 
@@ -112,9 +113,9 @@ class Metrics:
             ("model",),
             Kind.COUNTER,
         )
-        self.cached_tokens_unknown = HotFamily(
-            PREFIX + "cached_tokens_unknown_total",
-            "Completed 2xx inference responses with no cached-token field.",
+        self.responses_without_cached_tokens = HotFamily(
+            PREFIX + "responses_without_cached_tokens_total",
+            "Completed 2xx inference responses whose usage had no cached-token field, by model.",
             ("model",),
             Kind.COUNTER,
         )
@@ -135,14 +136,24 @@ class Metrics:
                     self.upstream_errors,
                     self.prompt_tokens,
                     self.cached_tokens,
-                    self.cached_tokens_unknown,
+                    self.responses_without_cached_tokens,
                     self.request_cached_tokens,
-                )
+                ),
+                # The family's first name counted responses but read as tokens; kept one release
+                # (docs/operations.md, "Deprecated metrics").
+                (
+                    Alias(
+                        self.responses_without_cached_tokens,
+                        PREFIX + "cached_tokens_unknown_total",
+                        "Deprecated: the same counter as cachewitness_responses_without_cached_tokens_total "
+                        "(responses, not tokens); removed in the next release.",
+                    ),
+                ),
             )
         )
         self.verifications = Counter(
             PREFIX + "cache_verifications_total",
-            "Verdicts of accepted resets (SPEC §5.3).",
+            "Traffic verdicts of accepted resets: what the requests after a reset showed.",
             ("verdict",),
             registry=registry,
         )
@@ -160,7 +171,9 @@ class Metrics:
         )
         self.resets = Counter(
             PREFIX + "cache_resets_total",
-            "Cache resets run against the engine, by engine kind and answer (coalesced calls count once).",
+            "Cache resets run against the engine, by engine kind and the answer the caller got "
+            "(contradicted: the engine acknowledged, a witness proved the cache still warm; "
+            "coalesced calls count once).",
             ("engine", "answer"),
             registry=registry,
         )
@@ -190,11 +203,8 @@ class Metrics:
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
         self._canary = {outcome: self.canary_requests.labels(outcome.value) for outcome in CanaryOutcome}
         self._verified = {verified: self.resets_verified.labels(verified.value) for verified in Verified}
-        self._resets: dict[tuple[str, str], Counter] = {
-            (engine, answer): self.resets.labels(engine, answer)
-            for engine in ENGINE_LABELS
-            for answer in OUTCOMES
-        }
+        # Created per engine kind as it is detected (show_engine), not for every kind there is.
+        self._resets: dict[tuple[str, str], Counter] = {}
         self._models: dict[str, _ModelSeries] = {}
         for model in (*self.models.ids, OTHER):
             self._model_series(model)
@@ -206,7 +216,7 @@ class Metrics:
             series = _ModelSeries(
                 self.prompt_tokens.counter(label),
                 self.cached_tokens.counter(label),
-                self.cached_tokens_unknown.counter(label),
+                self.responses_without_cached_tokens.counter(label),
                 self.request_cached_tokens.histogram(label),
             )
             self._models[label] = series
@@ -257,20 +267,32 @@ class Metrics:
             and observation.status is not None
             and 200 <= observation.status < 300
         ):
-            series.unknown.inc()
+            series.without_cached.inc()
         if verdict is not None:
             counter = self._verdicts.get(verdict)
             if counter is not None:
                 counter.inc()
 
-    def reset_answered(self, engine_kind: str, answer: str, duration_s: float, attempts: int) -> None:
-        """Count one answered POST /cache/reset."""
+    def show_engine(self, engine_kind: str) -> None:
+        """Show zeros for every answer of a detected engine kind (the reset alerts' series exist before
+        the first reset); a kind not detected yet gets none."""
+        if engine_kind == EngineKind.UNKNOWN or (engine_kind, RESET_ANSWERS[0]) in self._resets:
+            return
+        for answer in RESET_ANSWERS:
+            self._reset_counter(engine_kind, answer)
+
+    def _reset_counter(self, engine_kind: str, answer: str) -> Counter:
+        """The child of one (engine, answer): at most |ENGINE_LABELS ∪ other| x |RESET_ANSWERS ∪ other|."""
         engine = engine_kind if engine_kind in ENGINE_LABELS else OTHER
-        answer = answer if answer in OUTCOMES else OTHER
+        answer = answer if answer in RESET_ANSWERS else OTHER
         counter = self._resets.get((engine, answer))
-        if counter is None:  # at most |ENGINE_LABELS ∪ other| x |OUTCOMES ∪ other| children
+        if counter is None:
             counter = self._resets[(engine, answer)] = self.resets.labels(engine, answer)
-        counter.inc()
+        return counter
+
+    def reset_answered(self, engine_kind: str, answer: str, duration_s: float, attempts: int) -> None:
+        """Count one answered POST /cache/reset under the answer its caller got."""
+        self._reset_counter(engine_kind, answer).inc()
         self.reset_duration.observe(max(0.0, duration_s))
         self.reset_attempts.observe(max(0, attempts))
 

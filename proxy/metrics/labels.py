@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from proxy.engines.base import EngineKind
+from proxy.engines.base import OUTCOMES, EngineKind
 from proxy.observe import OBSERVED_PATHS
+from proxy.verification import CONTRADICTED_ANSWER
 from proxy.witness import Verdict
 
 PREFIX = "cachewitness_"
@@ -18,6 +19,9 @@ CODES: tuple[str, ...] = ("2xx", "3xx", "4xx", "5xx", "none")
 _CLASS_OF = {status: f"{status // 100}xx" for status in range(200, 600)}
 # `engine` of cache_resets_total: every kind the sidecar knows, "unknown" included.
 ENGINE_LABELS: tuple[str, ...] = tuple(EngineKind)
+# `answer` of cache_resets_total: the answer the caller got, so a reset the engine acknowledged
+# and a witness contradicted counts as `contradicted`, never as `acknowledged`.
+RESET_ANSWERS: tuple[str, ...] = (*(str(answer) for answer in OUTCOMES), CONTRADICTED_ANSWER)
 # The traffic verdicts a reset settles on (`pending` is no settlement).
 VERDICTS: tuple[str, ...] = tuple(verdict.value for verdict in Verdict if verdict is not Verdict.PENDING)
 EVENT_TYPES: tuple[str, ...] = ("infer.cache_state", "infer.cache_observation", "infer.cache_verification")

@@ -69,8 +69,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- printf "%s:%s" $repo $tag }}
 {{- end }}
 
+{{/* The sidecar's image: a repository that names its registry (no bare "cachewitness", which a
+     node would look for on Docker Hub), and the chart's appVersion unless a tag is given. */}}
 {{- define "cachewitness.sidecarImage" -}}
-{{- printf "%s:%s" .Values.sidecar.image.repository (default .Chart.AppVersion .Values.sidecar.image.tag) }}
+{{- $repository := .Values.sidecar.image.repository }}
+{{- if not (contains "/" $repository) }}
+{{- fail (printf "sidecar.image.repository must name your registry, e.g. --set sidecar.image.repository=registry.example.com/cachewitness (build the image from the repository's Dockerfile and push it there); got %q" $repository) }}
+{{- end }}
+{{- printf "%s:%s" $repository (default .Chart.AppVersion .Values.sidecar.image.tag) }}
 {{- end }}
 
 {{/*
@@ -193,4 +199,46 @@ grace period; plus slack for process exit and evidence flush.
      every search domain, three NXDOMAIN round trips per family on every cluster call. */}}
 {{- define "cachewitness.peersDNS" -}}
 {{- printf "%s.%s.svc.%s." (include "cachewitness.peersServiceName" .) .Release.Namespace .Values.peers.clusterDomain }}
+{{- end }}
+
+{{/* More than one pod: what a rollout, a disruption budget and a spread are for. */}}
+{{- define "cachewitness.replicated" -}}
+{{- if gt (int .Values.replicaCount) 1 }}true{{ end }}
+{{- end }}
+
+{{/*
+The rollout. strategy set in values: that. Else, one pod: Recreate (the old pod frees its GPU
+and an RWO evidence volume before the new one is created: a one-GPU node holds only one).
+More pods: RollingUpdate, one pod at a time and no surge (no spare GPU is assumed), so the
+Service never loses every pod.
+*/}}
+{{- define "cachewitness.strategy" -}}
+{{- if .Values.strategy }}
+{{- toYaml .Values.strategy }}
+{{- else if include "cachewitness.replicated" . }}
+type: RollingUpdate
+rollingUpdate:
+  maxSurge: 0
+  maxUnavailable: 1
+{{- else }}
+type: Recreate
+{{- end }}
+{{- end }}
+
+{{/*
+Topology spread, more than one pod: topologySpreadConstraints from values (each given this
+release's pods as its labelSelector unless it has one), else one soft constraint spreading the
+pods over nodes, so one node's loss takes one engine; pod-template-hash keeps a rollout's old
+and new pods apart in the count.
+*/}}
+{{- define "cachewitness.topologySpreadConstraints" -}}
+{{- $selector := dict "matchLabels" (include "cachewitness.selectorLabels" . | fromYaml) }}
+{{- $constraints := list }}
+{{- range .Values.topologySpreadConstraints }}
+{{- $constraints = append $constraints (merge (deepCopy .) (dict "labelSelector" $selector)) }}
+{{- end }}
+{{- if not $constraints }}
+{{- $constraints = list (dict "maxSkew" 1 "topologyKey" "kubernetes.io/hostname" "whenUnsatisfiable" "ScheduleAnyway" "labelSelector" $selector "matchLabelKeys" (list "pod-template-hash")) }}
+{{- end }}
+{{- toYaml $constraints }}
 {{- end }}

@@ -106,14 +106,14 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     batch: list[bytes] = []
     size = 0
-    async for line in evidence.read(
+    async for block in evidence.read(
         session_id=query.get("session_id"),
         case_id=query.get("case_id"),
         event_type=event_type,
         since_ns=since_ns,
     ):
-        batch.append(line)
-        size += len(line)
+        batch += block
+        size += sum(map(len, block))
         if size >= _WRITE_BYTES:
             await response.write(b"".join(batch))
             batch, size = [], 0

@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ __all__ = [
     "EvidenceWriter",
     "evidence_files",
     "read_evidence",
+    "read_evidence_blocks",
 ]
 
 MAX_LINE_BYTES = 64 * 1024
@@ -391,7 +393,7 @@ def _matches(
     return True
 
 
-async def read_evidence(
+async def read_evidence_blocks(
     path: Path,
     *,
     keep: int,
@@ -399,8 +401,8 @@ async def read_evidence(
     case_id: str | None = None,
     event_type: str | None = None,
     since_ns: int | None = None,
-) -> AsyncGenerator[bytes, None]:
-    """Yield matching evidence lines (each ending "\\n"), oldest file first.
+) -> AsyncGenerator[list[bytes], None]:
+    """Yield the matching evidence lines (each ending "\\n"), oldest file first, a list per chunk read.
 
     Reads in bounded chunks in a thread, so a big file streams. A last line
     without its newline is a write in progress and is not yielded.
@@ -418,14 +420,36 @@ async def read_evidence(
                 if not chunk:
                     break
                 data = carry + chunk
+                block: list[bytes] = []
                 start = 0
                 newline = data.find(b"\n")
                 while newline != -1:
                     line = data[start : newline + 1]
                     if not filtered or _matches(line, session_id, case_id, event_type, since_ns):
-                        yield line
+                        block.append(line)
                     start = newline + 1
                     newline = data.find(b"\n", start)
                 carry = data[start:]
+                if block:
+                    yield block
         finally:
             await asyncio.to_thread(handle.close)
+
+
+async def read_evidence(
+    path: Path,
+    *,
+    keep: int,
+    session_id: str | None = None,
+    case_id: str | None = None,
+    event_type: str | None = None,
+    since_ns: int | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """The lines of `read_evidence_blocks` one at a time (same filters)."""
+    blocks = read_evidence_blocks(
+        path, keep=keep, session_id=session_id, case_id=case_id, event_type=event_type, since_ns=since_ns
+    )
+    async with aclosing(blocks):
+        async for block in blocks:
+            for line in block:
+                yield line

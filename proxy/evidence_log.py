@@ -13,7 +13,6 @@ to send) are also bounded in rate, `evidence_rejected_per_s`; those past it are 
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, aclosing
@@ -24,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import SETTINGS
-from proxy.evidence import DropReason, EvidenceWriter, read_evidence
+from proxy.evidence import DropReason, EvidenceWriter, read_evidence_blocks
 
 __all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "read_merged", "setup_evidence"]
 
@@ -127,51 +126,102 @@ class EvidenceLog:
         """Bytes written to no file yet, both files."""
         return sum(w.pending_bytes for w in self._writers)
 
-    def read(self, **filters: Any) -> AsyncIterator[bytes]:
-        """The matching lines of both files (see `read_merged`)."""
+    def read(self, **filters: Any) -> AsyncIterator[list[bytes]]:
+        """The matching lines of both files, in blocks (see `read_merged`)."""
         sources = [(w.path, w.keep) for w in self._writers]
         return read_merged(sources, **filters)
 
 
-def _at_ns(line: bytes, before: int) -> int:
-    """A line's `at_ns`; one without it keeps its place after the line `before` it."""
+def _at_ns(line: bytes) -> int | None:
+    """A line's `at_ns`, None when it has none (another shape, or not JSON)."""
     try:
         record = orjson.loads(line)
     except orjson.JSONDecodeError:
-        return before
+        return None
     value = record.get("at_ns") if isinstance(record, dict) else None
-    return value if isinstance(value, int) else before
+    return value if isinstance(value, int) else None
 
 
-async def read_merged(sources: Sequence[tuple[Path, int]], **filters: Any) -> AsyncGenerator[bytes, None]:
-    """The matching lines of several evidence files (each `(path, keep)`), merged by `at_ns`.
+def _key(line: bytes, before: int) -> int:
+    """The merge key: `at_ns`; a line without one keeps its place after the line `before` it."""
+    at_ns = _at_ns(line)
+    return before if at_ns is None else at_ns
 
-    A k-way merge: each file's own order is kept, the line with the smallest `at_ns` among
-    the files' next lines goes first (ties: the earlier source). Once one file is left, its
-    lines pass unparsed.
+
+def _last_key(lines: list[bytes], start: int, before: int) -> int:
+    """The key of the last of `lines[start:]`: the last `at_ns` among them (parsed from the end)."""
+    for line in reversed(lines[start:]) if start else reversed(lines):
+        at_ns = _at_ns(line)
+        if at_ns is not None:
+            return at_ns
+    return before
+
+
+class _Source:
+    """One file's blocks of lines, read ahead by one block: the next line and its `at_ns`."""
+
+    def __init__(self, index: int, blocks: AsyncGenerator[list[bytes], None]) -> None:
+        self.index = index
+        self.blocks = blocks
+        self.lines: list[bytes] = []
+        self.pos = 0
+        self.at_ns = 0
+
+    async def fill(self) -> bool:
+        """Make sure a line is next (reading the next block); False at the end."""
+        while self.pos >= len(self.lines):
+            block = await anext(self.blocks, None)
+            if block is None:
+                return False
+            self.lines, self.pos = block, 0
+            self.at_ns = _key(block[0], self.at_ns)
+        return True
+
+    def take_before(self, bound: tuple[int, int]) -> list[bytes]:
+        """The lines of this block that come before `bound` (`(at_ns, source index)`): at least one,
+        the first being the smallest of all sources'. A block that ends before it goes whole,
+        parsed at its last line only."""
+        last = _last_key(self.lines, self.pos, self.at_ns)
+        if (last, self.index) < bound:
+            taken = self.lines[self.pos :] if self.pos else self.lines
+            self.pos, self.at_ns = len(self.lines), last
+            return taken
+        start = self.pos
+        while self.pos < len(self.lines) and (self.at_ns, self.index) < bound:
+            self.pos += 1
+            if self.pos < len(self.lines):
+                self.at_ns = _key(self.lines[self.pos], self.at_ns)
+        return self.lines[start : self.pos]
+
+
+async def read_merged(
+    sources: Sequence[tuple[Path, int]], **filters: Any
+) -> AsyncGenerator[list[bytes], None]:
+    """The matching lines of several evidence files (each `(path, keep)`), merged by `at_ns`, in blocks.
+
+    A k-way merge that keeps each file's own order: of the sources' next lines the one with
+    the smallest `at_ns` goes first (ties: the earlier source). It works a block (a chunk read)
+    at a time: the long runs of observations between two resets pass whole, each block parsed
+    at its first and last line, and a file left alone passes unparsed.
     """
     async with AsyncExitStack() as stack:
-        streams = [
-            await stack.enter_async_context(aclosing(read_evidence(path, keep=keep, **filters)))
-            for path, keep in sources
-        ]
-        heap: list[tuple[int, int, bytes]] = []
-        for index, stream in enumerate(streams):
-            line = await anext(stream, None)
-            if line is not None:
-                heap.append((_at_ns(line, 0), index, line))
-        heapq.heapify(heap)
-        while len(heap) > 1:
-            at_ns, index, line = heapq.heappop(heap)
-            yield line
-            following = await anext(streams[index], None)
-            if following is not None:
-                heapq.heappush(heap, (_at_ns(following, at_ns), index, following))
-        if heap:
-            _, index, line = heap[0]
-            yield line
-            async for line in streams[index]:
-                yield line
+        live: list[_Source] = []
+        for index, (path, keep) in enumerate(sources):
+            blocks = await stack.enter_async_context(
+                aclosing(read_evidence_blocks(path, keep=keep, **filters))
+            )
+            source = _Source(index, blocks)
+            if await source.fill():
+                live.append(source)
+        while len(live) > 1:
+            first = min(live, key=lambda s: (s.at_ns, s.index))
+            yield first.take_before(min((s.at_ns, s.index) for s in live if s is not first))
+            if not await first.fill():
+                live.remove(first)
+        for source in live:
+            yield source.lines[source.pos :]
+            async for block in source.blocks:
+                yield block
 
 
 EVIDENCE = web.AppKey("evidence", EvidenceLog)

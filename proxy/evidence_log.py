@@ -187,10 +187,13 @@ class _Source:
             self.pos, self.at_ns = len(self.lines), last
             return taken
         start = self.pos
-        while self.pos < len(self.lines) and (self.at_ns, self.index) < bound:
+        while True:  # the first line always: every round takes one at least
             self.pos += 1
-            if self.pos < len(self.lines):
-                self.at_ns = _key(self.lines[self.pos], self.at_ns)
+            if self.pos == len(self.lines):
+                break
+            self.at_ns = _key(self.lines[self.pos], self.at_ns)
+            if (self.at_ns, self.index) >= bound:
+                break
         return self.lines[start : self.pos]
 
 

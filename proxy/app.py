@@ -12,7 +12,7 @@ from proxy.cluster import setup_cluster
 from proxy.config import SETTINGS, Settings
 from proxy.connections import setup_connections
 from proxy.engine_state import setup_engine_state
-from proxy.evidence import setup_evidence
+from proxy.evidence_log import setup_evidence
 from proxy.forward import forward, setup_forward
 from proxy.health import healthy, ready, setup_health
 from proxy.metrics import handle_metrics, setup_metrics

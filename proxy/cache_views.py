@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from aiohttp import web
 
@@ -13,7 +12,7 @@ from proxy.cluster_views import cluster_state
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.errors import error_response
-from proxy.evidence import EVIDENCE, read_evidence
+from proxy.evidence_log import EVIDENCE
 from proxy.health import HEALTH
 from proxy.request_ids import is_stored_id
 from proxy.witness import WITNESS
@@ -54,6 +53,7 @@ async def handle_state(request: web.Request) -> web.Response:
         "draining": admission.draining,
         "upstream_up": app[HEALTH].upstream_up,
         "evidence_path": app[SETTINGS].evidence,
+        "evidence_resets_path": app[SETTINGS].resets_evidence,
         "evidence_write_errors_total": evidence.write_errors_total,
         "evidence_dropped_total": evidence.dropped_total,
     }
@@ -100,21 +100,20 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     app = request.app
     evidence = app[EVIDENCE]
     # Records of requests that just finished may still sit in the batch: write them first.
+    # Both files are read, merged by at_ns (proxy/evidence_log.py).
     await evidence.flush()
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
     batch: list[bytes] = []
     size = 0
-    async for line in read_evidence(
-        Path(app[SETTINGS].evidence),
-        keep=app[SETTINGS].evidence_keep,
+    async for block in evidence.read(
         session_id=query.get("session_id"),
         case_id=query.get("case_id"),
         event_type=event_type,
         since_ns=since_ns,
     ):
-        batch.append(line)
-        size += len(line)
+        batch += block
+        size += sum(map(len, block))
         if size >= _WRITE_BYTES:
             await response.write(b"".join(batch))
             batch, size = [], 0

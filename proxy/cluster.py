@@ -3,13 +3,15 @@
 The receiving pod calls `/cache/reset` with `scope: "pod"` on every peer, itself included,
 concurrently and under one shared deadline, with the caller's parameters, the admin token
 (every pod mounts the same Secret) and the cluster `reset_id` as `parent_reset_id`, so
-each pod's own record points back at this one.
+each pod's own record points back at this one. With `peers_scheme = https` the calls go over
+TLS, each pod's certificate verified against `peers_ca_file` (docs/cluster.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -35,6 +37,7 @@ __all__ = [
     "cluster_reset",
     "cluster_timeout_s",
     "fan_out",
+    "peer_error",
     "setup_cluster",
 ]
 
@@ -71,6 +74,20 @@ def _pod_body(params: ResetParams, reset_id: str) -> bytes:
     return orjson.dumps({name: value for name, value in values.items() if value is not None})
 
 
+def peer_error(exc: aiohttp.ClientError | OSError) -> str:
+    """Why a peer could not be reached; a failed certificate check says so and what to set."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cause = exc.certificate_error
+        reason = getattr(cause, "verify_message", None) or str(cause)
+        return (
+            f"the pod's TLS certificate did not verify ({reason}); peers_ca_file must hold "
+            "the CA that signed the peers' certificates, for the name they are called by"
+        )
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return f"TLS with the pod failed: {type(exc).__name__}: {exc}"
+    return f"cannot reach the pod: {type(exc).__name__}: {exc}"
+
+
 @dataclass(frozen=True)
 class PeerReply:
     """One call to a peer sidecar: its status and body (at most `limit` + 1 bytes), or why none came."""
@@ -91,19 +108,20 @@ async def call_peer(
     deadline: float,
     limit: int,
     data: bytes | None = None,
+    tls_name: str | None = None,
 ) -> PeerReply:
     """Call a peer before `deadline` (loop time), reading at most `limit` + 1 bytes; never raises
-    (except cancellation)."""
+    (except cancellation). Over https the certificate is checked against `tls_name` (else the URL's host)."""
     try:
         async with asyncio.timeout_at(deadline):
             async with session.request(
-                method, url, data=data, headers=headers, allow_redirects=False
+                method, url, data=data, headers=headers, allow_redirects=False, server_hostname=tls_name
             ) as response:
                 return PeerReply(url, response.status, await response.content.read(limit + 1))
     except TimeoutError:
         return PeerReply(url, None, error="no answer before the deadline", timed_out=True)
     except (aiohttp.ClientError, OSError) as exc:
-        return PeerReply(url, None, error=f"cannot reach the pod: {type(exc).__name__}: {exc}")
+        return PeerReply(url, None, error=peer_error(exc))
 
 
 async def _reset_pod(
@@ -117,7 +135,14 @@ async def _reset_pod(
     """One pod's reset, bounded by the shared deadline."""
     url = f"{peer.base_url}/cache/reset"
     reply = await call_peer(
-        session, "POST", url, headers=headers, deadline=deadline, limit=_ANSWER_READ_LIMIT, data=body
+        session,
+        "POST",
+        url,
+        headers=headers,
+        deadline=deadline,
+        limit=_ANSWER_READ_LIMIT,
+        data=body,
+        tls_name=peer.tls_name,
     )
     if reply.timed_out:
         return unreached(peer, url, f"no answer within the cluster deadline of {timeout_s:g} s")
@@ -175,10 +200,17 @@ async def cluster_reset(request: web.Request, params: ResetParams) -> web.Respon
     )
 
 
+def peer_tls(settings: Settings) -> ssl.SSLContext | bool:
+    """Verified TLS toward the peers (peers_ca_file, else the system's CAs); True: aiohttp's default."""
+    if settings.peers_scheme != "https":
+        return True
+    return ssl.create_default_context(cafile=settings.peers_ca_file)
+
+
 def peer_client(settings: Settings) -> aiohttp.ClientSession:
     """The pool toward the other sidecars (not the engine's pool: other limits, other lifetime)."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=False),
+        connector=aiohttp.TCPConnector(limit=0, enable_cleanup_closed=False, ssl=peer_tls(settings)),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=settings.connect_timeout or None),
         trust_env=False,  # no environment proxy between pods
         cookie_jar=aiohttp.DummyCookieJar(),

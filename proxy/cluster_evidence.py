@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.cluster import PEER_CLIENT, admin_headers
+from proxy.cluster import PEER_CLIENT, admin_headers, peer_error
 from proxy.cluster_report import CLUSTER_READ_EVENT
 from proxy.cluster_views import error_message, no_peers
 from proxy.config import SETTINGS
@@ -100,12 +100,14 @@ async def _open(session: aiohttp.ClientSession, peer: Peer, path: str, headers: 
     stream = _PodStream(peer.address, f"{peer.base_url}{path}")
     try:
         async with asyncio.timeout(READ_IDLE_TIMEOUT_S):
-            response = await session.get(stream.url, headers=headers, allow_redirects=False)
+            response = await session.get(
+                stream.url, headers=headers, allow_redirects=False, server_hostname=peer.tls_name
+            )
     except TimeoutError:
         stream.error = f"no answer within {READ_IDLE_TIMEOUT_S:g} s"
         return stream
     except (aiohttp.ClientError, OSError) as exc:
-        stream.error = f"cannot reach the pod: {type(exc).__name__}: {exc}"
+        stream.error = peer_error(exc)
         return stream
     stream.status = response.status
     if response.status != 200:

@@ -58,7 +58,13 @@ async def _read_pod(
 ) -> PodRead:
     """GET `path` from one pod, bounded in time and size."""
     reply = await call_peer(
-        session, "GET", f"{peer.base_url}{path}", headers=headers, deadline=deadline, limit=limit
+        session,
+        "GET",
+        f"{peer.base_url}{path}",
+        headers=headers,
+        deadline=deadline,
+        limit=limit,
+        tls_name=peer.tls_name,
     )
     url, status, body = reply.url, reply.status, reply.body
     if reply.timed_out:

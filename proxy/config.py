@@ -7,6 +7,7 @@ import hmac
 import ipaddress
 import os
 import re
+import ssl
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +78,11 @@ class Settings:
     evidence_max_bytes: int = 64 * 1024 * 1024
     evidence_keep: int = 5
     evidence_queue_max_bytes: int = 32 * 1024 * 1024
+    # Reset records in a file of their own (proxy/evidence_log.py); None: beside `evidence`.
+    evidence_resets_path: str | None = None
+    evidence_resets_max_bytes: int = 16 * 1024 * 1024
+    evidence_resets_keep: int = 5
+    evidence_rejected_per_s: float = 100.0
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     admin_open: bool = False
@@ -121,6 +127,8 @@ class Settings:
     peers: tuple[str, ...] = ()
     peers_dns: str | None = None
     peers_dns_server: str | None = None
+    peers_scheme: str = "http"
+    peers_ca_file: str | None = None
 
     @property
     def listen_host(self) -> str:
@@ -131,6 +139,18 @@ class Settings:
     def listen_port(self) -> int:
         """Port part of `listen`."""
         return parse_listen(self.listen)[1]
+
+    @property
+    def resets_evidence(self) -> str:
+        """Where reset records go: evidence_resets_path, else `<stem>.resets.jsonl` beside `evidence`.
+
+        Beside it, so the one evidence volume (the Helm chart mounts one) holds both, and named so
+        that it is never one of the evidence file's own rotations (`<name>.1` …).
+        """
+        if self.evidence_resets_path:
+            return self.evidence_resets_path
+        path = Path(self.evidence)
+        return str(path.with_name(f"{path.stem}.resets{path.suffix or '.jsonl'}"))
 
     @property
     def engine_key(self) -> str | None:
@@ -302,6 +322,26 @@ OPTIONS: tuple[Option, ...] = (
         "evidence waiting for the disk, at most (past it new records are dropped, counted)",
         "a byte count",
     ),
+    Option(
+        "evidence_resets_path",
+        _path,
+        "file of the reset records (infer.cache_state, infer.cache_verification), which observation "
+        "traffic cannot rotate away (default: <evidence stem>.resets.jsonl beside the evidence file)",
+        "a file path such as ./evidence/cachewitness.resets.jsonl",
+    ),
+    Option(
+        "evidence_resets_max_bytes",
+        _positive_int,
+        "rotate the reset records' file at this size",
+        "a byte count",
+    ),
+    Option("evidence_resets_keep", _positive_int, "rotated reset-record files kept", "a whole number ≥ 0"),
+    Option(
+        "evidence_rejected_per_s",
+        _positive_float,
+        "records per second of requests the sidecar refused itself; the rest are counted as dropped (rate)",
+        "a rate ≥ 0 (0 = no limit)",
+    ),
     Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
     Option("admin_open", _bool, "let any client call /cache/* without a token", "true or false"),
@@ -434,6 +474,19 @@ OPTIONS: tuple[Option, ...] = (
         "nameserver for peers_dns (default: the system's)",
         "an IP address, optionally IP:PORT such as 10.96.0.10:53",
     ),
+    Option(
+        "peers_scheme",
+        _choice(("http", "https")),
+        "how a cluster call reaches the peers (it carries the admin token): http, or https verified "
+        "against peers_ca_file",
+        "http or https",
+    ),
+    Option(
+        "peers_ca_file",
+        _path,
+        "CA certificates (PEM) the peers' TLS certificates must chain to (default: the system's)",
+        "a readable PEM file path",
+    ),
 )
 _BY_NAME = {option.name: option for option in OPTIONS}
 
@@ -508,6 +561,41 @@ def _secret(value: str | None, path: str | None, key: str, what: str) -> str | N
         ) from None
 
 
+def _check_peers_tls(settings: Settings) -> None:
+    """peers_ca_file only with https, and only a file that holds CA certificates."""
+    if settings.peers_ca_file is None:
+        return
+    if settings.peers_scheme != "https":
+        raise ConfigError(
+            "config: peers_ca_file is set but peers_scheme is http, so cluster calls would not use it; "
+            "set peers_scheme = https"
+        )
+    try:
+        ssl.create_default_context(cafile=settings.peers_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"config: peers_ca_file {settings.peers_ca_file} cannot be loaded ({exc}); "
+            "point it at a PEM file of the CA that signed the peers' certificates"
+        ) from None
+
+
+def _is_rotation(name: str, of: str) -> bool:
+    """Whether `name` is `of` or one of its rotations (`of.1`, `of.2`, …)."""
+    return name == of or (name.startswith(of + ".") and name[len(of) + 1 :].isdigit())
+
+
+def _check_resets_path(settings: Settings) -> None:
+    """The reset records' file is not the evidence file, nor any file either rotates into."""
+    evidence, resets = Path(settings.evidence).absolute(), Path(settings.resets_evidence).absolute()
+    if evidence.parent == resets.parent and (
+        _is_rotation(evidence.name, resets.name) or _is_rotation(resets.name, evidence.name)
+    ):
+        raise ConfigError(
+            f"config: evidence_resets_path {settings.resets_evidence} is the evidence file "
+            f"{settings.evidence} or one of its rotations; give the reset records a file of their own"
+        )
+
+
 def _finish(settings: Settings) -> Settings:
     """Cross-field checks, and the admin token and engine key read from their files."""
     _check_upstream_credentials(settings.upstream)
@@ -519,6 +607,8 @@ def _finish(settings: Settings) -> Settings:
         raise ConfigError("config: reset_attempt_timeout must be > 0 seconds")
     if settings.peers and settings.peers_dns:
         raise ConfigError("config: set peers (a static list) or peers_dns (a headless Service), not both")
+    _check_peers_tls(settings)
+    _check_resets_path(settings)
     token = _secret(settings.admin_token, settings.admin_token_file, "admin_token_file", "the token")
     if token is not None and not token:
         raise ConfigError("config: the admin token is empty; put a non-empty token in admin_token_file")

@@ -1,4 +1,5 @@
-"""The evidence writer (async, batched JSONL with size rotation) and its reader."""
+"""The evidence writer (async, batched JSONL with size rotation) and its reader: one file and its
+rotations (the two files the sidecar keeps are in proxy/evidence_log.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +9,21 @@ import errno
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import orjson
-from aiohttp import web
-
-from proxy.config import SETTINGS
 
 __all__ = [
-    "EVIDENCE",
     "MAX_LINE_BYTES",
     "DropReason",
     "EvidenceWriter",
+    "evidence_files",
     "read_evidence",
-    "setup_evidence",
+    "read_evidence_blocks",
 ]
 
 MAX_LINE_BYTES = 64 * 1024
@@ -77,6 +76,7 @@ class DropReason(StrEnum):
     UNENCODABLE = "unencodable"
     WRITER_CLOSED = "writer_closed"
     UNWRITABLE_AT_CLOSE = "unwritable_at_close"  # still refused by the disk at shutdown
+    RATE = "rate"  # a refused request's record past evidence_rejected_per_s (proxy/evidence_log.py)
 
 
 # One os.write carries at most this much: a long backlog (a disk that was full) is written in
@@ -153,21 +153,21 @@ class EvidenceWriter:
         try:
             event_type = str(record.get("event_type", "unknown"))
             if self._closed:
-                self._drop(DropReason.WRITER_CLOSED, event_type)
+                self.drop(DropReason.WRITER_CLOSED, event_type)
                 return
             line = encode_record(record)
             if line is None:
-                self._drop(DropReason.RECORD_TOO_LARGE, event_type)
+                self.drop(DropReason.RECORD_TOO_LARGE, event_type)
                 return
             if self.pending_bytes + len(line) > self.max_queue_bytes:
-                self._drop(DropReason.QUEUE_FULL, event_type)
+                self.drop(DropReason.QUEUE_FULL, event_type)
                 return
             self._queue.append((event_type, line))
             self._queued_bytes += len(line)
             if len(self._queue) >= 1024:
                 self._wake.set()  # a burst: write now rather than at the next tick
         except Exception:
-            self._drop(DropReason.UNENCODABLE, "unknown")
+            self.drop(DropReason.UNENCODABLE, "unknown")
 
     async def flush(self) -> None:
         """Write every record queued so far (and any earlier failed batch) to the file."""
@@ -197,7 +197,7 @@ class EvidenceWriter:
         await self.flush()
         await asyncio.to_thread(self._close_file)
         for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
-            self._drop(DropReason.UNWRITABLE_AT_CLOSE, event_type)
+            self.drop(DropReason.UNWRITABLE_AT_CLOSE, event_type)
         self._unwritten, self._unwritten_bytes = [], 0
 
     async def _run(self) -> None:
@@ -223,8 +223,8 @@ class EvidenceWriter:
             target = self._periodic_flushes + 1
             await self._flushed.wait_for(lambda: self._periodic_flushes >= target or self._task is None)
 
-    def _drop(self, kind: DropReason, event_type: str) -> None:
-        """Count a record that will never be written, and log the kind once."""
+    def drop(self, kind: DropReason, event_type: str) -> None:
+        """Count a record that will never be written (also one refused before it got here), and log the kind once."""
         self.dropped[kind] += 1
         if kind not in self._logged_drops:
             self._logged_drops.add(kind)
@@ -393,7 +393,7 @@ def _matches(
     return True
 
 
-async def read_evidence(
+async def read_evidence_blocks(
     path: Path,
     *,
     keep: int,
@@ -401,8 +401,8 @@ async def read_evidence(
     case_id: str | None = None,
     event_type: str | None = None,
     since_ns: int | None = None,
-) -> AsyncIterator[bytes]:
-    """Yield matching evidence lines (each ending "\\n"), oldest file first.
+) -> AsyncGenerator[list[bytes], None]:
+    """Yield the matching evidence lines (each ending "\\n"), oldest file first, a list per chunk read.
 
     Reads in bounded chunks in a thread, so a big file streams. A last line
     without its newline is a write in progress and is not yielded.
@@ -420,37 +420,36 @@ async def read_evidence(
                 if not chunk:
                     break
                 data = carry + chunk
+                block: list[bytes] = []
                 start = 0
                 newline = data.find(b"\n")
                 while newline != -1:
                     line = data[start : newline + 1]
                     if not filtered or _matches(line, session_id, case_id, event_type, since_ns):
-                        yield line
+                        block.append(line)
                     start = newline + 1
                     newline = data.find(b"\n", start)
                 carry = data[start:]
+                if block:
+                    yield block
         finally:
             await asyncio.to_thread(handle.close)
 
 
-EVIDENCE = web.AppKey("evidence", EvidenceWriter)
-
-
-def setup_evidence(app: web.Application) -> None:
-    """The evidence writer: started first, closed (flushed, fsync'd) after everything that records."""
-    settings = app[SETTINGS]
-    writer = EvidenceWriter(
-        Path(settings.evidence),
-        max_bytes=settings.evidence_max_bytes,
-        keep=settings.evidence_keep,
-        stdout=settings.evidence_stdout,
-        max_queue_bytes=settings.evidence_queue_max_bytes,
+async def read_evidence(
+    path: Path,
+    *,
+    keep: int,
+    session_id: str | None = None,
+    case_id: str | None = None,
+    event_type: str | None = None,
+    since_ns: int | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """The lines of `read_evidence_blocks` one at a time (same filters)."""
+    blocks = read_evidence_blocks(
+        path, keep=keep, session_id=session_id, case_id=case_id, event_type=event_type, since_ns=since_ns
     )
-    app[EVIDENCE] = writer
-
-    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
-        await writer.start()
-        yield
-        await writer.close()
-
-    app.cleanup_ctx.append(lifetime)
+    async with aclosing(blocks):
+        async for block in blocks:
+            for line in block:
+                yield line

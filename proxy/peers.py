@@ -7,7 +7,7 @@ the ready pods, so the name is resolved again on every cluster call, never remem
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiodns
 import aiodns.error
@@ -22,10 +22,16 @@ DNS_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, order=True)
 class Peer:
-    """One sidecar of the cluster, reached on its listen port."""
+    """One sidecar of the cluster, reached on its listen port (over TLS with scheme https).
+
+    `tls_name` is the name its certificate is checked against when it is not `host`: the
+    headless Service's, so one certificate for that name serves every pod, whatever its IP.
+    """
 
     host: str
     port: int
+    scheme: str = field(default="http", compare=False)
+    tls_name: str | None = field(default=None, compare=False)
 
     @property
     def address(self) -> str:
@@ -36,7 +42,7 @@ class Peer:
     @property
     def base_url(self) -> str:
         """The sidecar's base URL."""
-        return f"http://{self.address}"
+        return f"{self.scheme}://{self.address}"
 
 
 @dataclass(frozen=True)
@@ -49,15 +55,15 @@ class PeerSet:
     hint: str | None = None
 
 
-def peer_from_text(text: str) -> Peer:
+def peer_from_text(text: str, scheme: str = "http") -> Peer:
     """`HOST:PORT` (IPv6 as `[::1]:PORT`) as a Peer; raises ValueError."""
     host, port = parse_listen(text.strip())
-    return Peer(host, port)
+    return Peer(host, port, scheme)
 
 
 def _static(settings: Settings) -> PeerSet:
-    """The `peers` list, as configured."""
-    return PeerSet(tuple(peer_from_text(text) for text in settings.peers), "peers")
+    """The `peers` list, as configured (a TLS certificate is checked against each HOST as given)."""
+    return PeerSet(tuple(peer_from_text(text, settings.peers_scheme) for text in settings.peers), "peers")
 
 
 def _dns_target(settings: Settings) -> tuple[str, int]:
@@ -118,7 +124,10 @@ async def _from_dns(settings: Settings) -> PeerSet:
         return PeerSet(
             (), source, error=f"{name} resolved to no addresses", hint="no pod behind the Service is ready"
         )
-    return PeerSet(tuple(Peer(address, port) for address in addresses), source)
+    tls_name = name.rstrip(".") if settings.peers_scheme == "https" else None
+    return PeerSet(
+        tuple(Peer(address, port, settings.peers_scheme, tls_name) for address in addresses), source
+    )
 
 
 async def discover_peers(settings: Settings) -> PeerSet:

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.evidence import EVIDENCE, EvidenceWriter
+from proxy.evidence_log import EVIDENCE, EvidenceLog
 from proxy.exchange import Forwarded
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
@@ -24,7 +24,7 @@ __all__ = ["RECORDER", "Recorder", "setup_recorder"]
 class Recorder:
     """Hands each finished fact to the witness, the evidence log and the metrics — one path."""
 
-    def __init__(self, witness: Witness, evidence: EvidenceWriter, metrics: Metrics) -> None:
+    def __init__(self, witness: Witness, evidence: EvidenceLog, metrics: Metrics) -> None:
         self.witness = witness
         self._evidence = evidence
         self._metrics = metrics
@@ -57,9 +57,10 @@ class Recorder:
         """Record an inference request the sidecar answered itself (400, 413, 503).
 
         Evidence only: it never reached the engine, so it decides no verdict and counts no
-        tokens (its status is already in `requests_total`).
+        tokens (its status is already in `requests_total`). Bounded in rate (evidence_rejected_per_s):
+        the cheapest requests to send must not rotate the evidence away.
         """
-        self._evidence.write(observation.to_record())
+        self._evidence.write_rejected(observation.to_record())
 
     def reset_accepted(
         self,

@@ -5,7 +5,9 @@ arrives as a str that no JSON encoder accepts: the record carrying it would be l
 is therefore stored percent-encoded wherever it leaves the id charset `[A-Za-z0-9._:-]`:
 `%XX` for each other byte (controls, spaces, non-ASCII, invalid UTF-8, `%` itself). A valid
 id is stored as sent; a `%` in a stored id means it was escaped, and the original bytes are
-recoverable (`urllib.parse.unquote_to_bytes`).
+recoverable (`urllib.parse.unquote_to_bytes`). Every stored id is cut at ID_CHARS characters:
+a client's 8 KB X-Request-Id would otherwise make each record of a refused request ~8 KB, and a
+flood of them rotate the evidence away (docs/security.md).
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ from __future__ import annotations
 import re
 import string
 
-__all__ = ["ID_HEADERS", "SESSION_ID_CHARS", "forwardable", "is_stored_id", "is_utf8", "stored_id"]
+__all__ = [
+    "ID_CHARS",
+    "ID_HEADERS",
+    "SESSION_ID_CHARS",
+    "forwardable",
+    "is_stored_id",
+    "is_utf8",
+    "stored_id",
+]
 
 ID_HEADERS = frozenset({"x-session-id", "x-case-id", "x-request-id"})
-# Session and case ids are bounded so a client cannot bloat the evidence.
-SESSION_ID_CHARS = 128
+# Every id a client sends is bounded so a client cannot bloat the evidence.
+ID_CHARS = 128
+SESSION_ID_CHARS = ID_CHARS
 _SAFE = frozenset((string.ascii_letters + string.digits + "._:-").encode("ascii"))
 _STORED = re.compile(r"(?:[A-Za-z0-9._:-]|%[0-9A-F]{2}){1,128}")
 
@@ -27,7 +38,7 @@ def _bytes(value: str) -> bytes:
     return value.encode("utf-8", "surrogateescape")
 
 
-def stored_id(value: str | None, limit: int | None = None) -> str | None:
+def stored_id(value: str | None, limit: int | None = ID_CHARS) -> str | None:
     """`value` as the evidence stores it: escaped outside the id charset, cut to `limit` characters.
 
     The cut never splits an escape.
@@ -70,4 +81,4 @@ def forwardable(value: str) -> str:
     aiohttp's client can only send header values as UTF-8 (its C writer silently drops
     the undecodable bytes), so such an id goes on in the escaped form the evidence holds.
     """
-    return value if is_utf8(value) else stored_id(value) or ""
+    return value if is_utf8(value) else stored_id(value, limit=None) or ""

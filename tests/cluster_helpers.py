@@ -16,6 +16,7 @@ from aiohttp import web
 from proxy.sim import SimConfig
 from tests.conftest import serve_sidecar
 from tests.dns_server import DnsServer, dns_server
+from tests.evidence_files import evidence_records
 from tests.sim_helpers import Sim, chat, sim
 
 SERVICE = "cw-peers.ns.svc.cluster.test"
@@ -57,10 +58,8 @@ class Pod:
         return self.url.removeprefix("http://")
 
     def records(self) -> list[dict[str, Any]]:
-        """This pod's own evidence records (flushed by the reads that precede)."""
-        if not self.evidence.exists():
-            return []
-        return [orjson.loads(line) for line in self.evidence.read_bytes().splitlines() if line.strip()]
+        """This pod's own evidence records, both files (flushed by the reads that precede)."""
+        return evidence_records(self.evidence)
 
 
 @dataclass

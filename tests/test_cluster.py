@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config import SETTINGS, ConfigError, Settings, load_settings
-from proxy.evidence import EVIDENCE
+from proxy.evidence_log import EVIDENCE
 from proxy.peers import discover_peers
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.conftest import serve_app, serve_sidecar, stack

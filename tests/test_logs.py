@@ -18,6 +18,7 @@ import pytest
 from proxy.logs import JsonFormatter
 from proxy.sim import running_sim
 from tests.conftest import free_port
+from tests.evidence_files import resets_file
 from tests.sim_helpers import chat, fast, words
 from tests.test_health import wait_status
 
@@ -98,8 +99,9 @@ async def test_sidecar_logs_json_on_stderr_and_evidence_json_on_stdout(tmp_path:
     assert {record["event_type"] for record in records} >= {"infer.cache_observation", "infer.cache_state"}
     for record in records:
         assert EVIDENCE_KEYS <= set(record), record
-    # stdout carries the evidence file's lines, byte for byte.
-    assert (tmp_path / "stdout").read_bytes() == (tmp_path / "ev.jsonl").read_bytes()
+    # stdout carries the lines of both evidence files (observations, reset records), byte for byte.
+    written = (tmp_path / "ev.jsonl").read_bytes() + resets_file(tmp_path / "ev.jsonl").read_bytes()
+    assert sorted((tmp_path / "stdout").read_bytes().splitlines()) == sorted(written.splitlines())
 
 
 def test_a_field_never_replaces_the_four_keys() -> None:

@@ -14,6 +14,7 @@ from multidict import CIMultiDictProxy
 
 from proxy.sim import SimConfig
 from tests.conftest import Stack, running_request, stack
+from tests.evidence_files import evidence_records
 from tests.sim_helpers import fast, slow
 
 TOKEN = "admin-t0ken-for-native-tests"
@@ -45,8 +46,8 @@ async def direct(s: Stack, dialect: str) -> tuple[int, bytes]:
 
 def records(tmp_path: Path, event_type: str) -> list[dict[str, Any]]:
     """Evidence records of one type (read once the sidecar has stopped and flushed)."""
-    lines = (tmp_path / "evidence" / "cachewitness.jsonl").read_bytes().splitlines()
-    return [r for r in map(orjson.loads, lines) if r["event_type"] == event_type]
+    records = evidence_records(tmp_path / "evidence" / "cachewitness.jsonl")
+    return [r for r in records if r["event_type"] == event_type]
 
 
 @asynccontextmanager

@@ -14,6 +14,7 @@ from proxy.admission import ADMISSION
 from proxy.reset import RESETS
 from proxy.sim import SimConfig
 from tests.conftest import Stack, closed_port_url, running_request, serve_sidecar, stack
+from tests.evidence_files import evidence_records
 from tests.sim_helpers import WAIT_S, fast, slow, words
 
 REFERENCE_RECORD_KEYS = {
@@ -301,8 +302,7 @@ async def test_coalesced_round_drains_the_requests_the_round_before_it_let_in(tm
 async def test_every_caller_gets_its_own_evidence_record(tmp_path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         _, body = await s.reset({"session_id": "s9", "case_id": "c9"})
-    lines = (tmp_path / "evidence" / "cachewitness.jsonl").read_bytes().splitlines()
-    records = [orjson.loads(line) for line in lines]
+    records = evidence_records(tmp_path / "evidence" / "cachewitness.jsonl")
     states = [r for r in records if r["event_type"] == "infer.cache_state"]
     assert states == [body["cache_state"]]
 

@@ -7,11 +7,11 @@ import contextlib
 from pathlib import Path
 
 import aiohttp
-import orjson
 from aiohttp import web
 
 from proxy.serve import serve
 from tests.conftest import free_port, make_settings, serve_app
+from tests.evidence_files import evidence_records
 from tests.sim_helpers import WAIT_S
 
 
@@ -38,8 +38,7 @@ def engine_that_resets_when_told(answer_after: asyncio.Event, called: asyncio.Ev
 
 def cache_states(tmp_path: Path) -> list[dict]:
     """The infer.cache_state records the sidecar wrote."""
-    lines = (tmp_path / "evidence" / "cachewitness.jsonl").read_bytes().splitlines()
-    records = [orjson.loads(line) for line in lines]
+    records = evidence_records(tmp_path / "evidence" / "cachewitness.jsonl")
     return [r for r in records if r["event_type"] == "infer.cache_state"]
 
 

@@ -12,7 +12,7 @@ from proxy.admission import ADMISSION
 from proxy.body_budget import BODY_BUDGET
 from proxy.connections import CONNECTIONS, Limit
 from proxy.engine_state import ENGINE
-from proxy.evidence import EVIDENCE
+from proxy.evidence_log import EVIDENCE
 from proxy.health import HEALTH
 from proxy.metrics.labels import EVENT_TYPES, PREFIX
 
@@ -55,8 +55,7 @@ class StateCollector(Collector):
             "Evidence records written, by event type.",
             labels=("event_type",),
         )
-        # A copy: the writer's thread adds keys (dict() copies atomically under the GIL).
-        written = dict(evidence.records_total)
+        written = evidence.records_total  # a copy, summed over both files
         for event_type in sorted(set(EVENT_TYPES) | set(written)):
             records.add_metric((event_type,), written.get(event_type, 0))
         yield records

@@ -44,7 +44,7 @@ VERIFY_MODES = tuple(mode.value for mode in VerifyMode)
 class EngineRoutes(StrEnum):
     """Who may call the engine's own control routes through the sidecar."""
 
-    ADMIN = "admin"  # the admin rules of /cache/*: token, or loopback when none is set
+    ADMIN = "admin"  # the admin rules of /cache/*: token, or trusted_peers when none is set
     OPEN = "open"  # anyone who reaches the sidecar (unsafe: the behaviour before issue 14)
 
 
@@ -86,6 +86,8 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     admin_open: bool = False
+    # Who counts as local for admin routes while no admin token is set (proxy/auth.py).
+    trusted_peers: tuple[str, ...] = ("127.0.0.1", "::1")
     max_body_bytes: int = 64 * 1024 * 1024
     max_buffered_bytes: int = 256 * 1024 * 1024
     connect_timeout: float = 10.0
@@ -291,9 +293,17 @@ def _path(text: str) -> str:
 
 def _admin_paths(text: str) -> tuple[str, ...]:
     paths = _names(text)
-    if any(not path.startswith("/") or "*" in path[:-1] for path in paths):
+    if any(not path.startswith("/") or "*" in path[:-1] or "%" in path for path in paths):
         raise ValueError(text)
     return paths
+
+
+def _networks(text: str) -> tuple[str, ...]:
+    """Addresses and CIDRs (`10.0.0.0/8`; host bits may be set), as written; none: nobody."""
+    networks = _names(text)
+    for network in networks:
+        ipaddress.ip_network(network, strict=False)
+    return networks
 
 
 def _method(text: str) -> str:
@@ -303,7 +313,7 @@ def _method(text: str) -> str:
 
 
 def _http_path(text: str) -> str:
-    if not text.startswith("/"):
+    if not text.startswith("/") or "%" in text:
         raise ValueError(text)
     return text
 
@@ -345,6 +355,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
     Option("admin_open", _bool, "let any client call /cache/* without a token", "true or false"),
+    Option(
+        "trusted_peers",
+        _networks,
+        "client addresses that may call admin routes while no admin token is set",
+        "comma-separated addresses or CIDRs such as 127.0.0.1,::1,10.0.0.0/8 (empty: nobody)",
+    ),
     Option("max_body_bytes", _positive_int, "largest request body accepted", "a byte count"),
     Option(
         "max_buffered_bytes",
@@ -425,14 +441,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "engine_routes",
         EngineRoutes,
-        "who may call the engine's control routes: admin (token/loopback) or open (unsafe)",
+        "who may call the engine's control routes: admin (token/trusted_peers) or open (unsafe)",
         "admin or open",
     ),
     Option(
         "extra_admin_paths",
         _admin_paths,
         "more engine paths that need admin auth (a trailing * matches a prefix)",
-        "comma-separated paths such as /my_admin,/debug/*",
+        "comma-separated paths without % such as /my_admin,/debug/*",
     ),
     Option(
         "native_resets",

@@ -3,11 +3,13 @@
 Every request the sidecar does not serve itself is classified here on its *normalised*
 path, so that `//x`, `/./x`, `/x/`, `/X`, `/%78` and `/%2578` are all `/x`. Matching more
 spellings than the engine accepts only asks a caller for the admin token; matching fewer
-would let a stranger reach a control route.
+would let a stranger reach a control route. A path whose meaning engines could disagree on
+is not classified at all: it is refused (`decoded_path`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -18,7 +20,15 @@ from proxy.engines import llamacpp, mindnano, sglang, vllm
 from proxy.engines.base import Dialect, EngineKind
 from proxy.engines.routes import NativeReset, RouteRule, control, control_prefix
 
-__all__ = ["ALL_CONTROL_ROUTES", "RouteClass", "RouteDecision", "RoutePolicy", "normalise_path"]
+__all__ = [
+    "ALL_CONTROL_ROUTES",
+    "DECODE_PASSES",
+    "RouteClass",
+    "RouteDecision",
+    "RoutePolicy",
+    "decoded_path",
+    "normalise_path",
+]
 
 # For an engine whose kind is not known (not detected yet, generic, none): every known
 # engine's control routes, so that nothing opens while the kind is unsure.
@@ -32,6 +42,15 @@ ALL_CONTROL_ROUTES: tuple[RouteRule, ...] = (
 # spraying random paths only loses the shortcut).
 _MEMO_SIZE = 1024
 _KNOWN_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LLAMACPP, EngineKind.MINDNANO})
+# Percent-decoding passes before a path is judged: the engine's own, and one more for a client
+# or proxy that encoded twice. Decoding until nothing changed cost 44 ms for an 8 KB `%2525...`
+# path (quadratic); what still holds `%` after two passes is refused instead (issue 27).
+DECODE_PASSES = 2
+# `%uXXXX` in any case: cpp-httplib (llama-server's HTTP library) decodes `%u0073` to `s` and
+# drops `%uD800`..`%uDFFF` altogether; Python's unquote and Starlette leave both as they are.
+_UNICODE_ESCAPE = re.compile(r"%[uU]")
+# Control characters: C-string routers stop at NUL, log lines break at CR/LF.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 
 
 class RouteClass(StrEnum):
@@ -41,6 +60,7 @@ class RouteClass(StrEnum):
     CONTROL = "control"  # admin auth, then forwarded with the engine's key instead of the admin token
     NATIVE_RESET = "native_reset"  # admin auth, then the sidecar's reset, answered in the engine's shape
     SLOT_ERASE = "slot_erase"  # llama.cpp: admin auth, then forwarded and recorded
+    INVALID_TARGET = "invalid_target"  # engines could read the path differently: 400, not forwarded
 
 
 @dataclass(frozen=True)
@@ -52,16 +72,40 @@ class RouteDecision:
     native: NativeReset | None = None
 
 
-def normalise_path(raw_path: str) -> str:
-    """The path an engine could route `raw_path` to, in the form the rules are written in.
+def decoded_path(raw_path: str) -> str | None:
+    """`raw_path` without its query, percent-decoded at most twice; None when engines could disagree on it.
 
-    Percent-decoded until nothing changes (double encoding, `%2F`), backslashes as slashes,
-    empty and `.` segments dropped, `..` applied, lowercased, no trailing slash.
+    None for: a `%` still there after two passes (an engine decodes once; the second pass
+    covers a path encoded twice), a `%u`/`%U` escape at any stage, decoded bytes that are
+    not UTF-8 (Python's decoders replace them, cpp-httplib keeps them as they are) and
+    control characters. Linear in the path's length.
     """
     path = raw_path.split("?", 1)[0].split("#", 1)[0]
-    # Bounded: a pass that changes the text replaces some `%XX` by one character, so it shrinks.
-    while (decoded := unquote(path, errors="replace")) != path:
-        path = decoded
+    if "%" not in path:
+        return path  # what the engine sees as well (the request line has no control characters)
+    for _ in range(DECODE_PASSES):
+        if _UNICODE_ESCAPE.search(path):
+            return None
+        try:
+            path = unquote(path, errors="strict")
+        except UnicodeDecodeError:
+            return None
+        if "%" not in path:
+            break
+    else:
+        return None
+    return None if _CONTROL.search(path) else path
+
+
+def normalise_path(raw_path: str) -> str | None:
+    """The path an engine could route `raw_path` to, in the form the rules are written in; None: refuse it.
+
+    Percent-decoded (`decoded_path`: `%2F` too, at most twice), backslashes as slashes,
+    empty and `.` segments dropped, `..` applied, lowercased, no trailing slash.
+    """
+    path = decoded_path(raw_path)
+    if path is None:
+        return None
     segments: list[str] = []
     for segment in path.replace("\\", "/").split("/"):
         if segment in ("", "."):
@@ -74,11 +118,19 @@ def normalise_path(raw_path: str) -> str:
     return ("/" + "/".join(segments)).lower()
 
 
+def _rule_path(path: str) -> str:
+    """A configured path in canonical form (config checks keep `%` out of them)."""
+    canonical = normalise_path(path)
+    if canonical is None:
+        raise ValueError(f"{path!r} is not a plain path")
+    return canonical
+
+
 def _configured_rule(path: str) -> RouteRule:
     """A rule from config: a trailing `*` makes it a prefix ("/debug/*" covers "/debug" too)."""
     if path.endswith("*"):
-        return control_prefix(normalise_path(path[:-1]))
-    return control(normalise_path(path))
+        return control_prefix(_rule_path(path[:-1]))
+    return control(_rule_path(path))
 
 
 class RoutePolicy:
@@ -90,7 +142,7 @@ class RoutePolicy:
         self._extra = tuple(extra)
         self._unknown = ALL_CONTROL_ROUTES + self._extra
         if settings.reset_path:
-            self._unknown += (control(normalise_path(settings.reset_path)),)
+            self._unknown += (control(_rule_path(settings.reset_path)),)
         # Plain traffic's decisions, per (method, raw path), for the dialect they were made for:
         # a repeated inference path costs 0.3 µs instead of 3.8 µs (timeit, issue 19).
         self._forwarded: dict[tuple[str, str], RouteDecision] = {}
@@ -129,6 +181,8 @@ class RoutePolicy:
         self, method: str, raw_path: str, query: Mapping[str, str], dialect: Dialect
     ) -> RouteDecision:
         path = normalise_path(raw_path)
+        if path is None:
+            return RouteDecision(RouteClass.INVALID_TARGET, raw_path)
         native = dialect.native_reset
         if native is not None and native.rule.matches(method, path):
             return RouteDecision(RouteClass.NATIVE_RESET, path, native)

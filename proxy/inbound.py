@@ -3,7 +3,8 @@
 Two things cannot be forwarded as they came: an absolute-form target (`POST http://x/v1/...`,
 RFC 9112 §3.2.2: a request for a forward proxy, which the sidecar is not) and a header value
 whose bytes are not UTF-8 (aiohttp's client sends header values as UTF-8 only). The id
-headers are the exception: they go on escaped (`proxy.request_ids`).
+headers are the exception: they go on escaped (`proxy.request_ids`). A third, a path whose
+meaning engines could disagree on, is refused by the route policy before routing (`PATH_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from aiohttp import web
 from proxy.errors import error_response
 from proxy.request_ids import ID_HEADERS, is_utf8
 
-__all__ = ["Refusal", "refusal"]
+__all__ = ["PATH_REFUSAL", "Refusal", "refusal"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,16 @@ class Refusal:
         return error_response(
             400, self.message, type_="invalid_request_error", code=self.code, param=self.header
         )
+
+
+# A path engines could read differently (proxy/engine_routes.py, decoded_path): the route
+# policy answers this before any routing.
+PATH_REFUSAL = Refusal(
+    "invalid_request_target",
+    "the request path holds a % escape after two rounds of percent-decoding, a %u escape, bytes that "
+    "are not UTF-8 or control characters: engines decode such a path differently, so the sidecar does "
+    "not forward it; percent-encode the path once, with %XX escapes only (RFC 3986)",
+)
 
 
 def refusal(request: web.Request) -> Refusal | None:

@@ -10,7 +10,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.auth import is_loopback
+from proxy.auth import is_trusted
+from proxy.config import Settings
 from tests.conftest import stack
 from tests.sim_helpers import fast
 
@@ -115,13 +116,17 @@ async def test_token_lets_non_loopback_clients_in(tmp_path, remote_host: str) ->
     assert status == 200
 
 
+DEFAULT_PEERS = Settings().trusted_peers
+
+
 @pytest.mark.parametrize(
-    ("host", "loopback"),
+    ("host", "trusted"),
     [
         ("127.0.0.1", True),
-        ("127.0.0.2", True),
         ("::1", True),
         ("::ffff:127.0.0.1", True),
+        ("127.0.0.2", False),  # 127/8 is loopback, but only 127.0.0.1 is trusted by default
+        ("127.0.0.6", False),  # where Istio's sidecar proxy connects from
         ("192.0.2.7", False),
         ("::ffff:192.0.2.7", False),
         ("fd00::2", False),
@@ -130,5 +135,49 @@ async def test_token_lets_non_loopback_clients_in(tmp_path, remote_host: str) ->
         ("not-an-ip", False),
     ],
 )
-def test_is_loopback(host: str | None, loopback: bool) -> None:
-    assert is_loopback(host) is loopback
+def test_default_trusted_peers(host: str | None, trusted: bool) -> None:
+    assert is_trusted(host, DEFAULT_PEERS) is trusted
+
+
+def test_trusted_peers_take_cidrs() -> None:
+    peers = ("10.0.0.0/8", "127.0.0.6")
+    assert is_trusted("10.1.2.3", peers) and is_trusted("::ffff:10.1.2.3", peers)
+    assert is_trusted("127.0.0.6", peers) and not is_trusted("127.0.0.1", peers)
+    assert not is_trusted("127.0.0.1", ())
+
+
+# -- trusted_peers through the production runner, from a source address in 127/8 ------------------
+
+
+async def post_reset_from(source: str, url: str) -> tuple[int, dict[str, Any]]:
+    """POST /cache/reset from a connection whose source address is `source` (all of 127/8 is on lo)."""
+    connector = aiohttp.TCPConnector(local_addr=(source, 0))
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.post(f"{url}/cache/reset") as resp,
+    ):
+        return resp.status, await resp.json()
+
+
+async def test_a_mesh_proxy_address_in_127_8_is_not_local_by_default(tmp_path) -> None:
+    # Istio's sidecar connects to the app from 127.0.0.6: loopback, but not this machine's own client.
+    async with sidecar(tmp_path) as url:
+        status, body = await post_reset_from("127.0.0.6", url)
+        assert status == 403 and body["error"]["code"] == "admin_loopback_only", body
+        assert "trusted_peers" in body["error"]["message"]
+        status, _ = await post_reset_from("127.0.0.1", url)
+        assert status == 200
+
+
+async def test_trusted_peers_lets_a_listed_address_in(tmp_path) -> None:
+    async with sidecar(tmp_path, trusted_peers=("127.0.0.1", "127.0.0.0/29")) as url:
+        status, body = await post_reset_from("127.0.0.6", url)
+        assert status == 200 and body["answer"] == "acknowledged", body
+        status, _ = await post_reset_from("127.0.0.9", url)
+        assert status == 403
+
+
+async def test_trusted_peers_do_not_matter_once_a_token_is_set(tmp_path) -> None:
+    async with sidecar(tmp_path, admin_token=TOKEN, trusted_peers=("127.0.0.0/8",)) as url:
+        status, body = await post_reset_from("127.0.0.6", url)
+    assert status == 401 and body["error"]["code"] == "missing_admin_token"

@@ -200,6 +200,19 @@ def test_route_policy_defaults_are_safe() -> None:
     settings = load_settings({}, env={})
     assert settings.engine_routes == "admin" and settings.native_resets == "engine"
     assert settings.native_reset_auth == "admin" and settings.extra_admin_paths == ()
+    assert settings.trusted_peers == ("127.0.0.1", "::1")
+
+
+def test_trusted_peers_take_addresses_and_cidrs_from_every_layer(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, 'trusted_peers = ["127.0.0.1", "10.0.0.0/8", "fd00::/8"]\n')
+    assert load_settings({}, env={}, config_file=config).trusted_peers == (
+        "127.0.0.1",
+        "10.0.0.0/8",
+        "fd00::/8",
+    )
+    env = {"CACHEWITNESS_TRUSTED_PEERS": "127.0.0.6, ::1"}
+    assert load_settings({}, env=env).trusted_peers == ("127.0.0.6", "::1")
+    assert load_settings({}, env={"CACHEWITNESS_TRUSTED_PEERS": ""}).trusted_peers == ()  # nobody
 
 
 @pytest.mark.parametrize(
@@ -210,6 +223,10 @@ def test_route_policy_defaults_are_safe() -> None:
         ({"CACHEWITNESS_NATIVE_RESET_AUTH": "anyone"}, "native_reset_auth"),
         ({"CACHEWITNESS_EXTRA_ADMIN_PATHS": "no-slash"}, "extra_admin_paths"),
         ({"CACHEWITNESS_EXTRA_ADMIN_PATHS": "/a*b"}, "extra_admin_paths"),
+        ({"CACHEWITNESS_EXTRA_ADMIN_PATHS": "/%61dmin"}, "extra_admin_paths"),
+        ({"CACHEWITNESS_RESET_PATH": "/re%73et"}, "reset_path"),
+        ({"CACHEWITNESS_TRUSTED_PEERS": "127.0.0.1,localhost"}, "trusted_peers"),
+        ({"CACHEWITNESS_TRUSTED_PEERS": "10.0.0.0/33"}, "trusted_peers"),
         ({"CACHEWITNESS_NATIVE_RESET_AUTH": "upstream_api_key"}, "upstream_api_key"),
         ({"CACHEWITNESS_ADMIN_TOKEN": "same", "CACHEWITNESS_UPSTREAM_API_KEY": "same"}, "upstream_api_key"),
     ],

@@ -97,13 +97,33 @@ def test_every_spelling_normalises_to_the_route(raw: str) -> None:
         ("/slots%252F0", "/slots/0"),
         ("/v1/chat/completions", "/v1/chat/completions"),
         ("/", "/"),
-        ("/%", "/%"),
-        ("/%zz", "/%zz"),
         ("/a?b=/reset_prefix_cache", "/a"),
+        ("/a?b=%u0073", "/a"),  # the query is not the path
+        ("/v1/models/a%20b", "/v1/models/a b"),
     ],
 )
 def test_normalise_path(raw: str, canonical: str) -> None:
     assert normalise_path(raw) == canonical
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "/%",  # a lone %, left as it is by every decoder
+        "/%zz",
+        "/%2525",  # `%` after two passes
+        "/%25252573lots",  # three encodings deep
+        "/%u0073lots",  # cpp-httplib: /slots
+        "/%U0073lots",
+        "/%25u0073lots",  # %u0073 after one pass
+        "/slo%uD800ts",  # cpp-httplib drops the surrogate: /slots
+        "/slots%FF",  # not UTF-8: Python decoders replace it, cpp-httplib keeps it
+        "/props%00",  # NUL
+        "/v1/chat%0D%0Acompletions",
+    ],
+)
+def test_a_path_engines_could_read_differently_is_not_normalised(raw: str) -> None:
+    assert normalise_path(raw) is None
 
 
 # -- strangers ------------------------------------------------------------------------------

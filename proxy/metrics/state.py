@@ -15,6 +15,7 @@ from proxy.engine_state import ENGINE
 from proxy.evidence_log import EVIDENCE
 from proxy.health import HEALTH
 from proxy.metrics.labels import EVENT_TYPES, PREFIX
+from proxy.refusals import REFUSALS, RefusalReason
 
 _VERSION_MAX = 64
 
@@ -84,6 +85,15 @@ class StateCollector(Collector):
         for limit in Limit:
             hits.add_metric((str(limit),), connections.hits[limit])
         yield hits
+        refused = CounterMetricFamily(
+            PREFIX + "route_refusals_total",
+            "Requests the route policy refused: admin auth failed, or a path engines could read differently.",
+            labels=("reason",),
+        )
+        refusals = app[REFUSALS]
+        for refusal in RefusalReason:
+            refused.add_metric((str(refusal),), refusals.counts[refusal])
+        yield refused
         yield CounterMetricFamily(
             PREFIX + "evidence_write_errors_total",
             "Evidence writes the disk refused.",

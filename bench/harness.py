@@ -20,6 +20,7 @@ __all__ = [
     "ensure_tools",
     "free_port",
     "machine_busy_seconds",
+    "realtime",
     "rss_mb",
     "start_service",
     "wait_http",
@@ -61,6 +62,20 @@ def ensure_tools() -> tuple[str, str]:
     if not (nginx and wrk):
         sys.exit("bench: nginx/wrk still missing after apt-get install")
     return nginx, wrk
+
+
+def realtime(priority: int = 10) -> None:
+    """This process and every process and thread it starts from now on under SCHED_FIFO (root).
+
+    On a machine shared with other work each measured process then runs as soon as it is
+    woken, as it would on a core of its own; a niceness would not do it, as the kernel's
+    autogroups weigh each session as a whole. None of the bench's processes spins, and the
+    kernel's RT throttle (sched_rt_runtime_us) keeps a share of every core for the others.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except PermissionError:
+        sys.exit("bench: --realtime needs root (SCHED_FIFO)")
 
 
 def free_port() -> int:

@@ -1,0 +1,348 @@
+"""A paced, open-loop load generator: requests at a fixed rate over a keep-alive pool, or paced streams.
+
+    python bench/paced_load.py requests --url URL --rate 400 --connections 48 --seconds 5 [--max-tokens 8]
+        [--prompt-bytes 220000] [--cpu-pids 123,124]
+    python bench/paced_load.py streams --url URL --streams 100 --max-tokens 200 --seconds 6 [--cpu-pids ...]
+
+`requests`: chat completions (non-streaming) due at start + k / rate whatever the answers do
+(open loop), each sent on an idle connection of the pool (the one idle longest, so every
+connection stays in use), queued when none is idle. Latency runs from the send to the whole
+answer; `max_lag_ms` says how far behind its schedule the latest send was (the generator's
+own core too busy, or the pool exhausted).
+
+`streams`: `--streams` connections, each running streamed chat completions back to back, the
+engine pacing the events; the connections start spread over one stream's length so that
+streams begin at a steady rate. No stream starts after `--seconds`; the run ends when the last
+one has ended, and every event counts. Time to first event runs from the send to the read
+that brought the first event.
+
+`--cpu-pids`: processes (the proxy and its children) whose CPU the generator reads from
+/proc over exactly the measured window: from the first send to the last answer. Raw asyncio
+protocols on uvloop with httptools' parser, so the generator costs little. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httptools
+import uvloop
+
+PATH = "/v1/chat/completions"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_ns(pids: list[int]) -> int:
+    """CPU nanoseconds the live threads of these processes have run (/proc/PID/task/TID/schedstat).
+
+    Precise to the nanosecond, where /proc/PID/stat counts clock ticks (10 ms); a thread that
+    exits inside the window loses its time, which `cpu_ticks_s` cross-checks.
+    """
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total
+
+
+def cpu_ticks_s(pids: list[int]) -> float:
+    """User + system seconds of these processes from /proc/PID/stat (exited threads included)."""
+    ticks = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])
+    return ticks / CLK_TCK
+
+
+@dataclass
+class Tally:
+    """What one run counted."""
+
+    latencies: list[float] = field(default_factory=list)  # seconds, send -> whole answer
+    ttfe: list[float] = field(default_factory=list)  # seconds, send -> first event
+    events: int = 0
+    answers: int = 0
+    errors: int = 0
+    queued: int = 0  # requests that found no idle connection
+    max_lag: float = 0.0  # seconds a send ran behind its schedule, at most
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection: sends a request when told, parses the answer with httptools."""
+
+    def __init__(self, tally: Tally, on_done: Callable[[Connection], None]) -> None:
+        """Remember where to count and whom to tell when an answer ends."""
+        self.tally = tally
+        self.on_done = on_done
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.sent_at = 0.0
+        self.seen_event = False
+        self.last_byte = 0
+        self.failed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Ready to send."""
+        self.transport = transport  # type: ignore[assignment]
+        self.opened.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """A closed connection mid-answer is an error; a closed idle one is just gone."""
+        if self.sent_at and not self.failed:
+            self.tally.errors += 1
+            self.failed = True
+            self.on_done(self)
+
+    def send(self, request: bytes) -> None:
+        """Write one request and start its clock."""
+        self.seen_event = False
+        self.last_byte = 0
+        self.sent_at = time.perf_counter()
+        assert self.transport is not None
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        """Feed the parser; an unparsable answer is an error and closes the connection."""
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._fail()
+
+    def on_headers_complete(self) -> None:
+        """A non-200 answer is an error."""
+        if self.parser.get_status_code() != 200:
+            self._fail()
+
+    def on_body(self, body: bytes) -> None:
+        """Count SSE events (a blank line ends one), across chunk boundaries too."""
+        n = body.count(b"\n\n") + (1 if self.last_byte == 0x0A and body[:1] == b"\n" else 0)
+        self.last_byte = body[-1]
+        if n:
+            if not self.seen_event:
+                self.seen_event = True
+                self.tally.ttfe.append(time.perf_counter() - self.sent_at)
+            self.tally.events += n
+
+    def on_message_complete(self) -> None:
+        """One answer done: its latency, then the connection is idle again."""
+        if self.failed:
+            return
+        self.tally.latencies.append(time.perf_counter() - self.sent_at)
+        self.tally.answers += 1
+        self.sent_at = 0.0
+        self.on_done(self)
+
+    def _fail(self) -> None:
+        """Count an error once and drop the connection."""
+        if not self.failed:
+            self.failed = True
+            self.tally.errors += 1
+            if self.transport is not None:
+                self.transport.close()
+            self.on_done(self)
+
+
+def request_bytes(url: str, max_tokens: int, stream: bool, prompt_bytes: int) -> tuple[str, int, bytes]:
+    """Host, port and one raw chat completion request (`prompt_bytes`: a long prompt of words)."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    words = "cache prefix token block engine reset witness model "
+    content = (
+        (words * (prompt_bytes // len(words) + 1))[:prompt_bytes]
+        if prompt_bytes
+        else "Benchmark prompt: say something short."
+    )
+    payload: dict[str, object] = {
+        "model": "sim-model",
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+    }
+    if stream:
+        payload["stream"] = True
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    accept = "Accept: text/event-stream\r\n" if stream else ""
+    head = (
+        f"POST {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+        f"{accept}Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    return host, port, head + body
+
+
+async def _open(host: str, port: int, tally: Tally, on_done: Callable[[Connection], None]) -> Connection:
+    """One connected Connection."""
+    loop = asyncio.get_running_loop()
+    _, conn = await loop.create_connection(lambda: Connection(tally, on_done), host, port)
+    await conn.opened
+    return conn
+
+
+async def run_requests(ns: argparse.Namespace, pids: list[int]) -> dict[str, object]:
+    """Requests due at a fixed rate for `seconds`, over a pool of keep-alive connections."""
+    loop = asyncio.get_running_loop()
+    host, port, request = request_bytes(ns.url, ns.max_tokens, False, ns.prompt_bytes)
+    tally = Tally()
+    idle: collections.deque[Connection] = collections.deque()
+    waiting = 0  # requests due while no connection was idle, oldest first
+    total = max(1, round(ns.rate * ns.seconds))
+    finished = loop.create_future()
+
+    def on_done(conn: Connection) -> None:
+        nonlocal waiting
+        if tally.answers + tally.errors >= total and not finished.done():
+            finished.set_result(None)
+        if conn.failed:
+            return
+        if waiting:  # a queued request goes out at once on the connection just freed
+            waiting -= 1
+            conn.send(request)
+        else:
+            idle.append(conn)
+
+    idle.extend(await asyncio.gather(*(_open(host, port, tally, on_done) for _ in range(ns.connections))))
+    start = loop.time() + 0.05
+    cpu0, ticks0, clock0 = None, 0.0, 0.0
+    for k in range(total):
+        due = start + k / ns.rate
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if cpu0 is None:  # the window opens with the first send
+            cpu0, ticks0, clock0 = cpu_ns(pids), cpu_ticks_s(pids), time.perf_counter()
+        tally.max_lag = max(tally.max_lag, loop.time() - due)
+        if idle:
+            idle.popleft().send(request)
+        else:
+            tally.queued += 1
+            waiting += 1
+    await asyncio.wait_for(finished, ns.seconds + 60)
+    window = time.perf_counter() - clock0
+    lat = sorted(tally.latencies)
+    return {
+        "mode": "requests",
+        "rate": ns.rate,
+        "connections": ns.connections,
+        "requests": tally.answers,
+        "errors": tally.errors,
+        "queued": tally.queued,
+        "max_lag_ms": round(tally.max_lag * 1000, 3),
+        "achieved_rps": tally.answers / window,
+        "p50_ms": _q(lat, 0.50),
+        "p90_ms": _q(lat, 0.90),
+        "p99_ms": _q(lat, 0.99),
+        **_cpu(pids, cpu0 or 0, ticks0, window),
+    }
+
+
+async def run_streams(ns: argparse.Namespace, pids: list[int]) -> dict[str, object]:
+    """`streams` connections running paced streams back to back until `seconds` have passed."""
+    loop = asyncio.get_running_loop()
+    host, port, request = request_bytes(ns.url, ns.max_tokens, True, 0)
+    tally = Tally()
+    conns: list[Connection] = []
+    running = 0
+    finished = loop.create_future()
+    deadline = 0.0
+
+    def on_done(conn: Connection) -> None:
+        nonlocal running
+        if not conn.failed and time.perf_counter() < deadline:
+            conn.send(request)
+            return
+        running -= 1
+        if running == 0 and not finished.done():
+            finished.set_result(None)
+
+    conns = await asyncio.gather(*(_open(host, port, tally, on_done) for _ in range(ns.streams)))
+    # One stream lasts about max_tokens / stream_rate s: the starts are spread over that.
+    spread = ns.max_tokens / ns.stream_rate
+    cpu0, ticks0, clock0 = cpu_ns(pids), cpu_ticks_s(pids), time.perf_counter()
+    deadline = clock0 + ns.seconds
+    start = loop.time()
+    for i, conn in enumerate(conns):
+        delay = start + i * spread / len(conns) - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        running += 1
+        conn.send(request)
+    await asyncio.wait_for(finished, ns.seconds + spread + 60)
+    window = time.perf_counter() - clock0
+    ttfe = sorted(tally.ttfe)
+    return {
+        "mode": "streams",
+        "streams": ns.streams,
+        "stream_requests": tally.answers,
+        "events": tally.events,
+        "errors": tally.errors,
+        "events_per_s": tally.events / window,
+        "ttfe_p50_ms": _q(ttfe, 0.50),
+        "ttfe_p90_ms": _q(ttfe, 0.90),
+        "ttfe_p99_ms": _q(ttfe, 0.99),
+        **_cpu(pids, cpu0, ticks0, window),
+    }
+
+
+def _cpu(pids: list[int], cpu0: int, ticks0: float, window: float) -> dict[str, float]:
+    """The proxy's CPU over the window, both ways, and the window's length."""
+    return {
+        "window_s": window,
+        "proxy_cpu_s": (cpu_ns(pids) - cpu0) / 1e9 if pids else 0.0,
+        "proxy_cpu_ticks_s": cpu_ticks_s(pids) - ticks0 if pids else 0.0,
+    }
+
+
+def _q(values: list[float], q: float) -> float | None:
+    """The q-quantile of sorted seconds, in ms."""
+    if not values:
+        return None
+    if len(values) == 1:
+        return round(values[0] * 1000, 4)
+    return round(statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1] * 1000, 4)
+
+
+def main() -> int:
+    """Parse arguments, run, print JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    req = sub.add_parser("requests")
+    req.add_argument("--rate", type=float, default=400.0, help="requests per second")
+    req.add_argument("--connections", type=int, default=48)
+    req.add_argument("--max-tokens", type=int, default=8)
+    req.add_argument("--prompt-bytes", type=int, default=0, help="a long prompt of this many bytes")
+    st = sub.add_parser("streams")
+    st.add_argument("--streams", type=int, default=100)
+    st.add_argument("--max-tokens", type=int, default=200)
+    st.add_argument("--stream-rate", type=float, default=100.0, help="the engine's tokens/s per stream")
+    for p in (req, st):
+        p.add_argument("--url", required=True)
+        p.add_argument("--seconds", type=float, default=5.0)
+        p.add_argument("--cpu-pids", default="", help="comma-separated pids whose CPU to read")
+    ns = parser.parse_args()
+    pids = [int(p) for p in ns.cpu_pids.split(",") if p]
+    run = run_requests if ns.mode == "requests" else run_streams
+    print(json.dumps(uvloop.run(run(ns, pids))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

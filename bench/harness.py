@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "RT_LOADGEN_PRIORITY",
+    "RT_PROXY_PRIORITY",
     "Cores",
     "Service",
     "cpu_seconds",
@@ -22,6 +24,7 @@ __all__ = [
     "machine_busy_seconds",
     "realtime",
     "rss_mb",
+    "set_fifo",
     "start_service",
     "wait_http",
 ]
@@ -64,7 +67,15 @@ def ensure_tools() -> tuple[str, str]:
     return nginx, wrk
 
 
-def realtime(priority: int = 10) -> None:
+# SCHED_FIFO priorities under --realtime: the load generator above the simulator it shares
+# a core with, so that its clocks are read when the answers come; the proxy, alone on its
+# core, above both.
+RT_PRIORITY = 10
+RT_LOADGEN_PRIORITY = 20
+RT_PROXY_PRIORITY = 30
+
+
+def realtime(priority: int = RT_PRIORITY) -> None:
     """This process and every process and thread it starts from now on under SCHED_FIFO (root).
 
     On a machine shared with other work each measured process then runs as soon as it is
@@ -76,6 +87,13 @@ def realtime(priority: int = 10) -> None:
         os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
     except PermissionError:
         sys.exit("bench: --realtime needs root (SCHED_FIFO)")
+
+
+def set_fifo(pids: list[int], priority: int) -> None:
+    """Every thread of these processes under SCHED_FIFO at `priority` (threads they start later inherit it)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(priority))
 
 
 def free_port() -> int:

@@ -11,7 +11,8 @@ offered open-loop by bench/paced_load.py at the same schedule to every path:
 - 100 and 1,600 requests/s: CPU per request (1,600/s at 2 tokens, see CASES);
 - a 220 KB chat request at 20 requests/s over 8 connections: added p50 and CPU per request.
 
-"Added" is the path's p50 minus the direct path's, in the same round. Every proxy runs
+"Added" is the path's p50 minus the engine's own: a smaller load of the same requests sent
+straight to the simulator by the same generator meanwhile (the baseline). Every proxy runs
 pinned alone on one core (taskset), the simulator and the load generator on the other; Envoy
 with `--concurrency 1`, nginx with one worker. A proxy's CPU is every thread of it and of its
 children (nginx's worker), read from /proc by the load generator over exactly its measured
@@ -38,7 +39,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from envoy_conf import ensure_envoy, envoy_version, start_envoy
-from harness import Cores, Service, cpu_seconds, ensure_tools, machine_busy_seconds, realtime, start_simulator
+from harness import (
+    RT_LOADGEN_PRIORITY,
+    RT_PROXY_PRIORITY,
+    Cores,
+    Service,
+    cpu_seconds,
+    ensure_tools,
+    machine_busy_seconds,
+    realtime,
+    set_fifo,
+    start_simulator,
+)
 from nginx_conf import start_nginx
 from paced_report import render
 from paths import BARE, start_sidecar
@@ -51,27 +63,37 @@ DECODE_RATE = 100.0  # tokens/s per sequence, the simulator's pace
 
 @dataclass(frozen=True)
 class Case:
-    """One offered load: the generator's arguments, and whether the direct path runs too."""
+    """One offered load: the generator's arguments, and the baseline's sent straight to the engine meanwhile."""
 
     name: str
     argv: tuple[str, ...]
     seconds: float
-    direct: bool  # the direct path is the baseline of an added latency
+    baseline: tuple[str, ...] = ()  # a smaller load to the engine itself: the added latency's baseline
 
 
 CASES = (
-    Case("r400", ("requests", "--rate", "400", "--connections", "48", "--max-tokens", "8"), 5.0, True),
-    Case("streams", ("streams", "--streams", "100", "--max-tokens", "200"), 6.0, True),
-    Case("r100", ("requests", "--rate", "100", "--connections", "48", "--max-tokens", "8"), 6.0, False),
+    Case(
+        "r400",
+        ("requests", "--rate", "400", "--connections", "48", "--max-tokens", "8"),
+        5.0,
+        ("--baseline-rate", "100", "--baseline-connections", "12"),
+    ),
+    Case(
+        "streams",
+        ("streams", "--streams", "100", "--max-tokens", "200"),
+        6.0,
+        ("--baseline-streams", "5", "--baseline-max-tokens", "8"),
+    ),
+    Case("r100", ("requests", "--rate", "100", "--connections", "48", "--max-tokens", "8"), 6.0),
     # 2 tokens (~20 ms, 32 in flight as at 400/s): 1,600 × 8 paced tokens/s is more than the
     # simulator's core can decode beside the load generator; a non-streaming answer is one
     # body to the proxy whatever its length.
-    Case("r1600", ("requests", "--rate", "1600", "--connections", "48", "--max-tokens", "2"), 3.0, False),
+    Case("r1600", ("requests", "--rate", "1600", "--connections", "48", "--max-tokens", "2"), 3.0),
     Case(
         "large",
         ("requests", "--rate", "20", "--connections", "8", "--max-tokens", "8", "--prompt-bytes", "220000"),
-        8.0,
-        True,
+        10.0,
+        ("--baseline-rate", "10", "--baseline-connections", "4"),
     ),
 )
 
@@ -112,16 +134,26 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cw-paced-") as tmp_name:
         work = Path(tmp_name)
-        services = _start(work, cores, nginx_bin, envoy_bin)
+        services = _start(work, cores, nginx_bin, envoy_bin, ns.realtime)
         try:
             for path in PROXIES:  # warm-up: imports, pools, first connections
-                _generate(services, cores, path, ("requests", "--rate", "100", "--max-tokens", "2"), 1.0)
+                _generate(
+                    services,
+                    cores,
+                    path,
+                    ("requests", "--rate", "100", "--max-tokens", "2"),
+                    1.0,
+                    ns.realtime,
+                )
             for rnd in range(rounds):
                 for case in cases:
-                    paths = (["direct"] if case.direct else []) + list(PROXIES)
-                    turn = rnd % len(paths)
-                    for path in paths[turn:] + paths[:turn]:
-                        result = _generate(services, cores, path, case.argv, case.seconds * scale)
+                    turn = rnd % len(PROXIES)
+                    baseline = (
+                        ("--baseline-url", services["sim"].url, *case.baseline) if case.baseline else ()
+                    )
+                    for path in PROXIES[turn:] + PROXIES[:turn]:
+                        argv = (*case.argv, *baseline)
+                        result = _generate(services, cores, path, argv, case.seconds * scale, ns.realtime)
                         runs.append({"case": case.name, "path": path, "round": rnd, **result})
                         _progress(runs[-1])
         finally:
@@ -135,6 +167,7 @@ def main() -> int:
         "scale": scale,
         "decode_rate": DECODE_RATE,
         "cores": os.cpu_count(),
+        "realtime": ns.realtime,
         "pinning": None
         if cores.proxy is None
         else {"proxy": cores.proxy, "upstream_and_loadgen": cores.rest},
@@ -155,8 +188,12 @@ def main() -> int:
     return 0
 
 
-def _start(work: Path, cores: Cores, nginx_bin: str, envoy_bin: str) -> dict[str, Service]:
-    """The paced simulator and the four proxies in front of it; `direct` is the simulator."""
+def _start(work: Path, cores: Cores, nginx_bin: str, envoy_bin: str, rt: bool) -> dict[str, Service]:
+    """The paced simulator and the four proxies in front of it (under --realtime, proxies above the rest).
+
+    The simulator stays off the proxy's core even where that core has time left: an RT task
+    there would have the kernel's RT throttle stall the proxy once the two together fill it.
+    """
     sim = start_simulator(cores.rest, work, decode_rate=DECODE_RATE)
     services = {"sim": sim}
     try:
@@ -164,6 +201,9 @@ def _start(work: Path, cores: Cores, nginx_bin: str, envoy_bin: str) -> dict[str
         services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work)
         services["envoy"] = start_envoy(envoy_bin, cores.proxy, work, sim.url)
         services["nginx"] = start_nginx(nginx_bin, cores.proxy, work, [sim.url])[0]
+        if rt:
+            for name in PROXIES:
+                set_fifo(services[name].pids(), RT_PROXY_PRIORITY)
     except BaseException:
         for service in services.values():
             service.stop()
@@ -172,11 +212,16 @@ def _start(work: Path, cores: Cores, nginx_bin: str, envoy_bin: str) -> dict[str
 
 
 def _generate(
-    services: dict[str, Service], cores: Cores, path: str, argv: tuple[str, ...], seconds: float
+    services: dict[str, Service],
+    cores: Cores,
+    path: str,
+    argv: tuple[str, ...],
+    seconds: float,
+    rt: bool,
 ) -> dict[str, Any]:
-    """One run of the load generator against one path, with how busy the machine was meanwhile."""
-    service = services["sim"] if path == "direct" else services[path]
-    proxy_pids = [] if path == "direct" else service.pids()
+    """One run of the load generator against one proxy, with how busy the machine was meanwhile."""
+    service = services[path]
+    proxy_pids = service.pids()
     sim_pids = services["sim"].pids()
     ours = sorted({p for s in services.values() for p in s.pids()})
     command = [
@@ -186,6 +231,7 @@ def _generate(
         *argv,
         *("--url", service.url, "--seconds", f"{seconds:g}"),
         *("--cpu-pids", ",".join(map(str, proxy_pids))),
+        *(("--fifo-priority", str(RT_LOADGEN_PRIORITY)) if rt else ()),
     ]
     busy0, ours0, sim0 = machine_busy_seconds(), cpu_seconds(ours), cpu_seconds(sim_pids)
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -220,16 +266,23 @@ def _progress(run: dict[str, Any]) -> None:
         return
     if run["mode"] == "streams":
         count, what = run["events"], "event"
-        latency = f"ttfe p50 {run['ttfe_p50_ms']:.2f} ms"
+        latency = f"ttfe p50 {run['ttfe_p50_ms']:.2f} ms (engine {_ms(run.get('baseline_ttfe_p50_ms'))})"
     else:
         count, what = run["requests"], "request"
-        latency = f"p50 {run['p50_ms']:.2f} ms, queued {run['queued']}"
-    per = 1e6 * run["proxy_cpu_s"] / count if count and run["path"] != "direct" else 0.0
+        latency = (
+            f"p50 {run['p50_ms']:.2f} ms (engine {_ms(run.get('baseline_p50_ms'))}), queued {run['queued']}"
+        )
+    per = 1e6 * run["proxy_cpu_s"] / count if count else 0.0
     print(
         f"{head} {per:7.1f} µs/{what}  {latency}  foreign {run['foreign_cores']:.2f} cores"
         + (f"  ({run['errors']} errors)" if run["errors"] else ""),
         flush=True,
     )
+
+
+def _ms(value: float | None) -> str:
+    """A latency for the progress line."""
+    return "—" if value is None else f"{value:.2f} ms"
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, Service, cpu_seconds, ensure_tools, realtime, start_simulator
+from harness import RT_LOADGEN_PRIORITY, Cores, Service, cpu_seconds, ensure_tools, realtime, start_simulator
 from loads import WRK_SCRIPT, run_wrk
 from paths import BARE, start_sidecar
 
@@ -184,17 +184,12 @@ def _load(
         ]
     else:
         argv = ["streams", "--streams", str(ns.streams), "--max-tokens", "200"]
+    pids = ",".join(map(str, sidecar.pids()))
     command = [
         *Cores.prefix(cores.rest),
         *(sys.executable, str(HERE / "paced_load.py"), *argv),
-        *(
-            "--url",
-            sidecar.url,
-            "--seconds",
-            f"{seconds:g}",
-            "--cpu-pids",
-            ",".join(map(str, sidecar.pids())),
-        ),
+        *("--url", sidecar.url, "--seconds", f"{seconds:g}", "--cpu-pids", pids),
+        *(("--fifo-priority", str(RT_LOADGEN_PRIORITY)) if ns.realtime else ()),
     ]
     out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=seconds + 120).stdout
     r = json.loads(out.strip().splitlines()[-1])

@@ -1,6 +1,7 @@
 """`make bench`, paced half: cachewitness, bare, Envoy and nginx at the load a deployment offers.
 
-    .venv/bin/python bench/paced.py [--rounds 2] [--quick] [--no-pin] [--render bench/results/paced.json]
+    .venv/bin/python bench/paced.py [--rounds 2] [--quick] [--realtime] [--no-pin] [--cases r400,streams]
+    .venv/bin/python bench/paced.py --render bench/results/paced.json
 
 The vLLM simulator decodes at 100 tokens/s per sequence (prefill instant), so answers last as
 long as they would on an engine and the proxy is woken as it would be there. Cases, each
@@ -17,7 +18,8 @@ pinned alone on one core (taskset), the simulator and the load generator on the 
 with `--concurrency 1`, nginx with one worker. A proxy's CPU is every thread of it and of its
 children (nginx's worker), read from /proc by the load generator over exactly its measured
 window. Each case runs every path back to back, in an order that turns each round; a figure
-is the best of the rounds, and its ratio to Envoy's is of the two best. Writes
+is the best of the rounds, and its ratio to Envoy's is of the two best. `--realtime` (root):
+everything under SCHED_FIFO, for a machine shared with other work (bench/README.md). Writes
 bench/results/paced.md and paced.json and prints the table.
 """
 

@@ -35,173 +35,17 @@ import collections
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
-import httptools
 import uvloop
 
-PATH = "/v1/chat/completions"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def cpu_ns(pids: list[int]) -> int:
-    """CPU nanoseconds the live threads of these processes have run (/proc/PID/task/TID/schedstat).
-
-    Precise to the nanosecond, where /proc/PID/stat counts clock ticks (10 ms); a thread that
-    exits inside the window loses its time, which `cpu_ticks_s` cross-checks.
-    """
-    total = 0
-    for pid in pids:
-        try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
-            except (OSError, IndexError, ValueError):
-                continue
-    return total
-
-
-def cpu_ticks_s(pids: list[int]) -> float:
-    """User + system seconds of these processes from /proc/PID/stat (exited threads included)."""
-    ticks = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        ticks += int(fields[11]) + int(fields[12])
-    return ticks / CLK_TCK
-
-
-@dataclass
-class Tally:
-    """What one run counted."""
-
-    latencies: list[float] = field(default_factory=list)  # seconds, send -> whole answer
-    ttfe: list[float] = field(default_factory=list)  # seconds, send -> first event
-    events: int = 0
-    answers: int = 0
-    errors: int = 0
-    queued: int = 0  # requests that found no idle connection
-    max_lag: float = 0.0  # seconds a send ran behind its schedule, at most
-
-
-class Connection(asyncio.Protocol):
-    """One keep-alive connection: sends a request when told, parses the answer with httptools."""
-
-    def __init__(self, tally: Tally, on_done: Callable[[Connection], None]) -> None:
-        """Remember where to count and whom to tell when an answer ends."""
-        self.tally = tally
-        self.on_done = on_done
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.opened: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.sent_at = 0.0
-        self.seen_event = False
-        self.last_byte = 0
-        self.failed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Ready to send."""
-        self.transport = transport  # type: ignore[assignment]
-        self.opened.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        """A closed connection mid-answer is an error; a closed idle one is just gone."""
-        if self.sent_at and not self.failed:
-            self.tally.errors += 1
-            self.failed = True
-            self.on_done(self)
-
-    def send(self, request: bytes) -> None:
-        """Write one request and start its clock."""
-        self.seen_event = False
-        self.last_byte = 0
-        self.sent_at = time.perf_counter()
-        assert self.transport is not None
-        self.transport.write(request)
-
-    def data_received(self, data: bytes) -> None:
-        """Feed the parser; an unparsable answer is an error and closes the connection."""
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError:
-            self._fail()
-
-    def on_headers_complete(self) -> None:
-        """A non-200 answer is an error."""
-        if self.parser.get_status_code() != 200:
-            self._fail()
-
-    def on_body(self, body: bytes) -> None:
-        """Count SSE events (a blank line ends one), across chunk boundaries too."""
-        n = body.count(b"\n\n") + (1 if self.last_byte == 0x0A and body[:1] == b"\n" else 0)
-        self.last_byte = body[-1]
-        if n:
-            if not self.seen_event:
-                self.seen_event = True
-                self.tally.ttfe.append(time.perf_counter() - self.sent_at)
-            self.tally.events += n
-
-    def on_message_complete(self) -> None:
-        """One answer done: its latency, then the connection is idle again."""
-        if self.failed:
-            return
-        self.tally.latencies.append(time.perf_counter() - self.sent_at)
-        self.tally.answers += 1
-        self.sent_at = 0.0
-        self.on_done(self)
-
-    def _fail(self) -> None:
-        """Count an error once and drop the connection."""
-        if not self.failed:
-            self.failed = True
-            self.tally.errors += 1
-            if self.transport is not None:
-                self.transport.close()
-            self.on_done(self)
-
-
-def request_bytes(url: str, max_tokens: int, stream: bool, prompt_bytes: int) -> bytes:
-    """One raw chat completion request to `url` (`prompt_bytes`: a long prompt of words)."""
-    host, port = _host_port(url)
-    # Words of 40 characters: the simulator's tokenizer works per word, a proxy per byte, so
-    # the engine's share of the latency stays small next to what the proxies add.
-    words = "longcontextpromptcacheprefixtokenblockxyz "
-    content = (
-        (words * (prompt_bytes // len(words) + 1))[:prompt_bytes]
-        if prompt_bytes
-        else "Benchmark prompt: say something short."
-    )
-    payload: dict[str, object] = {
-        "model": "sim-model",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens,
-    }
-    if stream:
-        payload["stream"] = True
-    body = json.dumps(payload, separators=(",", ":")).encode()
-    accept = "Accept: text/event-stream\r\n" if stream else ""
-    head = (
-        f"POST {PATH} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"{accept}Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    return head + body
-
-
-async def _open(host: str, port: int, tally: Tally, on_done: Callable[[Connection], None]) -> Connection:
-    """One connected Connection."""
-    loop = asyncio.get_running_loop()
-    _, conn = await loop.create_connection(lambda: Connection(tally, on_done), host, port)
-    await conn.opened
-    return conn
+from harness import cpu_ns, cpu_seconds
+from paced_wire import Connection, Tally, host_port, open_connection, request_bytes
 
 
 class RequestPool:
@@ -209,7 +53,7 @@ class RequestPool:
 
     def __init__(self, url: str, rate: float, connections: int, seconds: float, request: bytes) -> None:
         """What to send where, how often and for how long."""
-        self.host, self.port = _host_port(url)
+        self.host, self.port = host_port(url)
         self.rate, self.connections, self.request = rate, connections, request
         self.total = max(1, round(rate * seconds))
         self.tally = Tally()
@@ -220,7 +64,7 @@ class RequestPool:
     async def open(self) -> None:
         """Open every connection of the pool."""
         conns = await asyncio.gather(
-            *(_open(self.host, self.port, self.tally, self._done) for _ in range(self.connections))
+            *(open_connection(self.host, self.port, self.tally, self._done) for _ in range(self.connections))
         )
         self.idle.extend(conns)
 
@@ -273,7 +117,7 @@ async def run_requests(ns: argparse.Namespace, pids: list[int]) -> dict[str, obj
     window: dict[str, float] = {}
 
     def open_window() -> None:  # with the first send
-        window.update(cpu0=cpu_ns(pids), ticks0=cpu_ticks_s(pids), clock0=time.perf_counter())
+        window.update(cpu0=cpu_ns(pids), ticks0=cpu_seconds(pids), clock0=time.perf_counter())
 
     start = loop.time() + 0.05
     # The baseline's schedule is offset by half an interval: no send of it coincides with one of the main's.
@@ -302,7 +146,7 @@ class StreamSet:
 
     def __init__(self, url: str, streams: int, max_tokens: int) -> None:
         """Where to send, how many at once, how long each."""
-        self.host, self.port = _host_port(url)
+        self.host, self.port = host_port(url)
         self.streams, self.max_tokens = streams, max_tokens
         self.request = request_bytes(url, max_tokens, True, 0)
         self.tally = Tally()
@@ -315,7 +159,7 @@ class StreamSet:
         """Open every connection."""
         self.conns = list(
             await asyncio.gather(
-                *(_open(self.host, self.port, self.tally, self._done) for _ in range(self.streams))
+                *(open_connection(self.host, self.port, self.tally, self._done) for _ in range(self.streams))
             )
         )
 
@@ -352,7 +196,7 @@ async def run_streams(ns: argparse.Namespace, pids: list[int]) -> dict[str, obje
     await asyncio.gather(*(s.open() for s in sets))
     # One stream lasts about max_tokens / stream_rate s: the starts are spread over that.
     spread = ns.max_tokens / ns.stream_rate
-    cpu0, ticks0, clock0 = cpu_ns(pids), cpu_ticks_s(pids), time.perf_counter()
+    cpu0, ticks0, clock0 = cpu_ns(pids), cpu_seconds(pids), time.perf_counter()
     deadline = clock0 + ns.seconds
     await asyncio.gather(
         main.run(deadline, spread, 0.0),
@@ -373,12 +217,6 @@ async def run_streams(ns: argparse.Namespace, pids: list[int]) -> dict[str, obje
     }
 
 
-def _host_port(url: str) -> tuple[str, int]:
-    """Host and port of a base URL."""
-    parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or 80
-
-
 def _latencies(values: list[float], prefix: str) -> dict[str, float | None]:
     """p50, p90 and p99 in ms, and how many there were."""
     ordered = sorted(values)
@@ -395,7 +233,7 @@ def _cpu(pids: list[int], cpu0: int, ticks0: float, window: float) -> dict[str, 
     return {
         "window_s": window,
         "proxy_cpu_s": (cpu_ns(pids) - cpu0) / 1e9 if pids else 0.0,
-        "proxy_cpu_ticks_s": cpu_ticks_s(pids) - ticks0 if pids else 0.0,
+        "proxy_cpu_ticks_s": cpu_seconds(pids) - ticks0 if pids else 0.0,
     }
 
 

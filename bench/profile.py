@@ -1,7 +1,7 @@
 """Where the sidecar's CPU goes per request: py-spy on one sidecar under load, as tables.
 
     .venv/bin/pip install -e '.[bench]'      # py-spy, pinned in pyproject's bench extra
-    .venv/bin/python bench/profile.py [--load wrk|paced|streams] [--seconds 8] [--bare] [--top 25] [--native]
+    .venv/bin/python bench/profile.py [--load wrk|paced|streams] [--seconds 8] [--bare] [--top 25]
     .venv/bin/python bench/profile.py --load wrk [--concurrency 16]
     .venv/bin/python bench/profile.py --load paced [--rate 400] [--connections 48]
     .venv/bin/python bench/profile.py --load streams [--streams 100]
@@ -20,9 +20,9 @@ with `py-spy record --format raw` while a load runs:
 
 Prints the sidecar's CPU µs per request (per SSE event for `streams`) over the run, then the
 functions with the largest inclusive and self shares of the samples, with the µs per request
-(event) each share stands for. `--native` has py-spy unwind C frames too (uvloop, the
-interpreter, libc's syscalls); without it uvloop's own work shows as self time of
-`Runner.run`. `--raw FILE` keeps py-spy's collapsed stacks (feed them to a flame graph tool).
+(event) each share stands for. uvloop's own work (its C code and the system calls it makes)
+shows as self time of `Runner.run` (py-spy's `--native` would name it, but must pause the
+sidecar at every sample, which queues the paced load). `--raw FILE` keeps py-spy's collapsed stacks (feed them to a flame graph tool).
 """
 
 from __future__ import annotations
@@ -109,7 +109,6 @@ def main() -> int:
     parser.add_argument("--bare", action="store_true", help="--no-observe --no-inject-usage")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--sample-rate", type=int, default=500, help="py-spy samples per second")
-    parser.add_argument("--native", action="store_true", help="py-spy --native: C frames too")
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
     parser.add_argument(
         "--realtime",
@@ -137,7 +136,6 @@ def main() -> int:
                     *(py_spy, "record", "--pid", str(sidecar.proc.pid), "--duration", str(round(ns.seconds))),
                     *("--rate", str(ns.sample_rate), "--format", "raw", "--output", str(raw_path)),
                     "--nonblocking",
-                    *(["--native"] if ns.native else []),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,

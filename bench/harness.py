@@ -14,13 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "RT_LOADGEN_PRIORITY",
+    "RT_PROXY_PRIORITY",
     "Cores",
     "Service",
+    "cpu_ns",
     "cpu_seconds",
     "ensure_tools",
     "free_port",
     "machine_busy_seconds",
+    "realtime",
     "rss_mb",
+    "set_fifo",
     "start_service",
     "wait_http",
 ]
@@ -61,6 +66,35 @@ def ensure_tools() -> tuple[str, str]:
     if not (nginx and wrk):
         sys.exit("bench: nginx/wrk still missing after apt-get install")
     return nginx, wrk
+
+
+# SCHED_FIFO priorities under --realtime: the load generator above the simulator it shares
+# a core with, so that its clocks are read when the answers come; the proxy, alone on its
+# core, above both.
+RT_PRIORITY = 10
+RT_LOADGEN_PRIORITY = 20
+RT_PROXY_PRIORITY = 30
+
+
+def realtime(priority: int = RT_PRIORITY) -> None:
+    """This process and every process and thread it starts from now on under SCHED_FIFO (root).
+
+    On a machine shared with other work each measured process then runs as soon as it is
+    woken, as it would on a core of its own; a niceness would not do it, as the kernel's
+    autogroups weigh each session as a whole. None of the bench's processes spins, and the
+    kernel's RT throttle (sched_rt_runtime_us) keeps a share of every core for the others.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(priority))
+    except PermissionError:
+        sys.exit("bench: --realtime needs root (SCHED_FIFO)")
+
+
+def set_fifo(pids: list[int], priority: int) -> None:
+    """Every thread of these processes under SCHED_FIFO at `priority` (threads they start later inherit it)."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(priority))
 
 
 def free_port() -> int:
@@ -162,6 +196,26 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout: float) -> bool:
             pass
         time.sleep(0.1)
     return False
+
+
+def cpu_ns(pids: list[int]) -> int:
+    """CPU nanoseconds the live threads of these processes have run (/proc/PID/task/TID/schedstat).
+
+    Precise to the nanosecond, where /proc/PID/stat counts clock ticks (10 ms); a thread that
+    exits inside the window loses its time, which `cpu_seconds` cross-checks.
+    """
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total
 
 
 def cpu_seconds(pids: list[int]) -> float:

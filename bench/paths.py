@@ -31,7 +31,7 @@ from harness import (
 from loads import WRK_SCRIPT
 from nginx_conf import start_nginx
 
-__all__ = ["Bench", "Snapshot"]
+__all__ = ["BARE", "Bench", "Snapshot", "start_sidecar"]
 
 HERE = Path(__file__).resolve().parent
 OPEN_STREAMS = 1000
@@ -63,6 +63,23 @@ class Snapshot:
     loadgen_cpu: float  # CPU seconds of finished children: the load generators
     ours_cpu: float  # CPU seconds of every service we started
     core_busy: dict[str, float]  # busy seconds per core, everyone's
+
+
+def start_sidecar(name: str, upstream: str, extra: list[str], core: str | None, work: Path) -> Service:
+    """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`."""
+    port = free_port()
+    return start_service(
+        name,
+        [
+            *Cores.prefix(core),
+            sys.executable,
+            *("-m", "proxy", "serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
+            *("--evidence", str(work / f"{name}.jsonl"), "--log-level", "warning", *extra),
+        ],
+        f"http://127.0.0.1:{port}",
+        work,
+        "/-/ready",
+    )
 
 
 class Bench:
@@ -200,19 +217,7 @@ class Bench:
 
     def _start_sidecar(self, name: str, upstream: str, extra: list[str]) -> Service:
         """A cachewitness sidecar in front of `upstream`, pinned to the proxy's core."""
-        port = free_port()
-        return start_service(
-            name,
-            [
-                *Cores.prefix(self.cores.proxy),
-                sys.executable,
-                *("-m", "proxy", "serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
-                *("--evidence", str(self.tmp / f"{name}.jsonl"), "--log-level", "warning", *extra),
-            ],
-            f"http://127.0.0.1:{port}",
-            self.tmp,
-            "/-/ready",
-        )
+        return start_sidecar(name, upstream, extra, self.cores.proxy, self.tmp)
 
     def stop(self) -> None:
         """Stop every service."""

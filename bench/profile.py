@@ -1,21 +1,35 @@
-"""Where the sidecar's CPU goes per request: py-spy on one sidecar under wrk's load, as tables.
+"""Where the sidecar's CPU goes per request: py-spy on one sidecar under load, as tables.
 
     .venv/bin/pip install -e '.[bench]'      # py-spy, pinned in pyproject's bench extra
-    .venv/bin/python bench/profile.py [--seconds 8] [--concurrency 16] [--bare] [--top 25]
+    .venv/bin/python bench/profile.py [--load wrk|paced|streams] [--seconds 8] [--bare] [--top 25]
+    .venv/bin/python bench/profile.py --load wrk [--concurrency 16]
+    .venv/bin/python bench/profile.py --load paced [--rate 400] [--connections 48]
+    .venv/bin/python bench/profile.py --load streams [--streams 100]
 
-Starts the vLLM simulator (decode/prefill rate 0) and one sidecar (defaults: evidence and
-injection on; `--bare`: `--no-observe --no-inject-usage`), each pinned as in `make bench`,
-drives the sidecar with wrk (small non-streaming chat completions) and samples it with
-`py-spy record --format raw` meanwhile. Prints the sidecar's CPU µs per request over the
-run, then the functions with the largest inclusive and self shares of the samples, with
-the µs per request each share stands for. `--raw FILE` keeps py-spy's collapsed stacks
-(feed them to a flame graph tool).
+Starts the vLLM simulator and one sidecar (defaults: evidence and injection on; `--bare`:
+`--no-observe --no-inject-usage`), each pinned as in `make bench`, and samples the sidecar
+with `py-spy record --format raw` while a load runs:
+
+- `wrk` (the default): the simulator at decode rate 0, wrk's small non-streaming chat
+  completions at `--concurrency`: the sidecar saturated;
+- `paced`: the paced bench's request case (bench/paced.py): the simulator at 100 tokens/s,
+  `--rate` requests/s offered open-loop over `--connections` keep-alive connections, 8 tokens
+  each: where a deployment's per-request CPU goes, much of it per wakeup;
+- `streams`: the paced bench's stream case: `--streams` connections running streams of 200
+  tokens back to back, paced by the engine: the CPU per SSE event.
+
+Prints the sidecar's CPU µs per request (per SSE event for `streams`) over the run, then the
+functions with the largest inclusive and self shares of the samples, with the µs per request
+(event) each share stands for. uvloop's own work (its C code and the system calls it makes)
+shows as self time of `Runner.run` (py-spy's `--native` would name it, but must pause the
+sidecar at every sample, which queues the paced load). `--raw FILE` keeps py-spy's collapsed stacks (feed them to a flame graph tool).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import shutil
 import subprocess
 import sys
@@ -24,8 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service, start_simulator
+from harness import RT_LOADGEN_PRIORITY, Cores, Service, cpu_seconds, ensure_tools, realtime, start_simulator
 from loads import WRK_SCRIPT, run_wrk
+from paths import BARE, start_sidecar
+
+HERE = Path(__file__).resolve().parent
 
 _IDLE = ("epoll", "select", "_run_once (asyncio", "poll (selectors")
 
@@ -49,7 +66,7 @@ def _short(path: str) -> str:
     return path
 
 
-def summarize(raw: str, top: int, us_per_request: float) -> str:
+def summarize(raw: str, top: int, us_per_request: float, unit: str = "request") -> str:
     """Inclusive and self tables from py-spy's raw (collapsed) output."""
     inclusive: collections.Counter[str] = collections.Counter()
     own: collections.Counter[str] = collections.Counter()
@@ -69,12 +86,13 @@ def summarize(raw: str, top: int, us_per_request: float) -> str:
             own[frames[-1]] += count
     if not total:
         return "no busy samples"
-    lines = [f"{total} busy samples; a share of 100 % is {us_per_request:.0f} µs per request", ""]
+    digits = 0 if us_per_request >= 100 else 2
+    lines = [f"{total} busy samples; a share of 100 % is {us_per_request:.{digits}f} µs per {unit}", ""]
     for title, counter in (("inclusive", inclusive), ("self", own)):
-        lines += [f"| {title} share | µs/request | function |", "|---:|---:|---|"]
+        lines += [f"| {title} share | µs/{unit} | function |", "|---:|---:|---|"]
         for frame, count in counter.most_common(top):
             share = count / total
-            lines.append(f"| {share * 100:.1f} % | {share * us_per_request:.0f} | `{frame}` |")
+            lines.append(f"| {share * 100:.1f} % | {share * us_per_request:.{digits}f} | `{frame}` |")
         lines.append("")
     return "\n".join(lines)
 
@@ -82,51 +100,47 @@ def summarize(raw: str, top: int, us_per_request: float) -> str:
 def main() -> int:
     """Run the load, sample the sidecar, print the tables."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--load", choices=("wrk", "paced", "streams"), default="wrk")
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16, help="wrk's connections (--load wrk)")
+    parser.add_argument("--rate", type=float, default=400.0, help="requests/s offered (--load paced)")
+    parser.add_argument("--connections", type=int, default=48, help="keep-alive connections (--load paced)")
+    parser.add_argument("--streams", type=int, default=100, help="concurrent streams (--load streams)")
     parser.add_argument("--bare", action="store_true", help="--no-observe --no-inject-usage")
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--rate", type=int, default=500, help="py-spy samples per second")
+    parser.add_argument("--sample-rate", type=int, default=500, help="py-spy samples per second")
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
+    parser.add_argument(
+        "--realtime",
+        action="store_true",
+        help="run everything started under SCHED_FIFO (root): on a machine shared with other work "
+        "each process then runs when woken, as on a dedicated core",
+    )
     ns = parser.parse_args()
     py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
     if py_spy is None:
         sys.exit("bench/profile.py needs py-spy: .venv/bin/pip install -e '.[bench]'")
-    _, wrk = ensure_tools()
+    wrk = ensure_tools()[1] if ns.load == "wrk" else ""
+    if ns.realtime:  # after any install
+        realtime()
     cores = Cores.choose(pin=True)
     with tempfile.TemporaryDirectory(prefix="cw-profile-") as tmp:
         work = Path(tmp)
-        script = work / "post.lua"
-        script.write_text(WRK_SCRIPT)
-        listen = free_port()
-        sim = start_simulator(cores.rest, work)
-        sidecar = start_service(
-            "sidecar",
-            [
-                *Cores.prefix(cores.proxy),
-                sys.executable,
-                *("-m", "proxy", "serve", "--upstream", sim.url, "--listen", f"127.0.0.1:{listen}"),
-                *("--evidence", str(work / "evidence.jsonl"), "--log-level", "warning"),
-                *(["--no-observe", "--no-inject-usage"] if ns.bare else []),
-            ],
-            f"http://127.0.0.1:{listen}",
-            work,
-            "/-/ready",
-        )
+        sim = start_simulator(cores.rest, work, decode_rate=0 if ns.load == "wrk" else 100)
+        sidecar = start_sidecar("sidecar", sim.url, BARE if ns.bare else [], cores.proxy, work)
         raw_path = work / "profile.txt"
         try:
-            run_wrk(wrk, Cores.prefix(cores.rest), script, sidecar.url, ns.concurrency, 1)  # warm-up
+            _load(ns, wrk, cores, work, sidecar, 1.0)  # warm-up
             spy = subprocess.Popen(
                 [
                     *(py_spy, "record", "--pid", str(sidecar.proc.pid), "--duration", str(round(ns.seconds))),
-                    *("--rate", str(ns.rate), "--format", "raw", "--output", str(raw_path), "--nonblocking"),
+                    *("--rate", str(ns.sample_rate), "--format", "raw", "--output", str(raw_path)),
+                    "--nonblocking",
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            before = cpu_seconds(sidecar.pids())
-            result = run_wrk(wrk, Cores.prefix(cores.rest), script, sidecar.url, ns.concurrency, ns.seconds)
-            spent = cpu_seconds(sidecar.pids()) - before
+            spent, count, figure = _load(ns, wrk, cores, work, sidecar, ns.seconds)
             spy.wait(timeout=ns.seconds + 60)
         finally:
             sidecar.stop()
@@ -134,14 +148,53 @@ def main() -> int:
         raw = raw_path.read_text() if raw_path.exists() else ""
         if ns.raw is not None:
             ns.raw.write_text(raw)
-    us = 1e6 * spent / max(1.0, result["requests"])
+    us = 1e6 * spent / max(1.0, count)
+    unit = "event" if ns.load == "streams" else "request"
     kind = "bare" if ns.bare else "evidence + injection on"
     print(
-        f"sidecar ({kind}), wrk c={ns.concurrency} for {ns.seconds:g} s: {result['rps']:.0f} req/s, "
-        f"CPU {us:.0f} µs per request (py-spy --nonblocking at {ns.rate} Hz adds a little)\n"
+        f"sidecar ({kind}), {figure} for {ns.seconds:g} s: CPU {us:.{0 if us >= 100 else 2}f} µs per {unit} "
+        f"(py-spy --nonblocking at {ns.sample_rate} Hz adds a little)\n"
     )
-    print(summarize(raw, ns.top, us))
+    print(summarize(raw, ns.top, us, unit))
     return 0
+
+
+def _load(
+    ns: argparse.Namespace, wrk: str, cores: Cores, work: Path, sidecar: Service, seconds: float
+) -> tuple[float, float, str]:
+    """Run the chosen load for `seconds`: the sidecar's CPU seconds, requests (events), and what ran."""
+    if ns.load == "wrk":
+        script = work / "post.lua"
+        script.write_text(WRK_SCRIPT)
+        before = cpu_seconds(sidecar.pids())
+        result = run_wrk(wrk, Cores.prefix(cores.rest), script, sidecar.url, ns.concurrency, seconds)
+        spent = cpu_seconds(sidecar.pids()) - before
+        return spent, result["requests"], f"wrk c={ns.concurrency}: {result['rps']:.0f} req/s"
+    if ns.load == "paced":
+        argv = [
+            "requests",
+            "--rate",
+            f"{ns.rate:g}",
+            "--connections",
+            str(ns.connections),
+            "--max-tokens",
+            "8",
+        ]
+    else:
+        argv = ["streams", "--streams", str(ns.streams), "--max-tokens", "200"]
+    pids = ",".join(map(str, sidecar.pids()))
+    command = [
+        *Cores.prefix(cores.rest),
+        *(sys.executable, str(HERE / "paced_load.py"), *argv),
+        *("--url", sidecar.url, "--seconds", f"{seconds:g}", "--cpu-pids", pids),
+        *(("--fifo-priority", str(RT_LOADGEN_PRIORITY)) if ns.realtime else ()),
+    ]
+    out = subprocess.run(command, capture_output=True, text=True, check=True, timeout=seconds + 120).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    if ns.load == "paced":
+        what = f"{ns.rate:g} requests/s over {ns.connections} connections ({r['queued']} queued)"
+        return r["proxy_cpu_s"], r["requests"], what
+    return r["proxy_cpu_s"], r["events"], f"{ns.streams} paced streams ({r['events_per_s']:.0f} events/s)"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,268 @@
+"""The paced bench's tables: each proxy beside Envoy at a deployment's load, the rounds, the aims of issue 34."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from figures import fmt, median
+
+__all__ = ["LABELS", "render"]
+
+LABELS = {
+    "cw": "cachewitness (defaults: evidence + injection)",
+    "cw-bare": "cachewitness bare (`--no-observe --no-inject-usage`)",
+    "envoy": "Envoy (`--concurrency 1`)",
+    "nginx": "nginx (1 worker)",
+}
+Run = dict[str, Any]
+Metric = Callable[[Run], float | None]
+
+
+def _per(count: str) -> Metric:
+    """The proxy's CPU µs per request (or per SSE event) of one run."""
+    return lambda r: 1e6 * r["proxy_cpu_s"] / r[count] if r.get(count) else None
+
+
+def _added(key: str) -> Metric:
+    """The run's `key` (a latency, ms) minus the engine's own, taken meanwhile (`baseline_<key>`)."""
+    base = f"baseline_{key}"
+    return lambda r: r[key] - r[base] if r.get(key) is not None and r.get(base) is not None else None
+
+
+# figure name: (case, metric, digits, unit)
+FIGURES: dict[str, tuple[str, Metric, int, str]] = {
+    "cpu_request_400": ("r400", _per("requests"), 0, ""),
+    "cpu_event": ("streams", _per("events"), 1, ""),
+    "added_p50": ("r400", _added("p50_ms"), 2, " ms"),
+    "added_ttfe": ("streams", _added("ttfe_p50_ms"), 2, " ms"),
+    "cpu_request_100": ("r100", _per("requests"), 0, ""),
+    "cpu_request_1600": ("r1600", _per("requests"), 0, ""),
+    "large_added_p50": ("large", _added("p50_ms"), 2, " ms"),
+    "large_cpu_request": ("large", _per("requests"), 0, ""),
+}
+
+
+def _rounds(runs: list[Run], figure: str, path: str) -> list[float]:
+    """The figure in each round, round order (rounds where it could not be taken left out)."""
+    case, metric, _, _ = FIGURES[figure]
+    mine = [r for r in runs if r["case"] == case and r["path"] == path and "failed" not in r]
+    values = [metric(run) for run in sorted(mine, key=lambda r: r["round"])]
+    return [v for v in values if v is not None]
+
+
+def summarize(runs: list[Run]) -> dict[str, dict[str, Any]]:
+    """Per path and figure: the best round, every round, and the best's ratio to Envoy's best."""
+    summary: dict[str, dict[str, Any]] = {}
+    for path in LABELS:
+        summary[path] = {}
+        for figure in FIGURES:
+            values = _rounds(runs, figure, path)
+            summary[path][figure] = {"best": min(values) if values else None, "rounds": values}
+    for path in LABELS:
+        for figure in FIGURES:
+            mine, envoy = summary[path][figure]["best"], summary["envoy"][figure]["best"]
+            summary[path][figure]["vs_envoy"] = (
+                mine / envoy if mine is not None and envoy and envoy > 0 else None
+            )
+    return summary
+
+
+def _cell(summary: dict[str, dict[str, Any]], path: str, figure: str) -> str:
+    """`517 (1.83×)`: the best round and its ratio to Envoy's."""
+    _, _, digits, unit = FIGURES[figure]
+    entry = summary[path][figure]
+    ratio = entry["vs_envoy"]
+    return fmt(entry["best"], digits, unit) + ("" if ratio is None else f" ({ratio:.2f}×)")
+
+
+def render(meta: dict[str, Any], runs: list[Run]) -> tuple[str, dict[str, Any]]:
+    """The Markdown report and the summary behind it."""
+    summary = summarize(runs)
+    pin = meta["pinning"]
+    lines = [
+        "## Paced load: cachewitness beside Envoy and nginx",
+        "",
+        f"`{meta['command']}` — {meta['date']}, {meta['duration_s']} s in all; {meta['cores']} cores, "
+        f"Python {meta['python']}, {meta['envoy']}, {meta['nginx']}. The vLLM simulator decodes "
+        f"{meta['decode_rate']:g} tokens/s per sequence; {meta['rounds']} round(s), every case on every "
+        "path back to back; each figure is the best round, in brackets its ratio to Envoy's best.",
+        "",
+        (
+            "Processes were not pinned."
+            if pin is None
+            else f"Pinning (taskset): each proxy alone on core {pin['proxy']}, the simulator and the load "
+            f"generator (bench/paced_load.py) on core {pin['upstream_and_loadgen']}."
+        )
+        + (
+            " Under SCHED_FIFO (`--realtime`): every process runs when woken, as on a core of its own, "
+            "whatever else the machine runs; the load generator above the simulator."
+            if meta.get("realtime")
+            else ""
+        ),
+        "",
+        "| path | CPU µs per request | CPU µs per SSE event | added p50 | added time to first event |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for path, label in LABELS.items():
+        cells = [_cell(summary, path, f) for f in ("cpu_request_400", "cpu_event", "added_p50", "added_ttfe")]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Requests: 400 requests/s offered open-loop over 48 keep-alive connections, 8 tokens each "
+        "(~80 ms), non-streaming. Streams: 100 connections each running streams of 200 tokens back "
+        "to back, paced by the engine (~10,000 events/s), their starts spread over one stream's "
+        "length; the CPU per event is all the proxy's CPU over the streams over their events (each "
+        "stream's request included, one per 203 events). Added: the path's p50 (time to the whole "
+        "answer; to the read bringing the first event) minus the engine's own, taken meanwhile by the same "
+        "generator from a smaller load of the same requests straight to the simulator (100 requests/s over "
+        "12 connections; 5 connections running streams of 8 tokens, the first event being what counts; "
+        "10 large requests/s over 4 connections).",
+        "",
+        "| path | CPU µs per request at 100/s | at 400/s | at 1,600/s | 220 KB prompt at 20/s: added p50 "
+        "| its CPU µs per request |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for path, label in LABELS.items():
+        cells = [
+            _cell(summary, path, f)
+            for f in (
+                "cpu_request_100",
+                "cpu_request_400",
+                "cpu_request_1600",
+                "large_added_p50",
+                "large_cpu_request",
+            )
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "100/s: 48 connections, 8 tokens; 1,600/s: 48 connections, 2 tokens (~20 ms: the simulator's "
+        "core cannot decode 1,600 × 8 paced tokens/s beside the load generator). The large prompt: a "
+        "chat request of 220 KB (one user message), 8 tokens, 8 connections.",
+    ]
+    lines += _rounds_section(summary)
+    lines += _aims_section(summary)
+    lines += _offered_section(runs)
+    lines += _noise_section(runs, meta)
+    return "\n".join(lines) + "\n", summary
+
+
+def _rounds_section(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Every round's figure, so the reader sees how far rounds disagree."""
+    names = {
+        "cpu_request_400": "µs/request 400/s",
+        "cpu_event": "µs/event",
+        "added_p50": "added p50 ms",
+        "added_ttfe": "added TTFE ms",
+        "cpu_request_100": "µs/request 100/s",
+        "cpu_request_1600": "µs/request 1,600/s",
+        "large_added_p50": "large: added p50 ms",
+        "large_cpu_request": "large: µs/request",
+    }
+    lines = ["", "### Every round", "", "| path | " + " | ".join(names.values()) + " |"]
+    lines.append("|---|" + "---:|" * len(names))
+    for path, label in LABELS.items():
+        cells = []
+        for figure in names:
+            digits = FIGURES[figure][2]
+            cells.append(" / ".join(fmt(v, digits) for v in summary[path][figure]["rounds"]) or "—")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _aims_section(summary: dict[str, dict[str, Any]]) -> list[str]:
+    """Issue 34's aims for cachewitness (defaults), met or not, with the figure."""
+    cw, envoy = summary["cw"], summary["envoy"]
+
+    def ratio(figure: str) -> float | None:
+        return cw[figure]["vs_envoy"]
+
+    def diff(figure: str) -> float | None:
+        a, b = cw[figure]["best"], envoy[figure]["best"]
+        return None if a is None or b is None else a - b
+
+    def check(value: float | None, limit: float) -> bool:
+        return value is not None and value <= limit
+
+    def times(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}×"
+
+    def ms(value: float | None, sign: str = "") -> str:
+        return "—" if value is None else f"{value:{sign}.2f} ms"
+
+    large = cw["large_added_p50"]["best"]
+    aims = [
+        (
+            "CPU per request at 400/s vs Envoy's",
+            "≤ 1.00×",
+            times(ratio("cpu_request_400")),
+            ratio("cpu_request_400"),
+            1.0,
+        ),
+        (
+            "CPU per request at 100/s vs Envoy's",
+            "≤ 1.20×",
+            times(ratio("cpu_request_100")),
+            ratio("cpu_request_100"),
+            1.2,
+        ),
+        ("CPU per SSE event vs Envoy's", "≤ 1.00×", times(ratio("cpu_event")), ratio("cpu_event"), 1.0),
+        (
+            "added time to first event − Envoy's",
+            "≤ +0.20 ms",
+            ms(diff("added_ttfe"), "+"),
+            diff("added_ttfe"),
+            0.2,
+        ),
+        ("added p50 at 400/s − Envoy's", "≤ 0 ms", ms(diff("added_p50"), "+"), diff("added_p50"), 0.0),
+        ("220 KB prompt: added p50", "≤ 1 ms", ms(large), large, 1.0),
+        (
+            "220 KB prompt: CPU per request vs Envoy's",
+            "≤ 2.00×",
+            times(ratio("large_cpu_request")),
+            ratio("large_cpu_request"),
+            2.0,
+        ),
+    ]
+    lines = [
+        "",
+        "### Aims (issue 34), cachewitness with its defaults",
+        "",
+        "| aim | target | measured | met |",
+    ]
+    lines.append("|---|---|---|---|")
+    for aim, target, shown, value, limit in aims:
+        lines.append(f"| {aim} | {target} | {shown} | {'yes' if check(value, limit) else '**no**'} |")
+    return lines
+
+
+def _offered_section(runs: list[Run]) -> list[str]:
+    """Runs where the load was not offered as intended: queued behind the pool, late, or errors."""
+    bad = []
+    for r in runs:
+        if "failed" in r:
+            bad.append(f"{r['case']} {r['path']} round {r['round']}: failed")
+        elif r["errors"]:
+            bad.append(f"{r['case']} {r['path']} round {r['round']}: {r['errors']} errors")
+        elif r["mode"] == "requests" and r["queued"] > 0.01 * r["requests"]:
+            bad.append(
+                f"{r['case']} {r['path']} round {r['round']}: {r['queued']} of {r['requests']} requests "
+                f"found no idle connection ({r['achieved_rps']:.0f}/s achieved)"
+            )
+    if not bad:
+        return ["", "Offered load: every run as scheduled (under 1 % of requests waited for a connection)."]
+    return ["", "Offered load, not as scheduled (latencies include the wait): " + "; ".join(bad) + "."]
+
+
+def _noise_section(runs: list[Run], meta: dict[str, Any]) -> list[str]:
+    """How busy other processes kept the machine while we measured."""
+    foreign = [r["foreign_cores"] for r in runs]
+    return [
+        "",
+        f"Noise: other processes on the machine used a median of {median(foreign):.2f} cores (max "
+        f"{max(foreign):.2f}) during the runs; load average at the end "
+        f"{', '.join(f'{x:.1f}' for x in meta['load_avg_at_end'])}. They are not pinned: they share the "
+        "proxy's core too, which lengthens latencies and, through cache misses, CPU per request; the "
+        "ratios, of paths run back to back, move less than the absolute figures.",
+    ]

@@ -6,6 +6,11 @@ for ever, and enough of them starve the sidecar of descriptors for its own upstr
 connections. Every client connection is therefore wrapped: the wrapper refuses connections
 past `max_connections` with a clear 503 and close, and closes a connection whose head takes
 longer than `header_timeout` or whose body goes silent for `body_idle_timeout`.
+
+Past `max_connections` a few more connections (PROBE_SLOTS) are let in for the probes only:
+their first request must be `/-/healthy` or `/-/ready`, answered and closed, so a flood that
+holds every slot does not get the pod restarted by its own liveness probe. `health_listen`
+(proxy/probe_listener.py) is the sturdier answer: a listener of its own.
 """
 
 from __future__ import annotations
@@ -24,7 +29,15 @@ from proxy.config import SETTINGS
 from proxy.logs import LogThrottle, log_event
 from proxy.watchdog import Watchdog
 
-__all__ = ["CONNECTIONS", "ConnectionGuard", "GuardedSite", "Limit", "setup_connections"]
+__all__ = [
+    "CONNECTIONS",
+    "PROBE_PATHS",
+    "PROBE_SLOTS",
+    "ConnectionGuard",
+    "GuardedSite",
+    "Limit",
+    "setup_connections",
+]
 
 log = logging.getLogger("cachewitness.connections")
 
@@ -46,6 +59,11 @@ _REFUSAL = (
 )
 _HEAD_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
+# The probe routes, and the connections past max_connections kept for them (the kubelet opens
+# one connection per probe, and there are three probes).
+PROBE_PATHS = frozenset({"/-/healthy", "/-/ready"})
+PROBE_SLOTS = 8
+
 
 class Limit(StrEnum):
     """The connection limits, as metric labels and log words."""
@@ -60,17 +78,20 @@ class _Phase(StrEnum):
 
     HEAD = "head"  # waiting for (the rest of) a request head: header_timeout runs
     REQUEST = "request"  # a handler runs: body_idle_timeout runs while the body is unread
-    IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies
+    IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies (serve.py sets it)
 
 
 class ConnectionGuard:
     """Counts client connections and requests in progress, and enforces the limits."""
 
-    def __init__(self, header_timeout: float, body_idle_timeout: float, max_connections: int) -> None:
-        """Limits in seconds and connections; 0 turns one off."""
+    def __init__(
+        self, header_timeout: float, body_idle_timeout: float, max_connections: int, probe_slots: int = 0
+    ) -> None:
+        """Limits in seconds and connections; 0 turns one off. `probe_slots`: past max_connections, for probes."""
         self.header_timeout = header_timeout
         self.body_idle_timeout = body_idle_timeout
         self.max_connections = max_connections
+        self.probe_slots = probe_slots
         self.open_connections = 0
         self.requests_in_progress = 0
         self.hits: dict[Limit, int] = dict.fromkeys(Limit, 0)
@@ -100,7 +121,20 @@ class ConnectionGuard:
         self.requests_in_progress += 1
         self._idle.clear()
         try:
-            return await handler(request)
+            if connection is None or not connection.probe_only:
+                return await handler(request)
+            if request.path not in PROBE_PATHS:
+                self.hit(Limit.MAX_CONNECTIONS)
+                response: web.StreamResponse = web.Response(
+                    status=503,
+                    body=_REFUSAL_BODY,
+                    content_type="application/json",
+                    headers={"Retry-After": "1"},
+                )
+            else:
+                response = await handler(request)
+            response.force_close()  # a probe slot serves one request
+            return response
         finally:
             self.requests_in_progress -= 1
             if self.requests_in_progress == 0:
@@ -177,6 +211,7 @@ class _GuardedConnection(asyncio.Protocol):
         self._last_data = self._head_since
         self._request: web.BaseRequest | None = None
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
+        self.probe_only = False  # let in past max_connections, for one probe request
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -185,6 +220,8 @@ class _GuardedConnection(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         guard = self._guard
         if guard.max_connections and guard.open_connections >= guard.max_connections:
+            self.probe_only = True
+        if self.probe_only and guard.open_connections >= guard.max_connections + guard.probe_slots:
             guard.hit(Limit.MAX_CONNECTIONS)
             # Closed at once, not lingered: under a flood the descriptor is what must be freed. A
             # client whose request was already sent may then see a reset instead of the 503.
@@ -344,7 +381,9 @@ CONNECTIONS = web.AppKey("connections", ConnectionGuard)
 def setup_connections(app: web.Application) -> ConnectionGuard:
     """Create the app's ConnectionGuard and put its middleware outermost."""
     settings = app[SETTINGS]
-    guard = ConnectionGuard(settings.header_timeout, settings.body_idle_timeout, settings.max_connections)
+    guard = ConnectionGuard(
+        settings.header_timeout, settings.body_idle_timeout, settings.max_connections, PROBE_SLOTS
+    )
     app[CONNECTIONS] = guard
     app.middlewares.insert(0, guard.middleware)
     return guard

@@ -194,3 +194,15 @@ grace period; plus slack for process exit and evidence flush.
 {{- define "cachewitness.peersDNS" -}}
 {{- printf "%s.%s.svc.%s." (include "cachewitness.peersServiceName" .) .Release.Namespace .Values.peers.clusterDomain }}
 {{- end }}
+
+{{/* The port the kubelet probes the sidecar on: its probe listener's, when it has one. */}}
+{{- define "cachewitness.probePort" -}}
+{{- if .Values.sidecar.healthPort -}}
+{{- if eq (int .Values.sidecar.healthPort) (int .Values.sidecar.port) -}}
+{{- fail (printf "sidecar.healthPort=%v is sidecar.port too: give the probe listener a port of its own, or null" .Values.sidecar.healthPort) }}
+{{- end -}}
+health
+{{- else -}}
+http
+{{- end -}}
+{{- end }}

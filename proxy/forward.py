@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -31,7 +32,7 @@ from proxy.observe import (
 from proxy.pool import UPSTREAM_LEG
 from proxy.recorder import RECORDER
 from proxy.relay import relay
-from proxy.request_body import BodyTooLarge, ClientGone, limited_body, read_within_budget
+from proxy.request_body import BodyStart, BodyTooLarge, ClientGone, limited_body, read_within_budget
 from proxy.request_ids import stored_id
 
 __all__ = ["INJECTION_REFUSALS", "forward", "setup_forward"]
@@ -149,7 +150,8 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
     try:
         return await _observe_and_exchange(request, exchange, budget)
     finally:
-        budget.release(exchange.buffered)
+        if exchange.buffered is not None:
+            budget.give_back(exchange.buffered)
 
 
 async def _observe_and_exchange(
@@ -160,7 +162,7 @@ async def _observe_and_exchange(
     settings = app[SETTINGS]
     limit = settings.max_body_bytes
     prepared: PreparedRequest | None = None
-    prefix = b""
+    start: BodyStart | None = None
     if settings.observe and is_observed(request.method, request.path):
         try:
             body, complete = await read_within_budget(request, limit, budget, exchange)
@@ -172,8 +174,9 @@ async def _observe_and_exchange(
         if complete:
             prepared = _prepare(app, exchange, body, request.path)
         else:
-            prefix = bytes(body)
+            start = BodyStart(body)
             budget.passed_unobserved(exchange.request_id, request.content_length)
+        del body  # the start of a body that did not fit is freed once sent (BodyStart)
     admission = app[ADMISSION]
     if not await admission.admit():
         return _rejected(
@@ -190,9 +193,19 @@ async def _observe_and_exchange(
             exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
             exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
-        return await _exchange(request, exchange, prepared, limit, prefix=prefix)
+        return await _exchange(request, exchange, prepared, limit, start=start)
     finally:
         admission.leave()
+
+
+def _give_back(request: web.Request, exchange: Exchange) -> Callable[[], None]:
+    """Give back the budget a body that did not fit took, once the engine has its start (the rest streams)."""
+
+    def give_back() -> None:
+        if exchange.buffered is not None:
+            request.app[BODY_BUDGET].give_back(exchange.buffered)
+
+    return give_back
 
 
 def _prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:
@@ -215,11 +228,11 @@ async def _exchange(
     prepared: PreparedRequest | None,
     limit: int,
     *,
-    prefix: bytes = b"",
+    start: BodyStart | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and relay the answer; the admission slot is held throughout.
 
-    `prepared` is an observed body in hand (None: the body streams through, after `prefix`).
+    `prepared` is an observed body in hand (None: the body streams through, after `start`).
     An engine that refuses the injected include_usage gets the client's own body instead.
     """
     leg = request.app[UPSTREAM_LEG]
@@ -235,7 +248,11 @@ async def _exchange(
         # The body may carry the injection: its length is ours to say.
         headers["Content-Length"] = str(prepared.upstream_size)
     else:
-        data = limited_body(request, limit, prefix) if request.body_exists else None
+        data = (
+            limited_body(request, limit, start, _give_back(request, exchange))
+            if request.body_exists
+            else None
+        )
     exchange.upstream_sent_ns = time.time_ns()
     try:
         upstream = await leg.send(request.method, request.raw_path, headers, data)

@@ -13,6 +13,7 @@ from aiohttp import web
 from proxy.admission import ADMISSION
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
+from proxy.connections import CLIENT_STALLED
 from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.exchange import Outcome
@@ -119,6 +120,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
         # in one call with its observation when it was observed and admitted; an inference
         # request turned away before that gets its record too (outcome "rejected").
         finished_ns = time.time_ns()
+        if request.get(CLIENT_STALLED, False):
+            exchange.outcome = Outcome.CLIENT_STALLED
         forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
         if exchange.observed and exchange.admitted:
             recorder.finished(forwarded, exchange.observation(request, finished_ns))

@@ -30,7 +30,12 @@ def build_probe_app(main: web.Application) -> web.Application:
     app = web.Application(client_max_size=_PROBE_BODY_BYTES)
     app[SETTINGS] = settings
     app[HEALTH] = main[HEALTH]
-    guard = ConnectionGuard(settings.header_timeout, settings.body_idle_timeout, PROBE_CONNECTIONS)
+    guard = ConnectionGuard(
+        settings.header_timeout,
+        settings.body_idle_timeout,
+        PROBE_CONNECTIONS,
+        client_write_timeout=settings.client_write_timeout,
+    )
     app[CONNECTIONS] = guard
     app.middlewares.append(guard.middleware)
     app.router.add_get("/-/healthy", healthy)

@@ -101,6 +101,9 @@ class Settings:
     header_timeout: float = 10.0
     body_idle_timeout: float = 60.0
     max_connections: int = 4096
+    keepalive_timeout: float = 75.0
+    client_write_timeout: float = 60.0
+    health_listen: str | None = None
     drain: bool = True
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
@@ -405,6 +408,24 @@ OPTIONS: tuple[Option, ...] = (
         _positive_int,
         "client connections open at once; more get 503 and close (0 = no limit)",
         "a whole number ≥ 0",
+    ),
+    Option(
+        "keepalive_timeout",
+        _positive_float,
+        "seconds an idle keep-alive client connection stays open (0 = close after each response)",
+        "seconds ≥ 0",
+    ),
+    Option(
+        "client_write_timeout",
+        _positive_float,
+        "seconds a client may take no bytes of its answer before it is cut (0 = no limit)",
+        "seconds ≥ 0",
+    ),
+    Option(
+        "health_listen",
+        _listen,
+        "extra address serving only /-/healthy and /-/ready, outside max_connections (unset: none)",
+        "HOST:PORT such as 0.0.0.0:8001",
     ),
     Option("drain", _bool, "drain in-flight requests before a reset by default", "true or false"),
     Option("drain_timeout", _positive_float, "longest drain before a reset", "seconds ≥ 0"),

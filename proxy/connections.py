@@ -5,13 +5,24 @@ line, headers without the final CRLF, or a body that stops: each would hold a fi
 for ever, and enough of them starve the sidecar of descriptors for its own upstream
 connections. Every client connection is therefore wrapped: the wrapper refuses connections
 past `max_connections` with a clear 503 and close, and closes a connection whose head takes
-longer than `header_timeout` or whose body goes silent for `body_idle_timeout`.
+longer than `header_timeout` or whose body goes silent for `body_idle_timeout`. A client that
+stops reading its answer holds the relay's buffer and an engine connection: one that takes no
+byte for `client_write_timeout` while the sidecar waits on it is cut (its handler is cancelled,
+which aborts the engine's request), and its exchange's outcome is `client_stalled`.
+
+Past `max_connections` a few more connections (PROBE_SLOTS) are let in for the probes only:
+their first request must be `/-/healthy` or `/-/ready`, answered and closed, so a flood that
+holds every slot does not get the pod restarted by its own liveness probe. `health_listen`
+(proxy/probe_listener.py) is the sturdier answer: a listener of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import sys
+import termios
 from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import cast
@@ -24,9 +35,21 @@ from proxy.config import SETTINGS
 from proxy.logs import LogThrottle, log_event
 from proxy.watchdog import Watchdog
 
-__all__ = ["CONNECTIONS", "ConnectionGuard", "GuardedSite", "Limit", "setup_connections"]
+__all__ = [
+    "CLIENT_STALLED",
+    "CONNECTIONS",
+    "PROBE_PATHS",
+    "PROBE_SLOTS",
+    "ConnectionGuard",
+    "GuardedSite",
+    "Limit",
+    "setup_connections",
+]
 
 log = logging.getLogger("cachewitness.connections")
+
+# SIOCOUTQ (Linux's TIOCOUTQ on a socket): bytes in the send queue the peer has not acknowledged.
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
 
 _REFUSAL_BODY = orjson.dumps(
     {
@@ -46,12 +69,18 @@ _REFUSAL = (
 )
 _HEAD_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
+# The probe routes, and the connections past max_connections kept for them (the kubelet opens
+# one connection per probe, and there are three probes).
+PROBE_PATHS = frozenset({"/-/healthy", "/-/ready"})
+PROBE_SLOTS = 8
+
 
 class Limit(StrEnum):
     """The connection limits, as metric labels and log words."""
 
     HEADER_TIMEOUT = "header_timeout"
     BODY_IDLE_TIMEOUT = "body_idle_timeout"
+    CLIENT_WRITE_TIMEOUT = "client_write_timeout"
     MAX_CONNECTIONS = "max_connections"
 
 
@@ -60,17 +89,26 @@ class _Phase(StrEnum):
 
     HEAD = "head"  # waiting for (the rest of) a request head: header_timeout runs
     REQUEST = "request"  # a handler runs: body_idle_timeout runs while the body is unread
-    IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies
+    IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies (serve.py sets it)
 
 
 class ConnectionGuard:
     """Counts client connections and requests in progress, and enforces the limits."""
 
-    def __init__(self, header_timeout: float, body_idle_timeout: float, max_connections: int) -> None:
-        """Limits in seconds and connections; 0 turns one off."""
+    def __init__(
+        self,
+        header_timeout: float,
+        body_idle_timeout: float,
+        max_connections: int,
+        probe_slots: int = 0,
+        client_write_timeout: float = 0.0,
+    ) -> None:
+        """Limits in seconds and connections; 0 turns one off. `probe_slots`: past max_connections, for probes."""
         self.header_timeout = header_timeout
         self.body_idle_timeout = body_idle_timeout
+        self.client_write_timeout = client_write_timeout
         self.max_connections = max_connections
+        self.probe_slots = probe_slots
         self.open_connections = 0
         self.requests_in_progress = 0
         self.hits: dict[Limit, int] = dict.fromkeys(Limit, 0)
@@ -80,7 +118,9 @@ class ConnectionGuard:
         self._idle.set()
         # Connections with a deadline: a limit is enforced up to one tick late (a second, or a
         # quarter of the shortest limit).
-        limits = [limit / 4 for limit in (header_timeout, body_idle_timeout) if limit > 0]
+        limits = [
+            limit / 4 for limit in (header_timeout, body_idle_timeout, client_write_timeout) if limit > 0
+        ]
         self.watchdog: Watchdog[_GuardedConnection] = Watchdog(
             min([1.0, *limits]), _GuardedConnection.check_deadline
         )
@@ -100,7 +140,20 @@ class ConnectionGuard:
         self.requests_in_progress += 1
         self._idle.clear()
         try:
-            return await handler(request)
+            if connection is None or not connection.probe_only:
+                return await handler(request)
+            if request.path not in PROBE_PATHS:
+                self.hit(Limit.MAX_CONNECTIONS)
+                response: web.StreamResponse = web.Response(
+                    status=503,
+                    body=_REFUSAL_BODY,
+                    content_type="application/json",
+                    headers={"Retry-After": "1"},
+                )
+            else:
+                response = await handler(request)
+            response.force_close()  # a probe slot serves one request
+            return response
         finally:
             self.requests_in_progress -= 1
             if self.requests_in_progress == 0:
@@ -148,6 +201,8 @@ class ConnectionGuard:
             return self.header_timeout
         if limit is Limit.BODY_IDLE_TIMEOUT:
             return self.body_idle_timeout
+        if limit is Limit.CLIENT_WRITE_TIMEOUT:
+            return self.client_write_timeout
         return self.max_connections
 
     def _opened(self, transport: asyncio.BaseTransport, connection: _GuardedConnection) -> None:
@@ -157,6 +212,23 @@ class ConnectionGuard:
     def _closed(self, transport: asyncio.BaseTransport) -> None:
         if self._connections.pop(transport, None) is not None:
             self.open_connections -= 1
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Bytes written to the client that it has not taken: the transport's buffer and the kernel's send queue.
+
+    The transport's buffer alone moves in steps of half the kernel's send buffer (a few MiB on
+    Linux): a client that reads 10 KiB/s would seem to take nothing for minutes.
+    """
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if _OUTQ is not None and sock is not None:
+        try:
+            queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+        except OSError:
+            return size
+        size += int.from_bytes(queued, sys.byteorder, signed=True)
+    return size
 
 
 class _GuardedConnection(asyncio.Protocol):
@@ -177,6 +249,12 @@ class _GuardedConnection(asyncio.Protocol):
         self._last_data = self._head_since
         self._request: web.BaseRequest | None = None
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
+        self.probe_only = False  # let in past max_connections, for one probe request
+        # While writing is paused (the client is behind): when to look again, the write buffer's
+        # size at the last look, and when the client last took bytes.
+        self._write_due: float | None = None
+        self._write_mark = 0
+        self._write_progress = 0.0
 
     # --- asyncio.Protocol ---------------------------------------------------------------
 
@@ -185,6 +263,8 @@ class _GuardedConnection(asyncio.Protocol):
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         guard = self._guard
         if guard.max_connections and guard.open_connections >= guard.max_connections:
+            self.probe_only = True
+        if self.probe_only and guard.open_connections >= guard.max_connections + guard.probe_slots:
             guard.hit(Limit.MAX_CONNECTIONS)
             # Closed at once, not lingered: under a flood the descriptor is what must be freed. A
             # client whose request was already sent may then see a reset instead of the 503.
@@ -217,6 +297,7 @@ class _GuardedConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         """Forget the connection and tell aiohttp (which cancels a running handler)."""
         self._disarm()
+        self._write_due = None
         if self._handler is None:
             return
         if self._transport is not None:
@@ -224,12 +305,19 @@ class _GuardedConnection(asyncio.Protocol):
         self._handler.connection_lost(exc)
 
     def pause_writing(self) -> None:
-        """Flow control is aiohttp's."""
+        """Flow control is aiohttp's; client_write_timeout starts running."""
+        timeout = self._guard.client_write_timeout
+        if timeout and self._transport is not None:
+            self._write_progress = self._loop.time()
+            self._write_mark = _unsent(self._transport)
+            self._write_due = self._write_progress + timeout / 4
+            self._guard.watchdog.watch(self)
         if self._handler is not None:
             self._handler.pause_writing()
 
     def resume_writing(self) -> None:
-        """Flow control is aiohttp's."""
+        """Flow control is aiohttp's; the client caught up."""
+        self._write_due = None
         if self._handler is not None:
             self._handler.resume_writing()
 
@@ -265,11 +353,34 @@ class _GuardedConnection(asyncio.Protocol):
         self._due = None
 
     def check_deadline(self, now: float) -> bool:
-        """The watchdog's look: check the limit once its deadline passed; whether one still runs."""
+        """The watchdog's look: check the limits whose deadline passed; whether one still runs."""
         if self._due is not None and now >= self._due:
             self._due = None
             self._check()
-        return self._due is not None
+        if self._write_due is not None and now >= self._write_due:
+            self._write_due = None
+            self._check_write(now)
+        return self._due is not None or self._write_due is not None
+
+    def _check_write(self, now: float) -> None:
+        """Writing is paused: cut the client if it took no byte for client_write_timeout, else look again.
+
+        Looked at four times per timeout: the unsent bytes shrink only as the client takes them.
+        """
+        transport, guard = self._transport, self._guard
+        if transport is None or transport.is_closing():
+            return
+        size = _unsent(transport)
+        if size < self._write_mark:
+            self._write_progress = now
+        self._write_mark = size  # it may also grow: what was written after writing paused
+        if now - self._write_progress < guard.client_write_timeout:
+            self._write_due = now + guard.client_write_timeout / 4
+            return
+        guard.hit(Limit.CLIENT_WRITE_TIMEOUT)
+        if self._request is not None:
+            self._request[CLIENT_STALLED] = True
+        transport.abort()  # nothing more can reach this client; connection_lost cancels the handler
 
     def _check(self) -> None:
         """The deadline passed: close the connection if its phase's limit has passed, else re-arm."""
@@ -339,12 +450,20 @@ class GuardedSite(web.BaseSite):
 
 
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
+# Set on a request whose client was cut by client_write_timeout.
+CLIENT_STALLED = web.RequestKey("client_stalled", bool)
 
 
 def setup_connections(app: web.Application) -> ConnectionGuard:
     """Create the app's ConnectionGuard and put its middleware outermost."""
     settings = app[SETTINGS]
-    guard = ConnectionGuard(settings.header_timeout, settings.body_idle_timeout, settings.max_connections)
+    guard = ConnectionGuard(
+        settings.header_timeout,
+        settings.body_idle_timeout,
+        settings.max_connections,
+        PROBE_SLOTS,
+        settings.client_write_timeout,
+    )
     app[CONNECTIONS] = guard
     app.middlewares.insert(0, guard.middleware)
     return guard

@@ -13,6 +13,7 @@ class Outcome(StrEnum):
 
     OK = "ok"  # the engine's answer reached the client whole
     CLIENT_DISCONNECTED = "client_disconnected"
+    CLIENT_STALLED = "client_stalled"  # cut by client_write_timeout: it stopped reading the answer
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
     REJECTED = "rejected"  # answered by the sidecar itself (400, 413, 503), never by the engine

@@ -6,12 +6,14 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
 from proxy.admission import ADMISSION
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
+from proxy.connections import CLIENT_STALLED
 from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.exchange import Outcome
@@ -31,7 +33,7 @@ from proxy.observe import (
 from proxy.pool import UPSTREAM_LEG
 from proxy.recorder import RECORDER
 from proxy.relay import relay
-from proxy.request_body import BodyTooLarge, ClientGone, limited_body, read_within_budget
+from proxy.request_body import BodyStart, BodyTooLarge, ClientGone, limited_body, read_within_budget
 from proxy.request_ids import stored_id
 
 __all__ = ["INJECTION_REFUSALS", "forward", "setup_forward"]
@@ -118,6 +120,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
         # in one call with its observation when it was observed and admitted; an inference
         # request turned away before that gets its record too (outcome "rejected").
         finished_ns = time.time_ns()
+        if request.get(CLIENT_STALLED, False):
+            exchange.outcome = Outcome.CLIENT_STALLED
         forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
         if exchange.observed and exchange.admitted:
             recorder.finished(forwarded, exchange.observation(request, finished_ns))
@@ -149,7 +153,8 @@ async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.S
     try:
         return await _observe_and_exchange(request, exchange, budget)
     finally:
-        budget.release(exchange.buffered)
+        if exchange.buffered is not None:
+            budget.give_back(exchange.buffered)
 
 
 async def _observe_and_exchange(
@@ -160,7 +165,7 @@ async def _observe_and_exchange(
     settings = app[SETTINGS]
     limit = settings.max_body_bytes
     prepared: PreparedRequest | None = None
-    prefix = b""
+    start: BodyStart | None = None
     if settings.observe and is_observed(request.method, request.path):
         try:
             body, complete = await read_within_budget(request, limit, budget, exchange)
@@ -172,8 +177,9 @@ async def _observe_and_exchange(
         if complete:
             prepared = _prepare(app, exchange, body, request.path)
         else:
-            prefix = bytes(body)
+            start = BodyStart(body)
             budget.passed_unobserved(exchange.request_id, request.content_length)
+        del body  # the start of a body that did not fit is freed once sent (BodyStart)
     admission = app[ADMISSION]
     if not await admission.admit():
         return _rejected(
@@ -189,14 +195,29 @@ async def _observe_and_exchange(
         if exchange.observed:
             exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
+<<<<<<< HEAD
             begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
             exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
         elif _is_inference(request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
         return await _exchange(request, exchange, prepared, limit, prefix=prefix)
+=======
+            exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
+        return await _exchange(request, exchange, prepared, limit, start=start)
+>>>>>>> sec-client
     finally:
         admission.leave()
+
+
+def _give_back(request: web.Request, exchange: Exchange) -> Callable[[], None]:
+    """Give back the budget a body that did not fit took, once the engine has its start (the rest streams)."""
+
+    def give_back() -> None:
+        if exchange.buffered is not None:
+            request.app[BODY_BUDGET].give_back(exchange.buffered)
+
+    return give_back
 
 
 def _prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:
@@ -219,6 +240,7 @@ async def _exchange(
     prepared: PreparedRequest | None,
     limit: int,
     *,
+<<<<<<< HEAD
     prefix: bytes = b"",
     refusal: str | None = None,
 ) -> web.StreamResponse:
@@ -227,6 +249,14 @@ async def _exchange(
     `prepared` is an observed body in hand (None: the body streams through, after `prefix`).
     An engine that refuses the injected include_usage gets the client's own body instead,
     once: `refusal` then says why the injected one could not stand.
+=======
+    start: BodyStart | None = None,
+) -> web.StreamResponse:
+    """Send the request upstream and relay the answer; the admission slot is held throughout.
+
+    `prepared` is an observed body in hand (None: the body streams through, after `start`).
+    An engine that refuses the injected include_usage gets the client's own body instead.
+>>>>>>> sec-client
     """
     leg = request.app[UPSTREAM_LEG]
     headers = request_headers(
@@ -241,7 +271,11 @@ async def _exchange(
         # The body may carry the injection: its length is ours to say.
         headers["Content-Length"] = str(prepared.upstream_size)
     else:
-        data = limited_body(request, limit, prefix) if request.body_exists else None
+        data = (
+            limited_body(request, limit, start, _give_back(request, exchange))
+            if request.body_exists
+            else None
+        )
     exchange.upstream_sent_ns = time.time_ns()
     try:
         upstream = await leg.send(request.method, request.raw_path, headers, data)

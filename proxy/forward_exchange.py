@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from proxy.body_budget import Reading
 from proxy.engines.base import EngineInfo
 from proxy.exchange import Forwarded, Outcome
 from proxy.observe import JsonAnswer, Observation, StreamScanner, Usage
@@ -34,7 +35,9 @@ class Exchange:
     ordinal: int | None = None
     case_token_carried: bool = False  # the request carried its reset's X-Cachewitness-Case token
     scanner: StreamScanner | None = None
-    buffered: int = 0  # bytes of max_buffered_bytes this exchange holds (its body, read to be observed)
+    buffered: Reading | None = (
+        None  # what this exchange holds of max_buffered_bytes (its body, read to be observed)
+    )
     answer: JsonAnswer | None = None
     admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
 
+from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
 from proxy.exchange import Outcome
 from proxy.forward_exchange import Exchange
@@ -95,6 +97,25 @@ def _client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunk
     return sink
 
 
+def _drained(
+    budget: BodyBudget, transport: asyncio.Transport, writer: AbstractStreamWriter
+) -> Callable[[], Awaitable[None]]:
+    """Wait for a client that is behind; what waits for it counts in max_buffered_bytes meanwhile.
+
+    A client that stops reading is cut by client_write_timeout (proxy/connections.py).
+    """
+
+    async def drained() -> None:
+        held = transport.get_write_buffer_size()
+        budget.hold(held)
+        try:
+            await writer.drain()
+        finally:
+            budget.release(held)
+
+    return drained
+
+
 async def relay(
     request: web.Request, upstream: Answer, exchange: Exchange, peeked: bytes = b""
 ) -> web.StreamResponse:
@@ -128,7 +149,8 @@ async def relay(
         if transport is None:
             raise ConnectionResetError("the client closed its connection")
         chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
-        await upstream.relay(_client_sink(transport, observe, chunked=chunked), writer.drain)
+        sink = _client_sink(transport, observe, chunked=chunked)
+        await upstream.relay(sink, _drained(request.app[BODY_BUDGET], transport, writer))
         if exchange.scanner is not None and (tail := exchange.scanner.finish()):
             await response.write(tail)
         await response.write_eof()

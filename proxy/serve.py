@@ -17,9 +17,10 @@ from yarl import URL
 
 from proxy.app import build_app
 from proxy.config import Settings
-from proxy.connections import CONNECTIONS, GuardedSite
+from proxy.connections import CONNECTIONS, PROBE_SLOTS, GuardedSite
 from proxy.health import HEALTH
 from proxy.logs import log_event
+from proxy.probe_listener import PROBE_CONNECTIONS, ProbeListener
 from proxy.redact import redact_url
 from proxy.reset import RESETS
 
@@ -111,6 +112,8 @@ def make_runner(app: web.Application, settings: Settings) -> web.AppRunner:
         handler_cancellation=True,  # a client that leaves cancels its handler → upstream closed
         access_log=None,
         shutdown_timeout=_CANCELLED_HANDLERS_S,
+        # aiohttp's own default is 3,630 s: idle keep-alive connections would hold max_connections.
+        keepalive_timeout=settings.keepalive_timeout,
     )
 
 
@@ -142,7 +145,9 @@ def _fit_fd_limit(settings: Settings) -> None:
     """
     if not settings.max_connections:
         return
-    needed = 2 * settings.max_connections + _FD_RESERVE
+    needed = 2 * settings.max_connections + PROBE_SLOTS + _FD_RESERVE
+    if settings.health_listen:
+        needed += PROBE_CONNECTIONS
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
@@ -188,6 +193,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
             f"config: listen = {settings.listen!r} cannot be bound ({exc.strerror or exc}); "
             "choose a free HOST:PORT with --listen or CACHEWITNESS_LISTEN"
         ) from None
+    probes = await _start_probes(app, settings, runner)
     log_event(log, logging.INFO, "serving", listen=settings.listen, upstream=redact_url(settings.upstream))
     await stop.wait()
     app[HEALTH].shutting_down = True
@@ -203,12 +209,33 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     # The grace period starts now for the requests in flight and for a reset under way alike.
     app[RESETS].begin_shutdown(settings.grace_period)
     await _finish_in_flight(runner, site, settings.grace_period)
+    if probes is not None:
+        await probes.stop()
     # Runs cleanup_ctx: the evidence flushed (fsync'd), the client session closed.
     await runner.cleanup()
     for signum in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.remove_signal_handler(signum)
     log_event(log, logging.INFO, "stopped")
+
+
+async def _start_probes(
+    app: web.Application, settings: Settings, runner: web.AppRunner
+) -> ProbeListener | None:
+    """The probe listener on `health_listen`, when it is set (the main runner is cleaned up if it cannot bind)."""
+    if not settings.health_listen:
+        return None
+    probes = ProbeListener(app, settings)
+    try:
+        url = await probes.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ListenError(
+            f"config: health_listen = {settings.health_listen!r} cannot be bound ({exc.strerror or exc}); "
+            "choose a free HOST:PORT with --health-listen or CACHEWITNESS_HEALTH_LISTEN"
+        ) from None
+    log_event(log, logging.INFO, "serving probes", health_listen=url)
+    return probes
 
 
 async def _finish_in_flight(runner: web.AppRunner, site: GuardedSite, grace_period: float) -> None:

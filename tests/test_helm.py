@@ -327,8 +327,10 @@ def test_existing_secret_is_mounted_and_none_is_generated() -> None:
 
 
 def test_sidecar_probes_use_health_and_ready_routes() -> None:
-    """Startup and liveness on /-/healthy (never gated on the engine), readiness on /-/ready."""
-    container = sidecar(render())
+    """Startup and liveness on /-/healthy (never gated on the engine), readiness on /-/ready, all on
+    the probe listener's own port (health_listen), which the Service does not expose."""
+    manifests = render()
+    container = sidecar(manifests)
     paths = {
         kind: container[kind]["httpGet"]["path"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe")
@@ -338,7 +340,27 @@ def test_sidecar_probes_use_health_and_ready_routes() -> None:
         "readinessProbe": "/-/ready",
         "livenessProbe": "/-/healthy",
     }
-    assert {container[kind]["httpGet"]["port"] for kind in paths} == {"http"}
+    assert {container[kind]["httpGet"]["port"] for kind in paths} == {"health"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": 8000, "health": 8001}
+    assert env_values(container)["CACHEWITNESS_HEALTH_LISTEN"] == "0.0.0.0:8001"
+    assert [p["targetPort"] for p in client_service(manifests)["spec"]["ports"]] == ["http"]
+
+
+def test_sidecar_probes_use_the_main_port_without_a_health_port() -> None:
+    """sidecar.healthPort=null: no probe listener, the probes go to the main port."""
+    container = sidecar(render("--set", "sidecar.healthPort=null"))
+    kinds = ("startupProbe", "readinessProbe", "livenessProbe")
+    assert {container[kind]["httpGet"]["port"] for kind in kinds} == {"http"}
+    assert [p["name"] for p in container["ports"]] == ["http"]
+    assert "CACHEWITNESS_HEALTH_LISTEN" not in env_values(container)
+
+
+def test_a_health_port_equal_to_the_main_port_is_refused() -> None:
+    """The probe listener cannot share the main listener's port: the render fails and says so."""
+    result = helm_template("--set", "sidecar.healthPort=8000")
+    assert result.returncode != 0
+    assert "sidecar.healthPort=8000 is sidecar.port too" in result.stderr
 
 
 def test_sidecar_liveness_tolerates_a_pause_and_readiness_stays_fast() -> None:

@@ -13,7 +13,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.sim import running_sim
 from tests.conftest import SidecarFactory, serve_app
+from tests.sim_helpers import chat, fast
+from tests.test_connections import open_raw, read_until_closed, stop
 from tests.test_metrics import Scrape
 from tests.test_shutdown import start_sidecar
 
@@ -133,3 +136,66 @@ async def test_a_body_past_the_budget_streams_through_whole_and_unobserved(
     async with http.get(proxy + "/cache/evidence", params=params) as response:
         observed = [orjson.loads(line) for line in (await response.read()).splitlines()]
     assert len(observed) == 1 and observed[0]["prompt_tokens"] is None  # the echo reports no usage
+
+
+TRICKLERS = 4
+TRICKLE_BUDGET = 4 * MIB
+SENT_BYTES = 100  # what each trickler sends of its body before it stops
+
+
+async def test_trickling_uploads_do_not_starve_observation_and_are_cut(tmp_path: Path) -> None:
+    """Four uploads that each declare a quarter of max_buffered_bytes and send 100 bytes hold 100
+    bytes each, not the whole budget: a normal request meanwhile is observed; then body_idle_timeout
+    cuts the four (issue 27, M4: they used to reserve their declared length before any byte came)."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(TRICKLE_BUDGET // TRICKLERS).encode() + b"\r\n\r\n"
+    )
+    async with running_sim(fast("vllm")) as engine:
+        process, proxy = await start_sidecar(
+            engine,
+            tmp_path,
+            "--max-buffered-bytes",
+            str(TRICKLE_BUDGET),
+            "--body-idle-timeout",
+            "2",
+        )
+        try:
+            tricklers = [await open_raw(proxy, head + b"x" * SENT_BYTES) for _ in range(TRICKLERS)]
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT_S)) as client:
+                # Every trickler's handler is reading its body (the bytes it sent are in the budget).
+                await wait_for_metric(
+                    client, proxy, "cachewitness_buffered_request_bytes", TRICKLERS * SENT_BYTES
+                )
+                headers = {"X-Session-Id": "normal"}
+                async with client.post(
+                    proxy + "/v1/chat/completions", json=chat("a normal request"), headers=headers
+                ) as response:
+                    assert response.status == 200
+                    await response.read()
+                async with client.get(proxy + "/cache/evidence", params={"session_id": "normal"}) as response:
+                    observed = [orjson.loads(line) for line in (await response.read()).splitlines()]
+                cut = [await read_until_closed(connection) for connection in tricklers]
+                async with client.get(proxy + "/metrics") as response:
+                    scrape = Scrape(await response.text())
+        finally:
+            await stop(process)
+    assert [r["event_type"] for r in observed] == ["infer.cache_observation"]
+    assert observed[0]["outcome"] == "ok" and observed[0]["prompt_tokens"] is not None
+    assert scrape.value("cachewitness_requests_unobserved_total", reason="max_buffered_bytes") == 0
+    assert cut == [b""] * TRICKLERS  # closed without an answer
+    assert scrape.value("cachewitness_connection_limit_hits_total", limit="body_idle_timeout") == TRICKLERS
+    assert scrape.value("cachewitness_buffered_request_bytes") == 0
+
+
+async def wait_for_metric(client: aiohttp.ClientSession, proxy: str, name: str, at_least: float) -> None:
+    """Poll /metrics until the sample `name` reaches `at_least` (bounded by WAIT_S)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while True:
+        async with client.get(proxy + "/metrics") as response:
+            value = Scrape(await response.text()).value(name)
+        if value >= at_least:
+            return
+        assert loop.time() < deadline, f"{name} stayed at {value}"
+        await asyncio.sleep(0.05)

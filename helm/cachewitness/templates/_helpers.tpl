@@ -242,3 +242,15 @@ and new pods apart in the count.
 {{- end }}
 {{- toYaml $constraints }}
 {{- end }}
+
+{{/* The port the kubelet probes the sidecar on: its probe listener's, when it has one. */}}
+{{- define "cachewitness.probePort" -}}
+{{- if .Values.sidecar.healthPort -}}
+{{- if eq (int .Values.sidecar.healthPort) (int .Values.sidecar.port) -}}
+{{- fail (printf "sidecar.healthPort=%v is sidecar.port too: give the probe listener a port of its own, or null" .Values.sidecar.healthPort) }}
+{{- end -}}
+health
+{{- else -}}
+http
+{{- end -}}
+{{- end }}

@@ -1,4 +1,5 @@
-"""Pooled upstream connections the engine has closed: no 502 for inference or resets (issue 13, item 4)."""
+"""Pooled upstream connections the engine has closed: resets sent again (issue 13, item 4), and a
+forwarded request the engine may have read never sent twice (issue 27, L2)."""
 
 from __future__ import annotations
 
@@ -55,35 +56,53 @@ def closes_every_idle_connection() -> web.Application:
     async def reset(request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
+    async def empty(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
     app = web.Application(middlewares=[stale_after_first])
     app[CONNECTIONS] = seen
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/reset_prefix_cache", reset)
+    app.router.add_post("/v1/empty", empty)
     return app
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "engine_path"),
-    [
-        ("/v1/chat/completions", CHAT, "/v1/chat/completions"),
-        ("/cache/reset", {"retry_seconds": 0}, "/reset_prefix_cache"),  # 200: acknowledged, not unreachable
-    ],
-)
-async def test_request_on_a_stale_pooled_connection_is_sent_again_not_502(
-    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict, engine_path: str
+async def test_a_reset_on_a_stale_pooled_connection_is_sent_again_not_unreachable(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
+    """The sidecar's own reset call (aiohttp's pool, proxy/resend.py): a reset is one to repeat."""
     engine = closes_every_idle_connection()
     async with serve_app(engine) as upstream:
         proxy = await sidecar(upstream, engine="vllm", health_interval=3600)
         statuses = []
         for _ in range(ROUNDS):
+            async with http.post(f"{proxy}/cache/reset", json={"retry_seconds": 0}) as response:
+                await response.read()
+                statuses.append(response.status)
+    seen = engine[CONNECTIONS]
+    assert statuses == [200] * ROUNDS  # acknowledged, not unreachable
+    assert seen.dropped.count("/reset_prefix_cache") >= ROUNDS - 1  # the pool did hand out stale connections
+    assert seen.fresh.count("/reset_prefix_cache") == ROUNDS  # and each reset was answered on a fresh one
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/empty", None), ("/v1/chat/completions", CHAT)])
+async def test_a_forwarded_request_the_engine_read_before_closing_is_sent_once_and_is_502(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict | None
+) -> None:
+    """The engine read the request on a reused connection, then closed it unanswered: it may have
+    acted on it, so it is not sent again (a body-less POST was, issue 27 L2); the client gets a 502."""
+    engine = closes_every_idle_connection()
+    async with serve_app(engine) as upstream:
+        proxy = await sidecar(upstream, engine="vllm", health_interval=3600)
+        statuses = []
+        for _ in range(2):  # the first on a fresh connection, the second on it again
             async with http.post(f"{proxy}{path}", json=body) as response:
                 await response.read()
                 statuses.append(response.status)
     seen = engine[CONNECTIONS]
-    assert statuses == [200] * ROUNDS
-    assert seen.dropped.count(engine_path) >= ROUNDS - 1  # the pool did hand out stale connections
-    assert seen.fresh.count(engine_path) == ROUNDS  # and each request was answered on a fresh one
+    assert statuses == [200, 502]
+    # One copy of each request reached the engine (the sidecar's own calls come on other connections).
+    assert (seen.fresh.count(path), seen.dropped.count(path)) == (1, 1)
 
 
 async def test_a_fresh_connection_that_fails_is_not_sent_again(

@@ -186,3 +186,32 @@ async def test_a_reason_phrase_or_header_value_that_cannot_be_relayed_unchanged_
             assert (await response.json())["error"]["code"] == "upstream_bad_answer"
         async with asyncio.timeout(10), http.get(f"{proxy}/v1/odd") as response:
             assert response.status == 200  # and the next answer is relayed
+
+
+async def _trailer_attack(head: bytes, writer: asyncio.StreamWriter) -> bool:
+    """A chunked answer whose trailers never end (one endless value, or 101 of them)."""
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n")
+    if query_of(head) == "many":
+        writer.write(b"".join(b"X-T%d: %d\r\n" % (i, i) for i in range(101)) + b"\r\n")
+        return True
+    writer.write(b"X-Endless: ")
+    for _ in range(ENDLESS // PIECE):
+        writer.write(b"t" * PIECE)
+        await writer.drain()
+    return True
+
+
+@pytest.mark.parametrize("query", ["endless", "many"])
+async def test_trailers_past_the_leg_limits_cut_the_answer(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, query: str
+) -> None:
+    """Trailers are never relayed but still parsed, by the same code as headers: the same bounds
+    hold, and past them the answer (its head already relayed) is cut, counted, its connection closed."""
+    async with hostile_engine(_trailer_attack) as engine:
+        proxy = await sidecar(engine.url, engine="vllm", health_interval=3600)
+        async with asyncio.timeout(30), http.get(f"{proxy}/v1/trailers?{query}") as response:
+            assert response.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await response.read()
+        await asyncio.wait_for(engine.cut.wait(), timeout=10)
+        assert await _bad_answers(http, proxy) == 1

@@ -4,13 +4,20 @@ forwarded request the engine may have read never sent twice (issue 27, L2)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
+from proxy.leg import UpstreamLeg
 from tests.conftest import SidecarFactory, serve_app
+from tests.hostile_engine import OK_JSON
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ROUNDS = 6
@@ -140,3 +147,57 @@ async def test_idle_connections_leave_the_pool_after_upstream_keepalive_timeout(
     seen = engine[CONNECTIONS]
     path = "/v1/chat/completions"
     assert (seen.fresh.count(path), seen.dropped.count(path)) == (3, 0)
+
+
+class ThreadedEngine:
+    """An engine on blocking sockets in its own thread: it can close a connection while the
+    test's loop is held, which no engine sharing that loop can."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.requests = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the server socket closed
+            while True:
+                connection, _ = self._server.accept()
+                self.connections.append(connection)
+                threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while connection.recv(65536).endswith(b"\r\n\r\n"):  # a body-less request per read
+                self.requests += 1
+                connection.sendall(OK_JSON)
+
+    def close_connections(self) -> None:
+        """Close every connection from the engine's side, now (the test's loop waits meanwhile)."""
+        for connection in self.connections:
+            connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+async def test_a_pooled_connection_the_engine_closed_is_not_written_to() -> None:
+    """The engine closed an idle connection, and the loop has not seen it yet (the race of uvicorn's
+    idle close): the leg finds the close in the kernel before writing, and the request goes, once,
+    on a fresh connection. Through the leg itself: only holding the loop makes the race certain."""
+    engine = ThreadedEngine()
+    leg = UpstreamLeg(engine.url, connect_timeout=5, read_timeout=5, keepalive=60, limit=0)
+    try:
+        for round_ in range(2):
+            answer = await leg.send("POST", "/v1/empty", CIMultiDict(), None)
+            assert (answer.status, await answer.peek(100)) == (200, b'{"ok":true}')
+            answer.close()
+            if round_ == 0:
+                engine.close_connections()
+                time.sleep(0.05)  # holds the loop: the engine's FIN is in the kernel, unseen by the pool
+    finally:
+        leg.close()
+        engine.close()
+    assert (engine.requests, len(engine.connections)) == (2, 2)

@@ -94,6 +94,7 @@ class Settings:
     read_timeout: float = 600.0
     upstream_connection_limit: int = 0
     upstream_keepalive_timeout: float = 4.0
+    max_upstream_head_bytes: int = 64 * 1024
     health_interval: float = 1.0
     health_path: str | None = None
     shutdown_delay: float = 0.0
@@ -200,6 +201,13 @@ def _positive_float(text: str) -> float:
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _head_bytes(text: str) -> int:
+    value = int(text)
+    if value < 1024:
         raise ValueError(text)
     return value
 
@@ -384,6 +392,12 @@ OPTIONS: tuple[Option, ...] = (
         _positive_float,
         "seconds an idle upstream connection stays pooled (below the engine's own: uvicorn's is 5)",
         "seconds ≥ 0 (0 = never reuse)",
+    ),
+    Option(
+        "max_upstream_head_bytes",
+        _head_bytes,
+        "largest answer head taken from the engine (past it: 502 upstream_bad_answer)",
+        "a byte count ≥ 1024",
     ),
     Option("health_interval", _positive_float, "seconds between upstream health probes", "seconds > 0"),
     Option(

@@ -34,3 +34,4 @@ class Forwarded:
     # upstream response head → client response head (None where not reached).
     before_upstream_s: float | None
     after_upstream_s: float | None
+    bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)

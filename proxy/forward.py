@@ -20,7 +20,7 @@ from proxy.exchange import Outcome
 from proxy.forward_exchange import Exchange
 from proxy.headers import CASE_HEADER, request_headers
 from proxy.inbound import refusal
-from proxy.leg import Answer, Body, UpstreamError, UpstreamUnreachable
+from proxy.leg import Answer, Body, UpstreamBadAnswer, UpstreamError, UpstreamUnreachable
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -69,6 +69,10 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     if isinstance(exc, TimeoutError):
         exchange.outcome = Outcome.TIMEOUT
         status, code, what = 504, "upstream_timeout", "the upstream did not answer in time"
+    elif isinstance(exc, UpstreamBadAnswer):
+        exchange.outcome, exchange.bad_answer = Outcome.UPSTREAM_ERROR, True
+        # The reason is the leg's own words (a limit, a rule), never a byte of the engine's.
+        status, code, what = 502, "upstream_bad_answer", f"the upstream's answer cannot be relayed: {exc}"
     else:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         status, code = 502, "upstream_unreachable"

@@ -40,6 +40,7 @@ class Exchange:
     )
     answer: JsonAnswer | None = None
     admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
+    bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (UpstreamBadAnswer)
 
     def forwarded(self, request: web.Request, finished_ns: int) -> Forwarded:
         """The transport facts of this exchange, once it is over."""
@@ -54,6 +55,7 @@ class Exchange:
             finished_ns=finished_ns,
             before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
             after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
+            bad_answer=self.bad_answer,
         )
 
     def observation(self, request: web.Request, finished_ns: int) -> Observation:

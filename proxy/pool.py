@@ -61,6 +61,7 @@ def make_leg(settings: Settings) -> UpstreamLeg:
         read_timeout=settings.read_timeout,
         keepalive=settings.upstream_keepalive_timeout,
         limit=settings.upstream_connection_limit,
+        max_head_bytes=settings.max_upstream_head_bytes,
     )
 
 

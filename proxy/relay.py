@@ -23,7 +23,7 @@ from proxy.config import SETTINGS
 from proxy.exchange import Outcome
 from proxy.forward_exchange import Exchange
 from proxy.headers import add_response_headers
-from proxy.leg import Answer, UpstreamError
+from proxy.leg import Answer, UpstreamBadAnswer, UpstreamError
 from proxy.leg.answer import HIGH_WATER, Sink
 from proxy.leg.head import framed
 from proxy.logs import log_event
@@ -160,6 +160,7 @@ async def relay(
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
     except UpstreamError as exc:
         exchange.outcome = Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.UPSTREAM_ERROR
+        exchange.bad_answer = isinstance(exc, UpstreamBadAnswer)
         log_event(
             log,
             logging.WARNING,

@@ -1,15 +1,23 @@
-"""Pooled upstream connections the engine has closed: no 502 for inference or resets (issue 13, item 4)."""
+"""Pooled upstream connections the engine has closed: resets sent again (issue 13, item 4), and a
+forwarded request the engine may have read never sent twice (issue 27, L2)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import threading
+import time
 from dataclasses import dataclass, field
 
 import aiohttp
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 
+from proxy.leg import UpstreamLeg
 from tests.conftest import SidecarFactory, serve_app
+from tests.hostile_engine import OK_JSON
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ROUNDS = 6
@@ -55,35 +63,53 @@ def closes_every_idle_connection() -> web.Application:
     async def reset(request: web.Request) -> web.Response:
         return web.json_response({"success": True})
 
+    async def empty(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
     app = web.Application(middlewares=[stale_after_first])
     app[CONNECTIONS] = seen
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/reset_prefix_cache", reset)
+    app.router.add_post("/v1/empty", empty)
     return app
 
 
-@pytest.mark.parametrize(
-    ("path", "body", "engine_path"),
-    [
-        ("/v1/chat/completions", CHAT, "/v1/chat/completions"),
-        ("/cache/reset", {"retry_seconds": 0}, "/reset_prefix_cache"),  # 200: acknowledged, not unreachable
-    ],
-)
-async def test_request_on_a_stale_pooled_connection_is_sent_again_not_502(
-    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict, engine_path: str
+async def test_a_reset_on_a_stale_pooled_connection_is_sent_again_not_unreachable(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
+    """The sidecar's own reset call (aiohttp's pool, proxy/resend.py): a reset is one to repeat."""
     engine = closes_every_idle_connection()
     async with serve_app(engine) as upstream:
         proxy = await sidecar(upstream, engine="vllm", health_interval=3600)
         statuses = []
         for _ in range(ROUNDS):
+            async with http.post(f"{proxy}/cache/reset", json={"retry_seconds": 0}) as response:
+                await response.read()
+                statuses.append(response.status)
+    seen = engine[CONNECTIONS]
+    assert statuses == [200] * ROUNDS  # acknowledged, not unreachable
+    assert seen.dropped.count("/reset_prefix_cache") >= ROUNDS - 1  # the pool did hand out stale connections
+    assert seen.fresh.count("/reset_prefix_cache") == ROUNDS  # and each reset was answered on a fresh one
+
+
+@pytest.mark.parametrize(("path", "body"), [("/v1/empty", None), ("/v1/chat/completions", CHAT)])
+async def test_a_forwarded_request_the_engine_read_before_closing_is_sent_once_and_is_502(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict | None
+) -> None:
+    """The engine read the request on a reused connection, then closed it unanswered: it may have
+    acted on it, so it is not sent again (a body-less POST was, issue 27 L2); the client gets a 502."""
+    engine = closes_every_idle_connection()
+    async with serve_app(engine) as upstream:
+        proxy = await sidecar(upstream, engine="vllm", health_interval=3600)
+        statuses = []
+        for _ in range(2):  # the first on a fresh connection, the second on it again
             async with http.post(f"{proxy}{path}", json=body) as response:
                 await response.read()
                 statuses.append(response.status)
     seen = engine[CONNECTIONS]
-    assert statuses == [200] * ROUNDS
-    assert seen.dropped.count(engine_path) >= ROUNDS - 1  # the pool did hand out stale connections
-    assert seen.fresh.count(engine_path) == ROUNDS  # and each request was answered on a fresh one
+    assert statuses == [200, 502]
+    # One copy of each request reached the engine (the sidecar's own calls come on other connections).
+    assert (seen.fresh.count(path), seen.dropped.count(path)) == (1, 1)
 
 
 async def test_a_fresh_connection_that_fails_is_not_sent_again(
@@ -121,3 +147,57 @@ async def test_idle_connections_leave_the_pool_after_upstream_keepalive_timeout(
     seen = engine[CONNECTIONS]
     path = "/v1/chat/completions"
     assert (seen.fresh.count(path), seen.dropped.count(path)) == (3, 0)
+
+
+class ThreadedEngine:
+    """An engine on blocking sockets in its own thread: it can close a connection while the
+    test's loop is held, which no engine sharing that loop can."""
+
+    def __init__(self) -> None:
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._server.getsockname()[1]}"
+        self.connections: list[socket.socket] = []
+        self.requests = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the server socket closed
+            while True:
+                connection, _ = self._server.accept()
+                self.connections.append(connection)
+                threading.Thread(target=self._serve, args=(connection,), daemon=True).start()
+
+    def _serve(self, connection: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while connection.recv(65536).endswith(b"\r\n\r\n"):  # a body-less request per read
+                self.requests += 1
+                connection.sendall(OK_JSON)
+
+    def close_connections(self) -> None:
+        """Close every connection from the engine's side, now (the test's loop waits meanwhile)."""
+        for connection in self.connections:
+            connection.shutdown(socket.SHUT_RDWR)
+            connection.close()
+
+    def close(self) -> None:
+        self._server.close()
+
+
+async def test_a_pooled_connection_the_engine_closed_is_not_written_to() -> None:
+    """The engine closed an idle connection, and the loop has not seen it yet (the race of uvicorn's
+    idle close): the leg finds the close in the kernel before writing, and the request goes, once,
+    on a fresh connection. Through the leg itself: only holding the loop makes the race certain."""
+    engine = ThreadedEngine()
+    leg = UpstreamLeg(engine.url, connect_timeout=5, read_timeout=5, keepalive=60, limit=0)
+    try:
+        for round_ in range(2):
+            answer = await leg.send("POST", "/v1/empty", CIMultiDict(), None)
+            assert (answer.status, await answer.peek(100)) == (200, b'{"ok":true}')
+            answer.close()
+            if round_ == 0:
+                engine.close_connections()
+                time.sleep(0.05)  # holds the loop: the engine's FIN is in the kernel, unseen by the pool
+    finally:
+        leg.close()
+        engine.close()
+    assert (engine.requests, len(engine.connections)) == (2, 2)

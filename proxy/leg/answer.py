@@ -41,7 +41,6 @@ class Answer:
         "_sink_behind",
         "_sink_error",
         "_waiter",
-        "got_bytes",
         "head_arrived",
         "headers",
         "reason",
@@ -53,7 +52,6 @@ class Answer:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
-        self.got_bytes = False  # any byte of the answer: a stale connection sends none
         # The task writing a body that is not in one buffer, while the answer may already come.
         self.writer: asyncio.Task[None] | None = None
         self._connection: Connection | None = connection

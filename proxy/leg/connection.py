@@ -8,14 +8,16 @@ detection, canary, metrics) still use it.
 from __future__ import annotations
 
 import asyncio
+import enum
+import select
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import httptools
-from multidict import CIMultiDict
 
 from proxy.leg.answer import Answer
-from proxy.leg.errors import UpstreamBroke, UpstreamError, UpstreamTimeout
+from proxy.leg.answer_head import MAX_HEADERS, HeadRefused, answer_headers, reason_text
+from proxy.leg.errors import UpstreamBadAnswer, UpstreamBroke, UpstreamError, UpstreamTimeout
 from proxy.leg.head import Body, framed
 
 if TYPE_CHECKING:
@@ -25,29 +27,57 @@ __all__ = ["Connection"]
 
 # Pieces of a large body are written 64 KiB at a time, draining between them.
 _SLICE = 64 * 1024
+# Readable while idle: the engine closed the connection (or sent bytes nobody asked for).
+_PEER_CLOSED = select.POLLIN | select.POLLPRI
 
 
-def _text(raw: bytes) -> str:
-    # The decoding aiohttp's parser uses: bytes that are not UTF-8 survive the round trip.
-    return raw.decode("utf-8", "surrogateescape")
+class _Phase(enum.Enum):
+    """Where the connection is in its current answer.
+
+    IDLE: no answer (in the pool, or handed to a request not yet written). HEAD: the status
+    line and headers are being read, within the head budget. BODY: the head is in. ENDED:
+    the answer ended in the read being parsed; when that parse returns, the connection goes
+    back to the pool, or is closed when any byte followed the end (another head began: it
+    belongs to no request, and pooling the connection half-parsed would hand it to the next).
+    """
+
+    IDLE = 0
+    HEAD = 1
+    BODY = 2
+    ENDED = 3
+
+
+class _BytesAfterAnswer(Exception):
+    """Raised from on_message_begin after the answer ended: stop parsing what follows."""
 
 
 class Connection(asyncio.Protocol):
     """A connection carries one answer at a time; between answers it waits in the pool.
 
-    State is explicit: `_answer` is the answer being read (None while idle), `lost` says the
-    transport is gone. Every parser callback runs inside `data_received`.
+    State is explicit: `_phase` (above), `_answer` the answer being read (None unless HEAD
+    or BODY), `lost` says the transport is gone. Every parser callback runs inside
+    `data_received`, and only `data_received`, after the parse returns, hands the
+    connection back to the pool.
     """
 
     def __init__(self, pool: UpstreamLeg) -> None:
         self._pool = pool
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
+        self._poll: select.poll | None = None  # the socket, to look for the engine's close before a write
         self._parser = httptools.HttpResponseParser(self)
+        self._phase = _Phase.IDLE
         self._answer: Answer | None = None
         self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._fields = 0  # headers (or trailers) in the section being read
         self._reason = b""
+        # Bytes the head may still take (1xx heads included), -1 once it is in.
+        self._head_left = -1
+        # Bytes read since the body last moved: past max_head_bytes they are trailers (or
+        # chunk extensions) without end, which httptools would also grow by concatenation.
+        self._quiet = 0
         self._keep_alive = False
+        self._reusable = False  # the answer that ended may leave the connection to the next request
         self._until_close = False  # a body with neither length nor chunks ends when the connection does
         self._informational = False  # a 1xx answer: the real one follows on the same connection
         self._head_only = False  # the request was HEAD: no body follows the head
@@ -63,6 +93,10 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), _PEER_CLOSED)
 
     def data_received(self, data: bytes) -> None:
         answer = self._answer
@@ -70,15 +104,75 @@ class Connection(asyncio.Protocol):
             # Bytes nobody asked for: this connection cannot carry another answer.
             self.close()
             return
-        answer.got_bytes = True
         self._last_read = self._loop.time()
+        left = self._head_left
+        if left >= 0:
+            if len(data) > left:
+                self._past_head_budget(data, left)
+                return
+            self._head_left = left - len(data)
+        else:
+            self._quiet += len(data)
+        if self._parsed(data):
+            self._read_done(answer)
+
+    def _past_head_budget(self, data: bytes, left: int) -> None:
+        """A read that takes the head past its budget: the head must end within the budget."""
+        view = memoryview(data)
+        self._head_left = 0
+        if not self._parsed(view[:left]):
+            return
+        if self._phase is _Phase.HEAD:
+            limit = self._pool.max_head_bytes
+            self._fail(
+                UpstreamBadAnswer(f"the engine's answer head is past max_upstream_head_bytes ({limit})")
+            )
+            return
+        if self._phase is _Phase.ENDED:
+            self._phase = _Phase.IDLE
+            self.close()  # bytes followed the end of the answer
+            return
+        answer = self._answer
+        if answer is not None and self._parsed(view[left:]):
+            self._read_done(answer)
+
+    def _parsed(self, data: bytes | memoryview) -> bool:
+        """Feed the parser; False when the answer failed (or ended with bytes after it), the connection closed."""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(UpstreamBroke(f"the engine's answer is not valid HTTP ({exc})", before_answer=False))
-            return
-        answer = self._answer  # None if the answer ended in this read (it relayed its end itself)
-        if answer is not None and answer.flush():
+            if self._phase is _Phase.ENDED:
+                # The answer is whole; what followed it belongs to no request.
+                self._phase = _Phase.IDLE
+                self.close()
+                return False
+            cause = exc.__context__
+            why = (
+                str(cause)
+                if isinstance(cause, HeadRefused)
+                else f"the engine's answer is not valid HTTP ({exc})"
+            )
+            self._fail(UpstreamBadAnswer(why))
+            return False
+        return True
+
+    def _read_done(self, answer: Answer) -> None:
+        """The end of one read: the connection back to the pool if the answer ended, else flow control."""
+        phase = self._phase
+        if phase is _Phase.ENDED:
+            self._phase = _Phase.IDLE
+            if not self._reusable:
+                self.close()  # the engine asked to close, or our request body was not all sent
+                return
+            if self._read_paused:
+                # The buffer that was full is the answer's, now the consumer's alone.
+                self._read_paused = False
+                if self._transport is not None:
+                    self._transport.resume_reading()
+            self._pool.release(self)
+        elif phase is _Phase.BODY and self._quiet > self._pool.max_head_bytes:
+            self._fail(UpstreamBadAnswer("the engine's trailers are past max_upstream_head_bytes"))
+        elif answer.flush():
             self._pause_reading()
 
     def eof_received(self) -> bool:
@@ -87,19 +181,15 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(UpstreamBroke("the engine closed the connection", before_answer=False))
+            self._drain.set_exception(UpstreamBroke("the engine closed the connection"))
         answer, self._answer = self._answer, None
+        self._phase = _Phase.IDLE
         if answer is not None:
             if self._until_close and answer.status:
                 answer.complete()
             else:
                 what = "reset" if exc is not None else "closed"
-                answer.fail(
-                    UpstreamBroke(
-                        f"the engine {what} the connection before the answer ended",
-                        before_answer=not answer.got_bytes,
-                    )
-                )
+                answer.fail(UpstreamBroke(f"the engine {what} the connection before the answer ended"))
         self._pool.forget(self)
 
     def pause_writing(self) -> None:
@@ -113,14 +203,22 @@ class Connection(asyncio.Protocol):
     # --- httptools callbacks ---------------------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self._phase is _Phase.ENDED:
+            raise _BytesAfterAnswer
         self._raw_headers = []
+        self._fields = 0
         self._reason = b""
 
     def on_status(self, status: bytes) -> None:
         self._reason += status
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._raw_headers.append((name, value))
+        self._fields += 1
+        if self._fields > MAX_HEADERS:
+            section = "headers" if self._phase is _Phase.HEAD else "trailers"
+            raise HeadRefused(f"the engine's answer has more than {MAX_HEADERS} {section}")
+        if self._phase is _Phase.HEAD:
+            self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         answer = self._answer
@@ -129,7 +227,9 @@ class Connection(asyncio.Protocol):
         if status < 200:
             self._informational = True  # 100 Continue, 103 Early Hints: not the answer
             return
-        headers: CIMultiDict[str] = CIMultiDict((_text(n), _text(v)) for n, v in self._raw_headers)
+        reason = reason_text(self._reason)
+        headers = answer_headers(self._raw_headers)
+        self._phase, self._head_left, self._fields, self._quiet = _Phase.BODY, -1, 0, 0
         self._keep_alive = self._parser.should_keep_alive()
         self._until_close = (
             "Content-Length" not in headers
@@ -137,15 +237,14 @@ class Connection(asyncio.Protocol):
             and status not in (204, 304)
             and not self._head_only
         )
-        answer.head_ready(status, _text(self._reason), headers)
+        answer.head_ready(status, reason, headers)
         if self._head_only:
             # llhttp cannot be told that a HEAD answer has no body: the answer ends here,
             # and the connection with it.
-            self._answer = None
-            answer.complete()
-            self.close()
+            self._end(reusable=False)
 
     def on_body(self, body: bytes) -> None:
+        self._quiet = 0
         answer = self._answer
         if answer is not None and answer.body(body):
             self._pause_reading()
@@ -161,33 +260,33 @@ class Connection(asyncio.Protocol):
         if self._informational:
             self._informational = False
             return
-        answer, self._answer = self._answer, None
-        if answer is None:
-            return
+        if self._answer is None:
+            return  # a HEAD answer, ended at its head
         self.served += 1
+        writing = self._answer.writer is not None and not self._answer.writer.done()
+        self._end(reusable=self._keep_alive and not writing)
+
+    def _end(self, *, reusable: bool) -> None:
+        """The answer is whole; what becomes of the connection is decided when the parse returns."""
+        answer, self._answer = self._answer, None
+        self._phase, self._reusable = _Phase.ENDED, reusable
+        assert answer is not None
         answer.complete()
-        writing = answer.writer is not None and not answer.writer.done()
-        if self._keep_alive and not writing:
-            if self._read_paused:
-                # The buffer that was full is the answer's, now the consumer's alone.
-                self._read_paused = False
-                if self._transport is not None:
-                    self._transport.resume_reading()
-            self._pool.release(self)
-        else:
-            self.close()  # the engine asked to close, or our request body was not all sent
 
     # --- used by the pool and the answer ---------------------------------------------------
 
     async def exchange(self, head: bytes, body: Body, *, chunked: bool, head_only: bool) -> Answer:
         """Write one request and wait for its answer's head."""
-        if self.lost or self._transport is None:
-            raise UpstreamBroke("the pooled connection was closed", before_answer=True)
+        transport = self._transport
+        if self.lost or transport is None or transport.is_closing() or (self.served and self._peer_closed()):
+            # Found closed before anything was written: the request may go on another connection.
+            self.close()
+            raise UpstreamBroke("the pooled connection was closed", unsent=True)
         answer = Answer(self, self._loop.create_future())
-        self._answer, self._head_only, self._until_close = answer, head_only, False
+        self._answer, self._phase, self._head_only, self._until_close = answer, _Phase.HEAD, head_only, False
+        self._head_left, self._quiet = self._pool.max_head_bytes, 0
         self._last_read = self._loop.time()
         self._pool.watch(self)
-        transport = self._transport
         if body is None:
             transport.write(head)
         elif isinstance(body, bytes):
@@ -205,6 +304,14 @@ class Connection(asyncio.Protocol):
             answer.close()
             raise
         return answer
+
+    def _peer_closed(self) -> bool:
+        """Whether the kernel already holds the engine's close (or stray bytes) for this idle connection.
+
+        The loop learns of a close only at its next poll; a request written in between would
+        reach a connection the engine has left, and could not be sent again (issue 27).
+        """
+        return self._poll is not None and bool(self._poll.poll(0))
 
     async def _head_or_failed_body(self, answer: Answer, writer: asyncio.Task[None]) -> None:
         """The head, unless writing the body failed first (the client's body too large, or gone)."""
@@ -246,7 +353,7 @@ class Connection(asyncio.Protocol):
 
     async def _drained(self) -> None:
         if self.lost:
-            raise UpstreamBroke("the engine closed the connection", before_answer=False)
+            raise UpstreamBroke("the engine closed the connection")
         if self._write_paused:
             self._drain = self._loop.create_future()
             try:
@@ -264,7 +371,7 @@ class Connection(asyncio.Protocol):
     def abandon(self, answer: Answer) -> None:
         """The consumer gave up `answer` before its end: the connection cannot be reused."""
         if self._answer is answer:
-            self._answer = None
+            self._answer, self._phase = None, _Phase.IDLE
             self.close()
 
     def close(self) -> None:
@@ -293,6 +400,7 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, error: BaseException) -> None:
         answer, self._answer = self._answer, None
+        self._phase = _Phase.IDLE
         if answer is not None:
             answer.fail(error)
         self.close()

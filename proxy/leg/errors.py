@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["UpstreamBroke", "UpstreamError", "UpstreamTimeout", "UpstreamUnreachable"]
+__all__ = ["UpstreamBadAnswer", "UpstreamBroke", "UpstreamError", "UpstreamTimeout", "UpstreamUnreachable"]
 
 
 class UpstreamError(Exception):
@@ -18,12 +18,19 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 
 class UpstreamBroke(UpstreamError):
-    """The connection closed, or carried bytes that are not HTTP, before the answer ended (502).
+    """The connection closed before the answer ended (502).
 
-    `before_answer`: not one byte of the answer had arrived, the mark of a pooled connection
-    the engine closed just as it was reused (the request may then be sent again).
+    `unsent`: the request was not written at all (the pooled connection was found closed
+    first), so it may go on another connection. Once written, it never is: the engine may
+    have read it, and a second copy would be a second request.
     """
 
-    def __init__(self, message: str, *, before_answer: bool) -> None:
+    def __init__(self, message: str, *, unsent: bool = False) -> None:
         super().__init__(message)
-        self.before_answer = before_answer
+        self.unsent = unsent
+
+
+class UpstreamBadAnswer(UpstreamBroke):
+    """The engine's answer is not HTTP the sidecar relays: not HTTP at all, a head past the
+    leg's limits (`max_upstream_head_bytes`, 100 headers), or a reason phrase or header value
+    that cannot be relayed unchanged (502 `upstream_bad_answer`; the connection is closed)."""

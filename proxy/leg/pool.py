@@ -1,9 +1,9 @@
 """The keep-alive pool of connections to the engine, and sending one request through it.
 
 Idle connections wait newest-first and leave after `upstream_keepalive_timeout` (below
-uvicorn's 5 s, so the pool drops a connection before the engine does). A request that finds
-its reused connection closed before any byte of the answer is sent again on the next one
-(the engine closed it just as it was reused), when its body can be sent twice.
+uvicorn's 5 s, so the pool drops a connection before the engine does). A request whose
+reused connection turns out closed before anything was written goes on the next one; once
+written, it is never sent again (the engine may have read it).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.leg.answer import Answer
+from proxy.leg.answer_head import DEFAULT_MAX_HEAD_BYTES
 from proxy.leg.connection import Connection
 from proxy.leg.errors import UpstreamBroke, UpstreamTimeout, UpstreamUnreachable
 from proxy.leg.head import Body, request_head
@@ -33,7 +34,14 @@ class UpstreamLeg:
     """Connections to one engine base URL: forward's path to the engine."""
 
     def __init__(
-        self, base: str, *, connect_timeout: float, read_timeout: float, keepalive: float, limit: int
+        self,
+        base: str,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        keepalive: float,
+        limit: int,
+        max_head_bytes: int = DEFAULT_MAX_HEAD_BYTES,
     ) -> None:
         url = URL(base)
         if url.scheme not in ("http", "https") or url.host is None:
@@ -46,6 +54,7 @@ class UpstreamLeg:
         self.host_header = netloc if url.is_default_port() else f"{netloc}:{url.port}"
         self.path_prefix = url.raw_path.rstrip("/")  # an engine mounted under a path keeps it
         self.read_timeout = read_timeout
+        self.max_head_bytes = max_head_bytes  # an answer head past it is refused (proxy/leg/answer_head.py)
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
         self._limit = limit
@@ -62,23 +71,23 @@ class UpstreamLeg:
     async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Body) -> Answer:
         """Send one request (`target`: path and query, as the client sent them) and return its answer's head.
 
-        Raises UpstreamUnreachable, UpstreamTimeout or UpstreamBroke; or what stopped the
-        client's streamed body (its own exceptions), before the answer began.
+        Raises UpstreamUnreachable, UpstreamTimeout or UpstreamBroke (UpstreamBadAnswer among
+        them); or what stopped the client's streamed body (its own exceptions), before the
+        answer began.
         """
         head, chunked = request_head(method, self.path_prefix + target, self.host_header, headers, body)
-        replayable = body is None or isinstance(body, (bytes, tuple))
         # The same bound as the sidecar's own calls (proxy/resend.py); the loop is written out
         # here rather than shared through a callback: this is the per-request path.
         for stale_so_far in range(MOST_STALE_IN_A_ROW + 1):
             connection = await self._acquire()
-            reused = connection.served > 0
             try:
                 return await connection.exchange(head, body, chunked=chunked, head_only=method == "HEAD")
             except UpstreamBroke as exc:
-                stale = reused and exc.before_answer
-                if not (replayable and stale) or stale_so_far == MOST_STALE_IN_A_ROW:
+                # Only a request that was never written goes on another connection: one the
+                # engine may have read is never sent twice (issue 27), whatever its method.
+                if not exc.unsent or stale_so_far == MOST_STALE_IN_A_ROW:
                     raise
-                log_event(log, logging.INFO, "stale upstream connection; sending again", error=str(exc))
+                log_event(log, logging.INFO, "stale upstream connection; sending on another", error=str(exc))
         raise AssertionError("unreachable: the last try returns or raises")
 
     # --- connections -----------------------------------------------------------------------

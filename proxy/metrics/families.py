@@ -323,6 +323,8 @@ def _upstream_error_kind(f: Forwarded) -> str | None:
     if f.outcome == Outcome.TIMEOUT:
         return "timeout"
     if f.outcome == Outcome.UPSTREAM_ERROR:
+        if f.bad_answer:
+            return "bad_answer"
         return "broken_response" if f.first_byte_ns is not None else "connection"
     if f.outcome == Outcome.OK and f.status is not None and f.status >= 500:
         return "engine_5xx"

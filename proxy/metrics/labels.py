@@ -26,8 +26,15 @@ RESET_ANSWERS: tuple[str, ...] = (*(str(answer) for answer in OUTCOMES), CONTRAD
 VERDICTS: tuple[str, ...] = tuple(verdict.value for verdict in Verdict if verdict is not Verdict.PENDING)
 EVENT_TYPES: tuple[str, ...] = ("infer.cache_state", "infer.cache_observation", "infer.cache_verification")
 # connection: no answer head (refused, reset, DNS); broken_response: the engine broke a response
-# it had started; timeout: no byte within read_timeout; engine_5xx: the engine answered >= 500.
-UPSTREAM_ERROR_KINDS: tuple[str, ...] = ("connection", "broken_response", "timeout", "engine_5xx")
+# it had started; timeout: no byte within read_timeout; engine_5xx: the engine answered >= 500;
+# bad_answer: an answer that is not HTTP, past the leg's head limits, or not relayable unchanged.
+UPSTREAM_ERROR_KINDS: tuple[str, ...] = (
+    "connection",
+    "broken_response",
+    "timeout",
+    "engine_5xx",
+    "bad_answer",
+)
 PHASES: tuple[str, ...] = ("request", "response")
 
 # LLM requests range from a cached 5 ms answer to minutes-long generations.

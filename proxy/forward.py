@@ -199,17 +199,12 @@ async def _observe_and_exchange(
         if exchange.observed:
             exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
-<<<<<<< HEAD
             begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
             exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
         elif _is_inference(request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
-        return await _exchange(request, exchange, prepared, limit, prefix=prefix)
-=======
-            exchange.reset_id, exchange.ordinal = app[RECORDER].begin_request()
         return await _exchange(request, exchange, prepared, limit, start=start)
->>>>>>> sec-client
     finally:
         admission.leave()
 
@@ -244,23 +239,14 @@ async def _exchange(
     prepared: PreparedRequest | None,
     limit: int,
     *,
-<<<<<<< HEAD
-    prefix: bytes = b"",
+    start: BodyStart | None = None,
     refusal: str | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and relay the answer; the admission slot is held throughout.
 
-    `prepared` is an observed body in hand (None: the body streams through, after `prefix`).
+    `prepared` is an observed body in hand (None: the body streams through, after `start`).
     An engine that refuses the injected include_usage gets the client's own body instead,
     once: `refusal` then says why the injected one could not stand.
-=======
-    start: BodyStart | None = None,
-) -> web.StreamResponse:
-    """Send the request upstream and relay the answer; the admission slot is held throughout.
-
-    `prepared` is an observed body in hand (None: the body streams through, after `start`).
-    An engine that refuses the injected include_usage gets the client's own body instead.
->>>>>>> sec-client
     """
     leg = request.app[UPSTREAM_LEG]
     headers = request_headers(

@@ -3,7 +3,7 @@
     .venv/bin/python bench/client_leg.py [--rounds 3] [--seconds 3] [--concurrency 16]
 
 Sized issue 19's candidate (an upstream leg on asyncio protocols with httptools) before it
-was built, and now measures it (proxy/leg, with its timeouts, pool and flow control). One simulator (vLLM dialect, decode/prefill rate 0) on one core; this process on
+was built, and now measures it (proxy/upstream, with its timeouts, pool and flow control). One simulator (vLLM dialect, decode/prefill rate 0) on one core; this process on
 the other, on uvloop as the sidecar is, sends small non-streaming chat completions with
 `--concurrency` workers over keep-alive connections, with a ClientSession configured
 as the sidecar's own-calls pool, with the sidecar's forwarding leg, and with a bare client (head and body in one write, the answer
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Cores, start_simulator
 
-from proxy.leg import UpstreamLeg
+from proxy.upstream import UpstreamLeg
 
 BODY = (
     b'{"model":"sim-model","messages":[{"role":"user","content":"Benchmark prompt: say something short."}],'
@@ -126,7 +126,7 @@ async def _leg_worker(leg: UpstreamLeg, deadline: float) -> int:
 
 
 def _session() -> aiohttp.ClientSession:
-    """A ClientSession with the sidecar's pool options (proxy/pool.py)."""
+    """A ClientSession with the sidecar's pool options (proxy/upstream/pools.py)."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4.0),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=300),
@@ -149,7 +149,7 @@ async def _rounds(port: int, ns: argparse.Namespace) -> dict[str, list[float]]:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     results: dict[str, list[float]] = {
         "aiohttp ClientSession": [],
-        "the sidecar's leg (proxy/leg)": [],
+        "the sidecar's leg (proxy/upstream)": [],
         "bare asyncio protocol + httptools": [],
     }
     leg = UpstreamLeg(

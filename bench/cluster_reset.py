@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import Service, free_port, start_service
+from proxy.cluster.peers import discover_peers
 from proxy.config import Settings
-from proxy.peers import discover_peers
 
 PY = sys.executable
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -30,7 +30,7 @@ from yarl import URL
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.harness import Service, free_port, start_service, start_simulator
-from proxy.engine_routes import normalise_path
+from proxy.admin.policy import normalise_path
 
 # `/%2525...2541`, 8 KB (aiohttp takes request lines up to 8,190 bytes): each decoding pass
 # turns the leading `%25` into `%`, so the path shrinks by two bytes a pass, 4,081 passes.

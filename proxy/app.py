@@ -4,21 +4,21 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from proxy.admin.auth import setup_auth
+from proxy.admin.views import handle_evidence, handle_state
 from proxy.admission import setup_admission
-from proxy.auth import setup_auth
 from proxy.body_budget import setup_body_budget
-from proxy.cache_views import handle_evidence, handle_state
-from proxy.cluster import setup_cluster
+from proxy.cluster.fanout import setup_cluster
 from proxy.config import SETTINGS, Settings
 from proxy.connections import setup_connections
 from proxy.engine_state import setup_engine_state
-from proxy.evidence_log import setup_evidence
-from proxy.forward import forward, setup_forward
+from proxy.evidence.log import setup_evidence
+from proxy.forward.handler import forward, setup_forward
 from proxy.health import healthy, ready, setup_health
 from proxy.metrics import handle_metrics, setup_metrics
-from proxy.pool import setup_upstream_pool
 from proxy.recorder import setup_recorder
-from proxy.reset import handle_reset, setup_reset
+from proxy.reset.service import handle_reset, setup_reset
+from proxy.upstream.pools import setup_upstream_pool
 
 __all__ = ["build_app", "setup_routes"]
 

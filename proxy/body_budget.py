@@ -3,7 +3,7 @@
 An inference request is read whole to be observed. Without a bound, a few concurrent
 63 MiB prompts take the sidecar past its container's memory limit; with one, a request
 whose body would pass the budget is forwarded streaming, unobserved, and counted. What the
-relay holds for a client that reads its answer slowly counts too (proxy/relay.py).
+relay holds for a client that reads its answer slowly counts too (proxy/forward/relay.py).
 
 A body takes the budget as its bytes arrive, never for bytes only declared: a client that
 declares 64 MiB and trickles holds what it sent (issue 27, M4: four such uploads used to

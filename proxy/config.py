@@ -20,7 +20,7 @@ from yarl import URL
 
 from proxy.engines.base import EngineKind
 from proxy.redact import redact_url
-from proxy.verification import VerifyMode
+from proxy.witnesses.verification import VerifyMode
 
 __all__ = [
     "ENGINE_KINDS",
@@ -78,7 +78,7 @@ class Settings:
     evidence_max_bytes: int = 64 * 1024 * 1024
     evidence_keep: int = 5
     evidence_queue_max_bytes: int = 32 * 1024 * 1024
-    # Reset records in a file of their own (proxy/evidence_log.py); None: beside `evidence`.
+    # Reset records in a file of their own (proxy/evidence/log.py); None: beside `evidence`.
     evidence_resets_path: str | None = None
     evidence_resets_max_bytes: int = 16 * 1024 * 1024
     evidence_resets_keep: int = 5
@@ -86,7 +86,7 @@ class Settings:
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     admin_open: bool = False
-    # Who counts as local for admin routes while no admin token is set (proxy/auth.py).
+    # Who counts as local for admin routes while no admin token is set (proxy/admin/auth.py).
     trusted_peers: tuple[str, ...] = ("127.0.0.1", "::1")
     max_body_bytes: int = 64 * 1024 * 1024
     max_buffered_bytes: int = 256 * 1024 * 1024
@@ -129,7 +129,7 @@ class Settings:
     metrics_max_models: int = 20
     upstream_metrics_timeout: float = 2.0
     log_level: str = "info"
-    # Cluster scope (proxy/peers.py): a static list of sidecars, or a headless Service name.
+    # Cluster scope (proxy/cluster/peers.py): a static list of sidecars, or a headless Service name.
     peers: tuple[str, ...] = ()
     peers_dns: str | None = None
     peers_dns_server: str | None = None

@@ -24,8 +24,8 @@ from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.logs import log_event
-from proxy.pool import UPSTREAM_POOL
 from proxy.redact import redact_url
+from proxy.upstream.pools import UPSTREAM_POOL
 
 __all__ = ["ENGINE", "EngineState", "make_dialect", "setup_engine_state"]
 

@@ -14,7 +14,7 @@ from aiohttp import web
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.logs import log_event
-from proxy.pool import UPSTREAM_POOL
+from proxy.upstream.pools import UPSTREAM_POOL
 
 __all__ = ["HEALTH", "UpstreamHealth", "healthy", "ready", "setup_health"]
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.evidence_log import EVIDENCE, EvidenceLog
-from proxy.exchange import Forwarded
+from proxy.evidence.log import EVIDENCE, EvidenceLog
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
-from proxy.verification import CanaryOutcome, Verified
-from proxy.witness import WITNESS, ResetSummary, Witness
+from proxy.observe.record import Forwarded
+from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
+from proxy.witnesses.verification import CanaryOutcome, Verified
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
 

@@ -22,7 +22,7 @@ from proxy.health import HEALTH
 from proxy.logs import log_event
 from proxy.probe_listener import PROBE_CONNECTIONS, ProbeListener
 from proxy.redact import redact_url
-from proxy.reset import RESETS
+from proxy.reset.service import RESETS
 
 __all__ = ["ListenError", "make_runner", "make_site", "points_at_itself", "run", "serve", "serving"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.auth import is_trusted
+from proxy.admin.auth import is_trusted
 from proxy.config import Settings
 from tests.conftest import stack
 from tests.sim_helpers import fast

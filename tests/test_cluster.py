@@ -16,9 +16,9 @@ import orjson
 import pytest
 from aiohttp import web
 
+from proxy.cluster.peers import discover_peers
 from proxy.config import SETTINGS, ConfigError, Settings, load_settings
-from proxy.evidence_log import EVIDENCE
-from proxy.peers import discover_peers
+from proxy.evidence.log import EVIDENCE
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.conftest import serve_app, serve_sidecar, stack
 from tests.dns_server import dns_server
@@ -32,7 +32,7 @@ async def warm(pod: Pod, prompt: str) -> int:
 
 
 PROMPT = words(64, "shared")
-# Engine resets per pod reset: its own, and one after each canary probe (proxy/canary.py).
+# Engine resets per pod reset: its own, and one after each canary probe (proxy/witnesses/canary.py).
 RESETS_PER_VERIFIED = 3
 
 

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from yarl import URL
 
-from proxy.engine_routes import normalise_path
+from proxy.admin.policy import normalise_path
 from tests.capture import Capture, capturing
 from tests.conftest import free_port, serve_sidecar
 from tests.sim_helpers import chat, fast, sim
@@ -350,8 +350,8 @@ def test_a_remembered_decision_is_for_the_engine_it_was_made_for() -> None:
     """The policy remembers plain traffic's decisions; a re-detected engine gets its own."""
     from multidict import MultiDict
 
+    from proxy.admin.policy import RouteClass, RoutePolicy
     from proxy.config import Settings
-    from proxy.engine_routes import RouteClass, RoutePolicy
     from proxy.engine_state import make_dialect
 
     settings = Settings()

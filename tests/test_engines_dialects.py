@@ -28,7 +28,7 @@ from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.redact import redact_url
-from proxy.reset import retry_reset
+from proxy.reset.service import retry_reset
 from tests.conftest import closed_port_url, serve_app
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 from tests.upstream import in_two_pieces

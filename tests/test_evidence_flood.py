@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from proxy.config import ConfigError, load_settings
-from proxy.request_ids import ID_CHARS
+from proxy.forward.ids import ID_CHARS
 from tests.conftest import stack
 from tests.evidence_files import resets_file
 from tests.sim_helpers import chat, fast, words

@@ -1,4 +1,4 @@
-"""The merged read of the two evidence files (proxy/evidence_log.py) against a plain per-line merge.
+"""The merged read of the two evidence files (proxy/evidence/log.py) against a plain per-line merge.
 
 `GET /cache/evidence` serves the observation file and the reset records' file as one stream
 in `at_ns` order (tests/test_evidence_flood.py checks it through the sidecar). The reader
@@ -18,7 +18,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.evidence_log import read_merged
+from proxy.evidence.log import read_merged
 
 # Lines of ~3 KB: a file of 100 spans two 256 KiB chunk reads.
 PAD = "p" * 3000

@@ -1,4 +1,4 @@
-"""The evidence writer and reader against real files (proxy/evidence.py)."""
+"""The evidence writer and reader against real files (proxy/evidence/writer.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.evidence import MAX_LINE_BYTES, DropReason, EvidenceWriter, read_evidence
+from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter, read_evidence
 from tests.tmpfs import resize, tmpfs
 
 

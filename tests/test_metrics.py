@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.evidence_log import EVIDENCE
+from proxy.evidence.log import EVIDENCE
 from proxy.metrics import ENGINE_METRICS_MAX_AGE_S, METRICS
 from proxy.sim import SimConfig, build_sim_app, running_sim
 from tests.conftest import SidecarFactory, closed_port_url, serve_app, serve_sidecar

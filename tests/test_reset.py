@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from proxy.admission import ADMISSION
-from proxy.reset import RESETS
+from proxy.reset.service import RESETS
 from proxy.sim import SimConfig
 from tests.conftest import Stack, closed_port_url, running_request, serve_sidecar, stack
 from tests.evidence_files import evidence_records

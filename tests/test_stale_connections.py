@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy.leg import UpstreamLeg
+from proxy.upstream import UpstreamLeg
 from tests.conftest import SidecarFactory, serve_app
 from tests.hostile_engine import OK_JSON
 
@@ -77,7 +77,7 @@ def closes_every_idle_connection() -> web.Application:
 async def test_a_reset_on_a_stale_pooled_connection_is_sent_again_not_unreachable(
     sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
-    """The sidecar's own reset call (aiohttp's pool, proxy/resend.py): a reset is one to repeat."""
+    """The sidecar's own reset call (aiohttp's pool, proxy/upstream/resend.py): a reset is one to repeat."""
     engine = closes_every_idle_connection()
     async with serve_app(engine) as upstream:
         proxy = await sidecar(upstream, engine="vllm", health_interval=3600)

@@ -1,4 +1,4 @@
-"""The forwarding leg's own HTTP (proxy/leg): pooling, limits, timeouts and answers aiohttp used to frame.
+"""The forwarding leg's own HTTP (proxy/upstream): pooling, limits, timeouts and answers aiohttp used to frame.
 
 The suite as a whole proves the leg forwards as the ClientSession did; these pin what the
 leg does itself: the connection limit, the idle sweep, the lazy read timer, flow control, HEAD,

@@ -1,13 +1,13 @@
-"""Reset sequences, ordinals and verdicts (proxy/witness.py)."""
+"""Reset sequences, ordinals and verdicts (proxy/witnesses/traffic.py)."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from proxy.exchange import Outcome
 from proxy.observe import Observation
-from proxy.verification import Verified
-from proxy.witness import ResetSummary, Witness
+from proxy.observe.record import Outcome
+from proxy.witnesses.traffic import ResetSummary, Witness
+from proxy.witnesses.verification import Verified
 
 BASE = Observation(
     request_id="r", session_id=None, case_id=None, method="POST", path="/v1/chat/completions",

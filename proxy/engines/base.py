@@ -20,7 +20,7 @@ import aiohttp
 
 from proxy.engines.routes import NativeReset, RouteRule
 from proxy.redact import redact_url
-from proxy.resend import send_upstream
+from proxy.upstream.resend import send_upstream
 
 __all__ = [
     "ACCEPTED_UNVERIFIED",
@@ -112,7 +112,7 @@ class Via(StrEnum):
 
     API = "api"  # POST /cache/reset
     NATIVE = "native"  # the engine's own reset route, called through the sidecar
-    CLUSTER = "cluster"  # a cluster-scope reset's own record (proxy/cluster.py)
+    CLUSTER = "cluster"  # a cluster-scope reset's own record (proxy/cluster/fanout.py)
 
 
 BODY_EXCERPT_BYTES = 2048
@@ -450,7 +450,7 @@ class Dialect(ABC):
     health_path: str = "/health"
     # The engine's control routes (admin only through the sidecar) and its own reset route
     # (intercepted). Empty for engines the sidecar does not know: the policy then covers
-    # every known engine's routes (proxy/engine_routes.py).
+    # every known engine's routes (proxy/admin/policy.py).
     control_routes: ClassVar[tuple[RouteRule, ...]] = ()
     native_reset: ClassVar[NativeReset | None] = None
 

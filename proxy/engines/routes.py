@@ -1,7 +1,7 @@
 """Engine route facts: which of an engine's paths are control routes, and its own reset route.
 
 Paths here are canonical (lowercase, no empty or dot segments, no trailing slash): the
-sidecar matches them against a request path normalised the same way (proxy/engine_routes.py).
+sidecar matches them against a request path normalised the same way (proxy/admin/policy.py).
 """
 
 from __future__ import annotations

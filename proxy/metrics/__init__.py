@@ -29,9 +29,9 @@ from proxy.metrics.labels import (
 )
 from proxy.metrics.merge import engine_exposition, fetch_engine_metrics
 from proxy.metrics.models import MODELS_RETRY_S, ModelLabels, fetch_model_ids
+from proxy.metrics.shared_fetch import SharedFetch
 from proxy.metrics.state import StateCollector
-from proxy.pool import UPSTREAM_POOL
-from proxy.shared_fetch import SharedFetch
+from proxy.upstream.pools import UPSTREAM_POOL
 
 __all__ = [
     "CODES",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from proxy.engines.base import OUTCOMES, EngineKind
 from proxy.observe import OBSERVED_PATHS
-from proxy.verification import CONTRADICTED_ANSWER
-from proxy.witness import Verdict
+from proxy.witnesses.traffic import Verdict
+from proxy.witnesses.verification import CONTRADICTED_ANSWER
 
 PREFIX = "cachewitness_"
 OTHER = "other"

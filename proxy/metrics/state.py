@@ -12,7 +12,7 @@ from proxy.admission import ADMISSION
 from proxy.body_budget import BODY_BUDGET
 from proxy.connections import CONNECTIONS, Limit
 from proxy.engine_state import ENGINE
-from proxy.evidence_log import EVIDENCE
+from proxy.evidence.log import EVIDENCE
 from proxy.health import HEALTH
 from proxy.metrics.labels import EVENT_TYPES, PREFIX
 from proxy.refusals import REFUSALS, RefusalReason

@@ -15,7 +15,7 @@ from proxy.sim.scheduler import Scheduler
 from proxy.sim.text import CHATML, ChatTemplate
 from proxy.sim.wire import error_response, json_body
 
-__all__ = ["Dialect", "NullUsage"]
+__all__ = ["NullUsage", "SimDialect"]
 
 
 class NullUsage(StrEnum):
@@ -26,7 +26,7 @@ class NullUsage(StrEnum):
     NEVER = "never"  # vLLM 0.32, SGLang's msgspec encoder (omit_defaults)
 
 
-class Dialect:
+class SimDialect:
     """An OpenAI-compatible engine with a block prefix cache and no reset endpoint.
 
     Subclasses override the hooks for their engine's rules; this base is the

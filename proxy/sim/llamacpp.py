@@ -15,7 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.sim.dialect import Dialect
+from proxy.sim.dialect import SimDialect
 from proxy.sim.engine import Sequence
 from proxy.sim.text import PromptError, common_prefix, completion_prompt_tokens
 from proxy.sim.wire import (
@@ -56,7 +56,7 @@ class Slot:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-class LlamacppDialect(Dialect):
+class LlamacppDialect(SimDialect):
     """llama-server with `-np N --metrics --slots`, optionally `--slot-save-path` and RAM cache."""
 
     name = "llamacpp"

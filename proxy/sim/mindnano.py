@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.sim.checkpoint_cache import CheckpointCache
-from proxy.sim.dialect import Dialect
+from proxy.sim.dialect import SimDialect
 from proxy.sim.engine import AdmissionRefused, Sequence
 from proxy.sim.text import ChatTemplate
 from proxy.sim.wire import error_response, json_body
@@ -38,7 +38,7 @@ def _busy() -> web.Response:
     return error_response(429, "engine busy: one request at a time", "busy")
 
 
-class MindnanoDialect(Dialect):
+class MindnanoDialect(SimDialect):
     """mindnano: a single-sequence engine with one prompt-cache entry for everyone."""
 
     name = "mindnano"

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from proxy.sim.dialect import Dialect
+from proxy.sim.dialect import SimDialect
 
 __all__ = ["OpenaiDialect"]
 
 
-class OpenaiDialect(Dialect):
+class OpenaiDialect(SimDialect):
     """A generic OpenAI server: `/health` 200, no reset route (404), `owned_by: "openai"`."""
 
     name = "openai"

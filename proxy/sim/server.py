@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.registry import Collector
 
 from proxy.sim.config import SimConfig
-from proxy.sim.dialect import Dialect, NullUsage
+from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
 from proxy.sim.llamacpp import LlamacppDialect
 from proxy.sim.mindnano import MindnanoDialect
@@ -35,7 +35,7 @@ __all__ = ["SIM_ENGINE", "build_sim_app"]
 SIM_ENGINE = web.AppKey("sim_engine", Engine)
 
 
-_DIALECTS: dict[str, type[Dialect]] = {
+_DIALECTS: dict[str, type[SimDialect]] = {
     "vllm": VllmDialect,
     "sglang": SglangDialect,
     "llamacpp": LlamacppDialect,
@@ -59,7 +59,7 @@ def _max_tokens(body: dict[str, Any], default: int, *names: str) -> int | web.Re
 class OpenAIRoutes:
     """`/v1/chat/completions`, `/v1/completions`, `/v1/models` on top of a dialect."""
 
-    def __init__(self, engine: Engine, dialect: Dialect) -> None:
+    def __init__(self, engine: Engine, dialect: SimDialect) -> None:
         """Bind to one engine and its dialect."""
         self.engine = engine
         self.dialect = dialect
@@ -222,7 +222,7 @@ class OpenAIRoutes:
 class _DialectCollector(Collector):
     """Reads the dialect's metric families at scrape time."""
 
-    def __init__(self, dialect: Dialect) -> None:
+    def __init__(self, dialect: SimDialect) -> None:
         """Collect from one dialect."""
         self.dialect = dialect
 
@@ -231,7 +231,7 @@ class _DialectCollector(Collector):
         yield from self.dialect.metric_families()
 
 
-def _answers_middleware(dialect: Dialect) -> Any:
+def _answers_middleware(dialect: SimDialect) -> Any:
     """Answer unknown routes with the dialect's own 404 body (FastAPI's `{"detail":"Not Found"}` for vLLM)."""
 
     @web.middleware

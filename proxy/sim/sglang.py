@@ -13,7 +13,7 @@ import orjson
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.sim.dialect import Dialect, NullUsage
+from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
 from proxy.sim.text import PromptError, completion_prompt_tokens
 from proxy.sim.wire import DONE, error_response, read_json, send_event, sse_response
@@ -27,7 +27,7 @@ FLUSH_TIMEOUT = "Timed out waiting for idle state."
 MAX_FLUSH_TIMEOUT_S = 300.0
 
 
-class SglangDialect(Dialect):
+class SglangDialect(SimDialect):
     """SGLang 0.5.10+ with --enable-cache-report and --enable-metrics."""
 
     name = "sglang"

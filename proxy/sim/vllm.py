@@ -7,14 +7,14 @@ from typing import Any
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.sim.dialect import Dialect, NullUsage
+from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
 from proxy.sim.wire import error_response
 
 __all__ = ["VllmDialect"]
 
 
-class VllmDialect(Dialect):
+class VllmDialect(SimDialect):
     """vLLM's OpenAI server as of 0.32, with switches for older behaviours."""
 
     name = "vllm"

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.headers import HOP_BY_HOP
+from proxy.forward.headers import HOP_BY_HOP
 from tests.real.conftest import Pair
 
 MODEL = "tiny"

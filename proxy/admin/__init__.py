@@ -1,0 +1,1 @@
+"""The sidecar's admin side: who may, the route policy, the /cache views."""

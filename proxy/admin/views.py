@@ -1,0 +1,123 @@
+"""The admin read views: `GET /cache/state` and `GET /cache/evidence`."""
+
+from __future__ import annotations
+
+import re
+
+from aiohttp import web
+
+from proxy.admission import ADMISSION
+from proxy.cluster.evidence import cluster_evidence
+from proxy.cluster.state import cluster_state
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
+from proxy.errors import error_response
+from proxy.evidence.log import EVIDENCE
+from proxy.forward.ids import is_stored_id
+from proxy.health import HEALTH
+from proxy.witnesses.traffic import WITNESS
+
+__all__ = ["handle_evidence", "handle_state"]
+
+_EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
+_FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope")
+_SCOPES = ("pod", "cluster")
+# Matching lines go out in writes of about this size, not one write per line.
+_WRITE_BYTES = 64 * 1024
+_ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
+
+
+def _scope(request: web.Request) -> str | web.Response:
+    """`?scope=pod` (default) or `?scope=cluster`; a 400 for anything else."""
+    scope = request.query.get("scope", "pod")
+    if scope not in _SCOPES:
+        return _bad_filter("scope", 'scope must be "pod" or "cluster"')
+    return scope
+
+
+async def handle_state(request: web.Request) -> web.Response:
+    """The last reset, its verdict, counters since it, and the engine behind us (every pod's with scope=cluster)."""
+    scope = _scope(request)
+    if isinstance(scope, web.Response):
+        return scope
+    if scope == "cluster":
+        return await cluster_state(request)
+    app = request.app
+    state = app[WITNESS].state()
+    state["engine"] = app[ENGINE].info.to_json()
+    admission = app[ADMISSION]
+    evidence = app[EVIDENCE]
+    state["sidecar"] = {
+        "inflight_requests": admission.inflight,
+        "held_requests": admission.held,
+        "draining": admission.draining,
+        "upstream_up": app[HEALTH].upstream_up,
+        "evidence_path": app[SETTINGS].evidence,
+        "evidence_resets_path": app[SETTINGS].resets_evidence,
+        "evidence_write_errors_total": evidence.write_errors_total,
+        "evidence_dropped_total": evidence.dropped_total,
+    }
+    return web.json_response(state)
+
+
+def _bad_filter(param: str, message: str) -> web.Response:
+    """400 naming the filter at fault."""
+    return error_response(400, message, type_="invalid_request_error", code="invalid_filter", param=param)
+
+
+async def handle_evidence(request: web.Request) -> web.StreamResponse:
+    """Stream the evidence lines that match the query's filters, as JSON lines."""
+    query = request.query
+    unknown = sorted(set(query) - set(_FILTERS))
+    if unknown:
+        return _bad_filter(unknown[0], f"unknown filter {unknown[0]!r}; filters are {', '.join(_FILTERS)}")
+    for name in _FILTERS:
+        if len(query.getall(name, ())) > 1:
+            return _bad_filter(name, f"{name} is given more than once; give each filter at most once")
+    for name in ("session_id", "case_id"):
+        # An id the evidence stored escaped (`%XX`, see proxy/forward/ids.py) is found as stored.
+        if name in query and not is_stored_id(query[name]):
+            return _bad_filter(
+                name, f"{name} must be 1-128 characters of [A-Za-z0-9._:-] (or %XX escapes, as stored)"
+            )
+    event_type = query.get("event_type")
+    if event_type is not None and event_type not in _EVENT_TYPES:
+        return _bad_filter("event_type", f"event_type must be one of {', '.join(sorted(_EVENT_TYPES))}")
+    since_ns: int | None = None
+    if "since_ns" in query:
+        text = query["since_ns"]
+        # int() would also take " 12 ", "1_000", "-5" and non-ASCII digits such as "٣".
+        if not _ASCII_DIGITS.fullmatch(text):
+            return _bad_filter(
+                "since_ns", "since_ns must be ASCII digits 0-9 only (nanoseconds since the epoch)"
+            )
+        since_ns = int(text)
+    scope = _scope(request)
+    if isinstance(scope, web.Response):
+        return scope
+    if scope == "cluster":
+        return await cluster_evidence(request, {k: v for k, v in query.items() if k != "scope"})
+    app = request.app
+    evidence = app[EVIDENCE]
+    # Records of requests that just finished may still sit in the batch: write them first.
+    # Both files are read, merged by at_ns (proxy/evidence/log.py).
+    await evidence.flush()
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    batch: list[bytes] = []
+    size = 0
+    async for block in evidence.read(
+        session_id=query.get("session_id"),
+        case_id=query.get("case_id"),
+        event_type=event_type,
+        since_ns=since_ns,
+    ):
+        batch += block
+        size += sum(map(len, block))
+        if size >= _WRITE_BYTES:
+            await response.write(b"".join(batch))
+            batch, size = [], 0
+    if batch:
+        await response.write(b"".join(batch))
+    await response.write_eof()
+    return response

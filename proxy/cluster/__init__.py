@@ -1,0 +1,1 @@
+"""Cluster scope: fan-out to the peers and what they answered."""

@@ -1,0 +1,1 @@
+"""The evidence log: its records, writer, reader and summary."""

@@ -1,0 +1,455 @@
+"""The evidence writer (async, batched JSONL with size rotation) and its reader: one file and its
+rotations (the two files the sidecar keeps are in proxy/evidence/log.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno
+import logging
+import os
+import sys
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+__all__ = [
+    "MAX_LINE_BYTES",
+    "DropReason",
+    "EvidenceWriter",
+    "evidence_files",
+    "read_evidence",
+    "read_evidence_blocks",
+]
+
+MAX_LINE_BYTES = 64 * 1024
+# A string longer than this is cut when a record would not fit in one line.
+_TRUNCATED_STRING_CHARS = 1024
+_READ_CHUNK_BYTES = 256 * 1024
+
+log = logging.getLogger("cachewitness.evidence")
+
+
+def _log(event: str, **fields: Any) -> None:
+    """One structured (JSON) log line."""
+    log.warning(orjson.dumps({"event": event, **fields}).decode())
+
+
+def _truncate_strings(value: Any) -> Any:
+    """A copy of value with every long string cut (bounded excerpts such as `calls[].body`)."""
+    if isinstance(value, str) and len(value) > _TRUNCATED_STRING_CHARS:
+        return value[:_TRUNCATED_STRING_CHARS] + "…[truncated]"
+    if isinstance(value, dict):
+        return {k: _truncate_strings(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_truncate_strings(v) for v in value]
+    return value
+
+
+def encode_record(record: dict[str, Any]) -> bytes | None:
+    """One JSONL line (ending "\\n") of at most MAX_LINE_BYTES, or None if it cannot fit.
+
+    A record over the limit keeps its shape with long strings cut and gets
+    `"truncated": true`; one still too big after that is refused.
+    """
+    line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+    if len(line) > MAX_LINE_BYTES:
+        shrunk = _truncate_strings(record)
+        shrunk["truncated"] = True
+        line = orjson.dumps(shrunk, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
+        if len(line) > MAX_LINE_BYTES:
+            return None
+    # orjson's bytes keep their over-allocated buffer (a 500-byte line holds ~8 KB: ijl/orjson#483);
+    # a line waiting for a full disk must cost its length, so it is copied to its exact size.
+    return bytes(memoryview(line))
+
+
+class DropReason(StrEnum):
+    """Why an evidence record will never be written (`evidence_dropped_total{reason}`)."""
+
+    QUEUE_FULL = "queue_full"  # the disk refuses and the queue holds its bytes bound
+    RECORD_TOO_LARGE = "record_too_large"
+    UNENCODABLE = "unencodable"
+    WRITER_CLOSED = "writer_closed"
+    UNWRITABLE_AT_CLOSE = "unwritable_at_close"  # still refused by the disk at shutdown
+    RATE = "rate"  # a refused request's record past evidence_rejected_per_s (proxy/evidence/log.py)
+
+
+# One os.write carries at most this much: a long backlog (a disk that was full) is written in
+# pieces, never joined into one copy of itself.
+_WRITE_BYTES = 1024 * 1024
+_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+
+
+class EvidenceWriter:
+    """Append-only JSONL evidence: `write()` enqueues, a task flushes batches in a thread.
+
+    Nothing here blocks the event loop or raises into the proxy. Records waiting to be
+    written are bounded in bytes (`max_queue_bytes`): past it a new record is dropped.
+    A disk error is counted and logged once per kind; the lines that fit are written and
+    the rest are retried with the next flush (when space returns). Every record is either
+    written, waiting, or counted in `dropped` by reason, exactly. Lines are never split:
+    a line cut by a failed write is truncated off and written again whole.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        max_bytes: int = 64 * 1024 * 1024,
+        keep: int = 5,
+        stdout: bool = False,
+        flush_interval_s: float = 0.2,
+        max_queue_bytes: int = 32 * 1024 * 1024,
+    ) -> None:
+        """Configure; nothing is opened until the first batch."""
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self.stdout = stdout
+        self.flush_interval_s = flush_interval_s
+        self.max_queue_bytes = max_queue_bytes
+        self.records_total: dict[str, int] = {}
+        self.write_errors_total = 0
+        self.dropped: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
+        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._unwritten: list[tuple[str, bytes]] = []  # what the disk refused, retried first
+        # Bytes of the lines waiting: queued, being written by the thread, refused by the disk.
+        self._queued_bytes = 0
+        self._flushing_bytes = 0
+        self._unwritten_bytes = 0
+        self._flush_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._periodic_flushes = 0
+        self._flushed = asyncio.Condition()
+        self._task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._fd: int | None = None
+        self._size = 0
+        self._logged_errors: set[str] = set()  # touched by the worker thread only
+        self._logged_drops: set[str] = set()  # touched by the event loop only
+
+    @property
+    def dropped_total(self) -> int:
+        """Records that will never be written, all reasons."""
+        return sum(self.dropped.values())
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the records written to no file yet."""
+        return self._queued_bytes + self._flushing_bytes + self._unwritten_bytes
+
+    async def start(self) -> None:
+        """Start the periodic flush task."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="evidence-writer")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Enqueue one record; never blocks, never raises."""
+        try:
+            event_type = str(record.get("event_type", "unknown"))
+            if self._closed:
+                self.drop(DropReason.WRITER_CLOSED, event_type)
+                return
+            line = encode_record(record)
+            if line is None:
+                self.drop(DropReason.RECORD_TOO_LARGE, event_type)
+                return
+            if self.pending_bytes + len(line) > self.max_queue_bytes:
+                self.drop(DropReason.QUEUE_FULL, event_type)
+                return
+            self._queue.append((event_type, line))
+            self._queued_bytes += len(line)
+            if len(self._queue) >= 1024:
+                self._wake.set()  # a burst: write now rather than at the next tick
+        except Exception:
+            self.drop(DropReason.UNENCODABLE, "unknown")
+
+    async def flush(self) -> None:
+        """Write every record queued so far (and any earlier failed batch) to the file."""
+        async with self._flush_lock:
+            batch = self._unwritten + list(self._queue)
+            self._flushing_bytes = self._unwritten_bytes + self._queued_bytes
+            self._queue.clear()
+            self._unwritten, self._queued_bytes, self._unwritten_bytes = [], 0, 0
+            if not batch:
+                return
+            try:
+                self._unwritten = await asyncio.to_thread(self._write_batch, batch)
+            finally:
+                self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
+                self._flushing_bytes = 0
+
+    async def close(self) -> None:
+        """Flush everything, fsync, and stop; later writes are dropped and counted."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._task is not None:
+            # Let the task finish its batch rather than cancel it mid-write.
+            self._wake.set()
+            await self._task
+            self._task = None
+        await self.flush()
+        await asyncio.to_thread(self._close_file)
+        for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
+            self.drop(DropReason.UNWRITABLE_AT_CLOSE, event_type)
+        self._unwritten, self._unwritten_bytes = [], 0
+
+    async def _run(self) -> None:
+        """Flush every flush_interval_s (sooner on a burst)."""
+        while not self._closed:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.flush()
+            except Exception as exc:
+                self.write_errors_total += 1
+                _log("evidence_flush_failed", error=type(exc).__name__, path=str(self.path))
+            async with self._flushed:
+                self._periodic_flushes += 1
+                self._flushed.notify_all()
+
+    async def wait_flushed(self) -> None:
+        """Return after the flush task's next flush has finished (for tests and shutdown checks)."""
+        async with self._flushed:
+            target = self._periodic_flushes + 1
+            await self._flushed.wait_for(lambda: self._periodic_flushes >= target or self._task is None)
+
+    def drop(self, kind: DropReason, event_type: str) -> None:
+        """Count a record that will never be written (also one refused before it got here), and log the kind once."""
+        self.dropped[kind] += 1
+        if kind not in self._logged_drops:
+            self._logged_drops.add(kind)
+            _log("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
+
+    # --- worker thread ------------------------------------------------------------
+
+    def _write_batch(self, batch: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+        """Append a batch, rotating by size; return what could not be written."""
+        written = 0
+        try:
+            while written < len(batch):
+                fd = self._open()
+                if self._size > 0 and self._size + len(batch[written][1]) > self.max_bytes:
+                    self._rotate()
+                    fd = self._open()
+                # The lines that fit in the current file go down in one write of at most
+                # _WRITE_BYTES (a syscall per record costs more than the record): at least one.
+                end, size = written + 1, len(batch[written][1])
+                while (
+                    end < len(batch)
+                    and self._size + size + len(batch[end][1]) <= self.max_bytes
+                    and size + len(batch[end][1]) <= _WRITE_BYTES
+                ):
+                    size += len(batch[end][1])
+                    end += 1
+                chunk = batch[written:end]
+                whole, error = self._write_lines(fd, [line for _, line in chunk])
+                for event_type, _ in chunk[:whole]:
+                    self.records_total[event_type] = self.records_total.get(event_type, 0) + 1
+                written += whole
+                if error is not None:
+                    raise error
+        except OSError as exc:
+            self.write_errors_total += 1
+            kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
+            if kind not in self._logged_errors:
+                self._logged_errors.add(kind)
+                _log("evidence_write_failed", error=kind, detail=str(exc), path=str(self.path))
+            self._close_file(sync=False)  # reopen next time: the path may have been fixed
+        else:
+            if self._logged_errors:
+                _log("evidence_write_recovered", path=str(self.path))
+                self._logged_errors.clear()
+        finally:
+            self._copy_to_stdout(batch[:written] if written < len(batch) else batch)
+        return batch[written:]
+
+    def _write_lines(self, fd: int, lines: list[bytes]) -> tuple[int, OSError | None]:
+        """Write the lines (writev: no joined copy) as far as the disk takes them: how many went
+        down whole, and the error that stopped the rest (a line cut part-way is truncated off)."""
+        start, done = self._size, 0
+        index, offset = 0, 0  # the first line not yet written whole, and how much of it is
+        try:
+            while index < len(lines):
+                views: list[bytes | memoryview] = [memoryview(lines[index])[offset:]]
+                views += lines[index + 1 : index + _IOV_MAX]
+                written = os.writev(fd, views)
+                done += written
+                while index < len(lines) and written >= len(lines[index]) - offset:
+                    written -= len(lines[index]) - offset
+                    index, offset = index + 1, 0
+                offset += written
+        except OSError as exc:
+            try:
+                os.ftruncate(fd, start + done - offset)
+            except OSError:
+                pass
+            self._size = start + done - offset
+            return index, exc
+        self._size = start + done
+        return len(lines), None
+
+    def _open(self) -> int:
+        """The current file's descriptor, opening (and creating its directory) when needed."""
+        if self._fd is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._size = os.fstat(fd).st_size
+            self._fd = fd
+        return self._fd
+
+    def _rotate(self) -> None:
+        """fsync and close the current file, shift `.1`…`.N`, drop what falls off."""
+        self._close_file()
+        if self.keep <= 0:
+            self.path.unlink(missing_ok=True)
+            return
+        oldest = _rotated(self.path, self.keep)
+        oldest.unlink(missing_ok=True)
+        for index in range(self.keep - 1, 0, -1):
+            source = _rotated(self.path, index)
+            if source.exists():
+                source.replace(_rotated(self.path, index + 1))
+        self.path.replace(_rotated(self.path, 1))
+
+    def _close_file(self, sync: bool = True) -> None:
+        """fsync (when asked) and close the current file, if open."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if sync:
+                os.fsync(fd)
+        except OSError as exc:
+            self.write_errors_total += 1
+            _log(
+                "evidence_fsync_failed",
+                error=errno.errorcode.get(exc.errno or 0, "OSError"),
+                path=str(self.path),
+            )
+        finally:
+            os.close(fd)
+
+    def _copy_to_stdout(self, batch: list[tuple[str, bytes]]) -> None:
+        """Copy lines to stdout for log shippers, when configured."""
+        if not self.stdout or not batch:
+            return
+        data = b"".join(line for _, line in batch)
+        try:
+            buffer = getattr(sys.stdout, "buffer", None)
+            if buffer is not None:
+                buffer.write(data)
+            else:
+                sys.stdout.write(data.decode())
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass  # stdout gone (closed pipe): the file is the evidence of record
+
+
+def _rotated(path: Path, index: int) -> Path:
+    """`cachewitness.jsonl.<index>`."""
+    return path.with_name(f"{path.name}.{index}")
+
+
+def evidence_files(path: Path, keep: int) -> list[Path]:
+    """The evidence files that exist, oldest first: `.keep` … `.1`, then the current one."""
+    files = [_rotated(path, index) for index in range(keep, 0, -1)] + [path]
+    return [f for f in files if f.exists()]
+
+
+def _matches(
+    line: bytes,
+    session_id: str | None,
+    case_id: str | None,
+    event_type: str | None,
+    since_ns: int | None,
+) -> bool:
+    """Whether one evidence line passes the filters (unparseable lines never do)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    if not isinstance(record, dict):
+        return False
+    if session_id is not None and record.get("session_id") != session_id:
+        return False
+    if case_id is not None and record.get("case_id") != case_id:
+        return False
+    if event_type is not None and record.get("event_type") != event_type:
+        return False
+    if since_ns is not None:
+        at_ns = record.get("at_ns")
+        if not isinstance(at_ns, int) or at_ns < since_ns:
+            return False
+    return True
+
+
+async def read_evidence_blocks(
+    path: Path,
+    *,
+    keep: int,
+    session_id: str | None = None,
+    case_id: str | None = None,
+    event_type: str | None = None,
+    since_ns: int | None = None,
+) -> AsyncGenerator[list[bytes], None]:
+    """Yield the matching evidence lines (each ending "\\n"), oldest file first, a list per chunk read.
+
+    Reads in bounded chunks in a thread, so a big file streams. A last line
+    without its newline is a write in progress and is not yielded.
+    """
+    filtered = any(v is not None for v in (session_id, case_id, event_type, since_ns))
+    for file in evidence_files(Path(path), keep):
+        try:
+            handle = await asyncio.to_thread(open, file, "rb")
+        except OSError:
+            continue  # rotated away between listing and opening
+        try:
+            carry = b""
+            while True:
+                chunk = await asyncio.to_thread(handle.read, _READ_CHUNK_BYTES)
+                if not chunk:
+                    break
+                data = carry + chunk
+                block: list[bytes] = []
+                start = 0
+                newline = data.find(b"\n")
+                while newline != -1:
+                    line = data[start : newline + 1]
+                    if not filtered or _matches(line, session_id, case_id, event_type, since_ns):
+                        block.append(line)
+                    start = newline + 1
+                    newline = data.find(b"\n", start)
+                carry = data[start:]
+                if block:
+                    yield block
+        finally:
+            await asyncio.to_thread(handle.close)
+
+
+async def read_evidence(
+    path: Path,
+    *,
+    keep: int,
+    session_id: str | None = None,
+    case_id: str | None = None,
+    event_type: str | None = None,
+    since_ns: int | None = None,
+) -> AsyncGenerator[bytes, None]:
+    """The lines of `read_evidence_blocks` one at a time (same filters)."""
+    blocks = read_evidence_blocks(
+        path, keep=keep, session_id=session_id, case_id=case_id, event_type=event_type, since_ns=since_ns
+    )
+    async with aclosing(blocks):
+        async for block in blocks:
+            for line in block:
+                yield line

@@ -1,0 +1,1 @@
+"""Forwarding: a client's request to the engine and its answer back."""

@@ -1,0 +1,93 @@
+"""The mutable facts of one forwarded exchange as it goes, and the records made of them at its end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from proxy.body_budget import Reading
+from proxy.engines.base import EngineInfo
+from proxy.forward.ids import SESSION_ID_CHARS, stored_id
+from proxy.observe import JsonAnswer, Observation, StreamScanner, Usage
+from proxy.observe.record import Forwarded, Outcome
+
+__all__ = ["Exchange"]
+
+
+@dataclass
+class Exchange:
+    """Mutable facts about one forwarded exchange, filled in as it goes."""
+
+    request_id: str
+    started_ns: int
+    status: int | None = None
+    first_byte_ns: int | None = None
+    outcome: Outcome = Outcome.OK
+    upstream_sent_ns: int | None = None
+    upstream_head_ns: int | None = None
+    observed: bool = False
+    stream: bool = False
+    model: str | None = None
+    usage_injected: bool = False
+    engine_info: EngineInfo | None = None
+    reset_id: str | None = None
+    ordinal: int | None = None
+    case_token_carried: bool = False  # the request carried its reset's X-Cachewitness-Case token
+    scanner: StreamScanner | None = None
+    buffered: Reading | None = (
+        None  # what this exchange holds of max_buffered_bytes (its body, read to be observed)
+    )
+    answer: JsonAnswer | None = None
+    admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
+    bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (UpstreamBadAnswer)
+
+    def forwarded(self, request: web.Request, finished_ns: int) -> Forwarded:
+        """The transport facts of this exchange, once it is over."""
+        sent, head, first = self.upstream_sent_ns, self.upstream_head_ns, self.first_byte_ns
+        return Forwarded(
+            method=request.method,
+            path=request.path,
+            status=self.status,
+            outcome=self.outcome,
+            started_ns=self.started_ns,
+            first_byte_ns=first,
+            finished_ns=finished_ns,
+            before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
+            after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
+            bad_answer=self.bad_answer,
+        )
+
+    def observation(self, request: web.Request, finished_ns: int) -> Observation:
+        """The frozen record of this exchange, once it is over."""
+        usage, engine_id = Usage(), None
+        if self.scanner is not None:
+            usage, engine_id = self.scanner.usage, self.scanner.engine_id
+        elif self.answer is not None:
+            usage, engine_id = self.answer.usage(), self.answer.engine_id()
+        headers = request.headers
+        # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to
+        # build, positionally 2.1 µs (timeit, issue 19).
+        return Observation(
+            self.request_id,
+            stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+            stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+            request.method,
+            request.path,
+            self.status,
+            self.stream,
+            self.model,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.cached_tokens,
+            usage.cached_tokens_source,
+            self.reset_id,
+            self.ordinal,
+            self.started_ns,
+            self.first_byte_ns,
+            finished_ns,
+            self.outcome,
+            self.usage_injected,
+            engine_id,
+            self.case_token_carried,
+        )

@@ -1,0 +1,1 @@
+"""`/cache/reset`: the reset service, its retries, parameters and answers."""

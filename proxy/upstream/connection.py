@@ -1,0 +1,406 @@
+"""One keep-alive connection to the engine: asyncio protocol, answers parsed by httptools (llhttp).
+
+Why not aiohttp's ClientSession: on this path it cost 75 µs of CPU per small request against
+23 µs for a bare protocol (bench/client_leg.py, issue 19); the sidecar's own calls (reset,
+detection, canary, metrics) still use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import select
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import httptools
+
+from proxy.upstream.answer import Answer
+from proxy.upstream.answer_head import MAX_HEADERS, HeadRefused, answer_headers, reason_text
+from proxy.upstream.errors import UpstreamBadAnswer, UpstreamBroke, UpstreamError, UpstreamTimeout
+from proxy.upstream.head import Body, framed
+
+if TYPE_CHECKING:
+    from proxy.upstream.leg import UpstreamLeg
+
+__all__ = ["Connection"]
+
+# Pieces of a large body are written 64 KiB at a time, draining between them.
+_SLICE = 64 * 1024
+# Readable while idle: the engine closed the connection (or sent bytes nobody asked for).
+_PEER_CLOSED = select.POLLIN | select.POLLPRI
+
+
+class _Phase(enum.Enum):
+    """Where the connection is in its current answer.
+
+    IDLE: no answer (in the pool, or handed to a request not yet written). HEAD: the status
+    line and headers are being read, within the head budget. BODY: the head is in. ENDED:
+    the answer ended in the read being parsed; when that parse returns, the connection goes
+    back to the pool, or is closed when any byte followed the end (another head began: it
+    belongs to no request, and pooling the connection half-parsed would hand it to the next).
+    """
+
+    IDLE = 0
+    HEAD = 1
+    BODY = 2
+    ENDED = 3
+
+
+class _BytesAfterAnswer(Exception):
+    """Raised from on_message_begin after the answer ended: stop parsing what follows."""
+
+
+class Connection(asyncio.Protocol):
+    """A connection carries one answer at a time; between answers it waits in the pool.
+
+    State is explicit: `_phase` (above), `_answer` the answer being read (None unless HEAD
+    or BODY), `lost` says the transport is gone. Every parser callback runs inside
+    `data_received`, and only `data_received`, after the parse returns, hands the
+    connection back to the pool.
+    """
+
+    def __init__(self, pool: UpstreamLeg) -> None:
+        self._pool = pool
+        self._loop = asyncio.get_running_loop()
+        self._transport: asyncio.Transport | None = None
+        self._poll: select.poll | None = None  # the socket, to look for the engine's close before a write
+        self._parser = httptools.HttpResponseParser(self)
+        self._phase = _Phase.IDLE
+        self._answer: Answer | None = None
+        self._raw_headers: list[tuple[bytes, bytes]] = []
+        self._fields = 0  # headers (or trailers) in the section being read
+        self._reason = b""
+        # Bytes the head may still take (1xx heads included), -1 once it is in.
+        self._head_left = -1
+        # Bytes read since the body last moved: past max_head_bytes they are trailers (or
+        # chunk extensions) without end, which httptools would also grow by concatenation.
+        self._quiet = 0
+        self._keep_alive = False
+        self._reusable = False  # the answer that ended may leave the connection to the next request
+        self._until_close = False  # a body with neither length nor chunks ends when the connection does
+        self._informational = False  # a 1xx answer: the real one follows on the same connection
+        self._head_only = False  # the request was HEAD: no body follows the head
+        self._drain: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self._read_paused = False
+        self._last_read = 0.0  # when the engine last sent a byte (read_timeout counts from it)
+        self.served = 0  # answers completed on a kept connection: > 0 means it is a reused one
+        self.idle_since = 0.0
+        self.lost = False
+
+    # --- asyncio protocol ------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            self._poll = select.poll()
+            self._poll.register(sock.fileno(), _PEER_CLOSED)
+
+    def data_received(self, data: bytes) -> None:
+        answer = self._answer
+        if answer is None:
+            # Bytes nobody asked for: this connection cannot carry another answer.
+            self.close()
+            return
+        self._last_read = self._loop.time()
+        left = self._head_left
+        if left >= 0:
+            if len(data) > left:
+                self._past_head_budget(data, left)
+                return
+            self._head_left = left - len(data)
+        else:
+            self._quiet += len(data)
+        if self._parsed(data):
+            self._read_done(answer)
+
+    def _past_head_budget(self, data: bytes, left: int) -> None:
+        """A read that takes the head past its budget: the head must end within the budget."""
+        view = memoryview(data)
+        self._head_left = 0
+        if not self._parsed(view[:left]):
+            return
+        if self._phase is _Phase.HEAD:
+            limit = self._pool.max_head_bytes
+            self._fail(
+                UpstreamBadAnswer(f"the engine's answer head is past max_upstream_head_bytes ({limit})")
+            )
+            return
+        if self._phase is _Phase.ENDED:
+            self._phase = _Phase.IDLE
+            self.close()  # bytes followed the end of the answer
+            return
+        answer = self._answer
+        if answer is not None and self._parsed(view[left:]):
+            self._read_done(answer)
+
+    def _parsed(self, data: bytes | memoryview) -> bool:
+        """Feed the parser; False when the answer failed (or ended with bytes after it), the connection closed."""
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._phase is _Phase.ENDED:
+                # The answer is whole; what followed it belongs to no request.
+                self._phase = _Phase.IDLE
+                self.close()
+                return False
+            cause = exc.__context__
+            why = (
+                str(cause)
+                if isinstance(cause, HeadRefused)
+                else f"the engine's answer is not valid HTTP ({exc})"
+            )
+            self._fail(UpstreamBadAnswer(why))
+            return False
+        return True
+
+    def _read_done(self, answer: Answer) -> None:
+        """The end of one read: the connection back to the pool if the answer ended, else flow control."""
+        phase = self._phase
+        if phase is _Phase.ENDED:
+            self._phase = _Phase.IDLE
+            if not self._reusable:
+                self.close()  # the engine asked to close, or our request body was not all sent
+                return
+            if self._read_paused:
+                # The buffer that was full is the answer's, now the consumer's alone.
+                self._read_paused = False
+                if self._transport is not None:
+                    self._transport.resume_reading()
+            self._pool.release(self)
+        elif phase is _Phase.BODY and self._quiet > self._pool.max_head_bytes:
+            self._fail(UpstreamBadAnswer("the engine's trailers are past max_upstream_head_bytes"))
+        elif answer.flush():
+            self._pause_reading()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(UpstreamBroke("the engine closed the connection"))
+        answer, self._answer = self._answer, None
+        self._phase = _Phase.IDLE
+        if answer is not None:
+            if self._until_close and answer.status:
+                answer.complete()
+            else:
+                what = "reset" if exc is not None else "closed"
+                answer.fail(UpstreamBroke(f"the engine {what} the connection before the answer ended"))
+        self._pool.forget(self)
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # --- httptools callbacks ---------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._phase is _Phase.ENDED:
+            raise _BytesAfterAnswer
+        self._raw_headers = []
+        self._fields = 0
+        self._reason = b""
+
+    def on_status(self, status: bytes) -> None:
+        self._reason += status
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._fields += 1
+        if self._fields > MAX_HEADERS:
+            section = "headers" if self._phase is _Phase.HEAD else "trailers"
+            raise HeadRefused(f"the engine's answer has more than {MAX_HEADERS} {section}")
+        if self._phase is _Phase.HEAD:
+            self._raw_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        answer = self._answer
+        assert answer is not None  # data_received feeds the parser only while an answer waits
+        status = self._parser.get_status_code()
+        if status < 200:
+            self._informational = True  # 100 Continue, 103 Early Hints: not the answer
+            return
+        reason = reason_text(self._reason)
+        headers = answer_headers(self._raw_headers)
+        self._phase, self._head_left, self._fields, self._quiet = _Phase.BODY, -1, 0, 0
+        self._keep_alive = self._parser.should_keep_alive()
+        self._until_close = (
+            "Content-Length" not in headers
+            and "Transfer-Encoding" not in headers
+            and status not in (204, 304)
+            and not self._head_only
+        )
+        answer.head_ready(status, reason, headers)
+        if self._head_only:
+            # llhttp cannot be told that a HEAD answer has no body: the answer ends here,
+            # and the connection with it.
+            self._end(reusable=False)
+
+    def on_body(self, body: bytes) -> None:
+        self._quiet = 0
+        answer = self._answer
+        if answer is not None and answer.body(body):
+            self._pause_reading()
+
+    def _pause_reading(self) -> None:
+        """The consumer (a slow client) is behind: stop reading from the engine."""
+        if not self._read_paused:
+            self._read_paused = True
+            if self._transport is not None:
+                self._transport.pause_reading()
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
+        if self._answer is None:
+            return  # a HEAD answer, ended at its head
+        self.served += 1
+        writing = self._answer.writer is not None and not self._answer.writer.done()
+        self._end(reusable=self._keep_alive and not writing)
+
+    def _end(self, *, reusable: bool) -> None:
+        """The answer is whole; what becomes of the connection is decided when the parse returns."""
+        answer, self._answer = self._answer, None
+        self._phase, self._reusable = _Phase.ENDED, reusable
+        assert answer is not None
+        answer.complete()
+
+    # --- used by the pool and the answer ---------------------------------------------------
+
+    async def exchange(self, head: bytes, body: Body, *, chunked: bool, head_only: bool) -> Answer:
+        """Write one request and wait for its answer's head."""
+        transport = self._transport
+        if self.lost or transport is None or transport.is_closing() or (self.served and self._peer_closed()):
+            # Found closed before anything was written: the request may go on another connection.
+            self.close()
+            raise UpstreamBroke("the pooled connection was closed", unsent=True)
+        answer = Answer(self, self._loop.create_future())
+        self._answer, self._phase, self._head_only, self._until_close = answer, _Phase.HEAD, head_only, False
+        self._head_left, self._quiet = self._pool.max_head_bytes, 0
+        self._last_read = self._loop.time()
+        self._pool.watch(self)
+        if body is None:
+            transport.write(head)
+        elif isinstance(body, bytes):
+            transport.write(head + body)  # one write: one packet for a small request
+        else:
+            transport.write(head)
+            answer.writer = self._loop.create_task(self._write_body(body, chunked))
+            answer.writer.add_done_callback(self._body_written)
+        try:
+            if answer.writer is None:
+                await answer.head_arrived
+            else:
+                await self._head_or_failed_body(answer, answer.writer)
+        except BaseException:
+            answer.close()
+            raise
+        return answer
+
+    def _peer_closed(self) -> bool:
+        """Whether the kernel already holds the engine's close (or stray bytes) for this idle connection.
+
+        The loop learns of a close only at its next poll; a request written in between would
+        reach a connection the engine has left, and could not be sent again (issue 27).
+        """
+        return self._poll is not None and bool(self._poll.poll(0))
+
+    async def _head_or_failed_body(self, answer: Answer, writer: asyncio.Task[None]) -> None:
+        """The head, unless writing the body failed first (the client's body too large, or gone)."""
+        head = answer.head_arrived
+        await asyncio.wait((head, writer), return_when=asyncio.FIRST_COMPLETED)
+        if writer.done() and not writer.cancelled():
+            error = writer.exception()
+            if error is not None and not isinstance(error, UpstreamError):
+                # The client's body stopped it (too large, or the client left): that is the
+                # cause, though closing the connection for it may have failed the answer by now.
+                raise error
+        # A body the engine stopped reading (it closed): its answer, or the connection's own error.
+        await head
+
+    async def _write_body(self, body: Body, chunked: bool) -> None:
+        """Write a body that is not one buffer: pieces in slices, or the client's stream as it comes."""
+        transport = self._transport
+        assert transport is not None
+        if isinstance(body, tuple):
+            for piece in body:
+                view = memoryview(piece)
+                for offset in range(0, len(view), _SLICE):
+                    transport.write(view[offset : offset + _SLICE])
+                    await self._drained()
+            return
+        assert isinstance(body, AsyncIterator)
+        async for chunk in body:
+            if not chunk:
+                continue  # an empty chunk would end a chunked body
+            transport.write(framed(chunk, chunked=chunked))
+            await self._drained()
+        if chunked:
+            transport.write(b"0\r\n\r\n")
+
+    def _body_written(self, writer: asyncio.Task[None]) -> None:
+        """A body that failed half-way leaves the engine waiting for the rest: close the connection."""
+        if not writer.cancelled() and writer.exception() is not None:
+            self.close()
+
+    async def _drained(self) -> None:
+        if self.lost:
+            raise UpstreamBroke("the engine closed the connection")
+        if self._write_paused:
+            self._drain = self._loop.create_future()
+            try:
+                await self._drain
+            finally:
+                self._drain = None
+
+    def taken(self) -> None:
+        """The consumer took the buffered body: read from the engine again."""
+        if self._read_paused and self._transport is not None and not self.lost:
+            self._read_paused = False
+            self._last_read = self._loop.time()
+            self._transport.resume_reading()
+
+    def abandon(self, answer: Answer) -> None:
+        """The consumer gave up `answer` before its end: the connection cannot be reused."""
+        if self._answer is answer:
+            self._answer, self._phase = None, _Phase.IDLE
+            self.close()
+
+    def close(self) -> None:
+        """Close the connection (the engine sees the client leave)."""
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.close()
+
+    # --- the read timeout (the pool's watchdog asks) --------------------------------------
+
+    @property
+    def waiting(self) -> bool:
+        """Whether an answer is being read (the watchdog forgets connections that are not)."""
+        return self._answer is not None
+
+    def check_read_timeout(self, now: float, timeout: float) -> None:
+        """Fail the answer when the engine has sent nothing for `timeout` seconds.
+
+        Reading paused for a slow client is not the engine's silence: the clock restarts.
+        """
+        if self._answer is None:
+            return
+        if self._read_paused:
+            self._last_read = now
+        elif now - self._last_read >= timeout:
+            self._fail(UpstreamTimeout(f"the engine sent nothing for {timeout:g} s (read_timeout)"))
+
+    def _fail(self, error: BaseException) -> None:
+        answer, self._answer = self._answer, None
+        self._phase = _Phase.IDLE
+        if answer is not None:
+            answer.fail(error)
+        self.close()

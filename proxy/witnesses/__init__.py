@@ -1,0 +1,1 @@
+"""The witnesses of a reset: the traffic after it and the canary."""

@@ -1,4 +1,4 @@
-"""Command line: `cachewitness serve|reset|evidence|sim|demo`."""
+"""Command line: `cachewitness serve|reset|evidence|report|sim|demo`."""
 
 from __future__ import annotations
 
@@ -123,6 +123,11 @@ def _add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     evidence = sub.add_parser("evidence", help="read a sidecar's evidence records")
     add_evidence_arguments(evidence)
     evidence.set_defaults(run=run_evidence)
+    from proxy.cli.report import add_report_arguments, run_report
+
+    report = sub.add_parser("report", help="one session's evidence as a self-contained HTML page")
+    add_report_arguments(report)
+    report.set_defaults(run=run_report)
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

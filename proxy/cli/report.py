@@ -1,0 +1,141 @@
+"""`cachewitness report`: one session's evidence as one self-contained HTML page.
+
+The records come from a sidecar (`--url`, `GET /cache/evidence?session_id=S`) or from evidence
+files on disk (`--from-evidence FILE…`, the JSON lines the sidecar writes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import urllib.error
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from proxy.cli.cluster_report import CLUSTER_READ_EVENT
+from proxy.cli.report_data import build_report
+from proxy.cli.report_page import render_page
+from proxy.cli.reset import (
+    _OPENER,
+    EXIT_BAD_INPUT,
+    _base_url,
+    _common_arguments,
+    _http_failure,
+    _request,
+    _token,
+    _unreachable,
+)
+from proxy.redact import redact_url
+
+__all__ = ["add_report_arguments", "run_report"]
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `cachewitness report`."""
+    _common_arguments(parser)
+    parser.add_argument("--session-id", required=True, metavar="S", help="the benchmark session to report")
+    parser.add_argument(
+        "-o",
+        "--output",
+        default="report.html",
+        metavar="FILE",
+        help="where to write the page (default report.html)",
+    )
+    parser.add_argument(
+        "--from-evidence",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="read these evidence files (JSON lines) instead of asking the sidecar at --url",
+    )
+
+
+class _BadInput(Exception):
+    """Input the report cannot use: said in one line, exit 2."""
+
+
+def _lines_records(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
+    """JSON objects of a JSON-lines stream; other lines (a torn last write, foreign text) are skipped."""
+    for line in lines:
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("event_type") != CLUSTER_READ_EVENT:
+            yield record
+
+
+def _file_records(paths: list[str]) -> list[dict[str, Any]]:
+    """Every record of the given files, in file order."""
+    records: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            with open(path, "rb") as handle:
+                records.extend(_lines_records(iter(handle.readline, b"")))
+        except OSError as exc:
+            raise _BadInput(f"cannot read --from-evidence {path}: {exc.strerror or exc}") from exc
+    return records
+
+
+def _sidecar_records(ns: argparse.Namespace, base: str, token: str | None) -> list[dict[str, Any]]:
+    """The session's records from the sidecar's /cache/evidence (raises urllib's errors)."""
+    query = {"session_id": ns.session_id}
+    if ns.scope == "cluster":
+        query["scope"] = "cluster"
+    url = f"{base}/cache/evidence?{urllib.parse.urlencode(query)}"
+    with _OPENER.open(_request(url, token), timeout=ns.timeout) as response:
+        return list(_lines_records(iter(response.readline, b"")))
+
+
+def _write(path: str, page: str) -> None:
+    """Write the page whole: into a temporary file beside it, then renamed over it."""
+    target = Path(path)
+    partial = target.with_name(f".{target.name}.partial")
+    try:
+        partial.write_text(page, encoding="utf-8")
+        os.replace(partial, target)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise _BadInput(f"cannot write {path}: {exc.strerror or exc}") from exc
+
+
+def run_report(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """Fetch or read the records, write the page; 0, or 2 bad input / 6, 8, 9 as `evidence` (EXIT_*)."""
+    env = os.environ if env is None else env
+    try:
+        if ns.from_evidence:
+            records = _file_records(ns.from_evidence)
+            source = ", ".join(ns.from_evidence)
+        else:
+            base = _base_url(ns, env)
+            try:
+                token = _token(ns, env)
+            except OSError as exc:
+                raise _BadInput(f"cannot read --token-file {ns.token_file}: {exc.strerror or exc}") from exc
+            source = redact_url(base)
+            try:
+                records = _sidecar_records(ns, base, token)
+            except urllib.error.HTTPError as exc:
+                return _http_failure("report", exc.code, exc.read(), f"{base}/cache/evidence")
+            except (OSError, ValueError) as exc:
+                return _unreachable("report", base, exc)
+        data = build_report(records, ns.session_id)
+        if not data.cases:
+            raise _BadInput(
+                f"no evidence records for session {ns.session_id!r} in {source}; check --session-id "
+                "(the X-Session-Id your benchmark sends, or the reset's session_id)"
+            )
+        _write(ns.output, render_page(data, source=source))
+    except _BadInput as exc:
+        print(f"cachewitness report: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(
+        f"cachewitness report: {ns.output}: {len(data.cases)} cases, {len(data.requests)} requests, "
+        f"{len(data.resets)} resets"
+    )
+    return 0

@@ -149,6 +149,8 @@ class SimDialect:
         return {"cache_blocks": len(self.cache)}
 
     def clear_cache(self) -> int:
-        """Drop the whole prefix cache and count a reset."""
+        """Drop the whole prefix cache and count a reset (with --reset-leaves-warm: count it only)."""
         self.engine.resets_total += 1
+        if self.config.reset_leaves_warm:
+            return 0
         return self.cache.clear()

@@ -59,6 +59,14 @@ class VllmDialect(SimDialect):
             # Registered only under VLLM_SERVER_DEV_MODE=1
             # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.
             app.router.add_post("/reset_prefix_cache", self.handle_reset)
+            # The multi-modal and encoder caches (a text-only model has neither): 200, empty
+            # body; `vllm bench sweep` posts all three after each run.
+            app.router.add_post("/reset_mm_cache", self.handle_other_reset)
+            app.router.add_post("/reset_encoder_cache", self.handle_other_reset)
+
+    async def handle_other_reset(self, request: web.Request) -> web.Response:
+        """POST /reset_mm_cache, /reset_encoder_cache: nothing to clear, 200 with no body."""
+        return web.Response(status=200)
 
     async def handle_version(self, request: web.Request) -> web.Response:
         """GET /version."""

@@ -50,7 +50,8 @@ __all__ = [
 log = logging.getLogger("cachewitness.kv_events")
 
 _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes out
-_PEER_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+# A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.
+_PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -34,7 +33,14 @@ from proxy.kv_events_state import (
     RankState,
     judge_rank,
 )
-from proxy.kv_events_wire import DecodeError, decode_batch, epoch_of, replay_item
+from proxy.kv_events_wire import (
+    DecodeError,
+    KvEventsConfig,
+    decode_batch,
+    epoch_of,
+    rank_endpoint,
+    replay_item,
+)
 from proxy.logs import LogThrottle, log_event
 
 __all__ = [
@@ -44,6 +50,7 @@ __all__ = [
     "Marker",
     "RankClear",
     "RankMark",
+    "RankSnapshot",
     "rank_endpoint",
 ]
 
@@ -52,47 +59,6 @@ log = logging.getLogger("cachewitness.kv_events")
 _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes out
 # A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.
 _PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
-
-
-@dataclass(frozen=True)
-class KvEventsConfig:
-    """Where the engine's events come from, and the bounds on what is kept of them."""
-
-    endpoint: str  # rank 0's address: bound by the sidecar (or connected to, with `connect`)
-    replay: str | None = None  # rank 0's replay address (the engine binds it)
-    ranks: int = 1
-    topic: str = "kv"
-    connect: bool = False  # the engine binds `endpoint` (`tcp://*:PORT` in its config)
-    max_blocks: int = 262_144  # 64-bit hashes kept per rank; beyond it the rank reports overflow
-    replay_timeout_s: float = 2.0  # one replay, from request to end marker
-    clock_slack_s: float = 0.0  # how far the engine's clock may lag the sidecar's (other hosts)
-    catch_up_s: float = 0.25  # while waiting for a clear, ask the replay socket this often
-    hwm: int = 100_000  # live batches ZeroMQ queues before it drops (and a gap shows)
-    max_message_bytes: int = 64 << 20
-
-    def __post_init__(self) -> None:
-        """Reject addresses and bounds no subscriber could use."""
-        for name, value in (("endpoint", self.endpoint), ("replay", self.replay)):
-            if value is not None and not value.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"kv events {name} must be tcp://HOST:PORT or ipc://PATH, not {value!r}")
-        if self.ranks < 1:
-            raise ValueError("kv_events_ranks must be >= 1")
-        if self.max_blocks < 1 or self.hwm < 1 or self.max_message_bytes < 1:
-            raise ValueError("kv events bounds must be >= 1")
-        if self.replay_timeout_s <= 0 or self.catch_up_s <= 0 or self.clock_slack_s < 0:
-            raise ValueError("replay_timeout_s and catch_up_s must be > 0, clock_slack_s >= 0")
-
-
-def rank_endpoint(endpoint: str, rank: int) -> str:
-    """The address of rank `rank`: tcp port + rank; ipc path + `_dp{rank}` (vLLM's offset rule)."""
-    if rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        base, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit():
-            raise ValueError(f"{endpoint!r} has no port to offset by the rank")
-        return f"{base}:{int(port) + rank}"
-    return f"{endpoint}_dp{rank}"
 
 
 class _Subscriber:
@@ -300,6 +266,9 @@ class _Subscriber:
         except DecodeError:
             self._drop_replay_socket()
             return False
+        except asyncio.CancelledError:
+            self._drop_replay_socket()
+            raise
         finally:
             self.busy = False
         return complete and (stop is None or (st.applied is not None and st.applied >= stop - 1))
@@ -327,10 +296,13 @@ class _Subscriber:
         st = self.state
         origin, live, clears = st.origin_ts, st.live, st.clears
         st.forget()
+        # A new DEALER: the old one may still hold a connection to a replay socket that is gone.
+        self._drop_replay_socket()
         complete = await self._replay(0, None)
         if not complete:
             st.unreplayed_gaps += 1
             st.lost()
+            st.live = live  # a seq that starts again is still seen as a restart
             self._warn(
                 "kv_events_resync", "kv events: the engine's history could not be replayed", rank=st.rank
             )
@@ -413,6 +385,17 @@ class KvEvents:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(changed.wait(), remaining)
 
+    async def catch_up(self, timeout: float) -> None:
+        """Fetch from each rank's replay socket what was published after the last batch received.
+
+        A lost batch shows as a gap only when a later one arrives; before reading the state at a
+        quiet moment (a case's start), ask. Bounded by `timeout` s.
+        """
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(sub.catch_up() for sub in self._ranks)), max(0.0, timeout)
+            )
+
     def mark(self) -> Marker:
         """Take a marker; call it just before sending the reset."""
         ranks = tuple(
@@ -439,7 +422,7 @@ class KvEvents:
                 return ClearResult(
                     self._judge(marker), timed_out=True, elapsed_s=time.monotonic() - marker.mono
                 )
-            await asyncio.gather(*(sub.catch_up() for sub in self._ranks))
+            await self.catch_up(deadline - loop.time())
         return ClearResult(self._judge(marker), timed_out=False, elapsed_s=time.monotonic() - marker.mono)
 
     def _judge(self, marker: Marker) -> tuple[RankClear, ...]:

@@ -1,4 +1,5 @@
-"""The engine's KV cache events as they travel: msgpack batches and replay replies, decoded.
+"""The engine's KV cache events as they travel: where from (the configuration, each rank's
+address), and the msgpack batches and replay replies, decoded.
 
 Every format vLLM and SGLang have published is read here; docs/simulator.md ("KV cache events")
 lists them.
@@ -20,9 +21,11 @@ __all__ = [
     "Batch",
     "DecodeError",
     "Event",
+    "KvEventsConfig",
     "decode_batch",
     "epoch_of",
     "hash64",
+    "rank_endpoint",
     "replay_item",
 ]
 
@@ -41,6 +44,47 @@ _EPOCH = b"\x00sgl-kv-epoch="
 # (vLLM's msgspec `array_like` era; SGLang's stores end at medium, or medium + metadata).
 _STORED_MEDIUM, _STORED_GROUP = 6, 9
 _REMOVED_MEDIUM, _REMOVED_GROUP = 2, 3
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """Where the engine's events come from, and the bounds on what is kept of them."""
+
+    endpoint: str  # rank 0's address: bound by the sidecar (or connected to, with `connect`)
+    replay: str | None = None  # rank 0's replay address (the engine binds it)
+    ranks: int = 1
+    topic: str = "kv"
+    connect: bool = False  # the engine binds `endpoint` (`tcp://*:PORT` in its config)
+    max_blocks: int = 262_144  # 64-bit hashes kept per rank; beyond it the rank reports overflow
+    replay_timeout_s: float = 2.0  # one replay, from request to end marker
+    clock_slack_s: float = 0.0  # how far the engine's clock may lag the sidecar's (other hosts)
+    catch_up_s: float = 0.25  # while waiting for a clear, ask the replay socket this often
+    hwm: int = 100_000  # live batches ZeroMQ queues before it drops (and a gap shows)
+    max_message_bytes: int = 64 << 20
+
+    def __post_init__(self) -> None:
+        """Reject addresses and bounds no subscriber could use."""
+        for name, value in (("endpoint", self.endpoint), ("replay", self.replay)):
+            if value is not None and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"kv events {name} must be tcp://HOST:PORT or ipc://PATH, not {value!r}")
+        if self.ranks < 1:
+            raise ValueError("kv_events_ranks must be >= 1")
+        if self.max_blocks < 1 or self.hwm < 1 or self.max_message_bytes < 1:
+            raise ValueError("kv events bounds must be >= 1")
+        if self.replay_timeout_s <= 0 or self.catch_up_s <= 0 or self.clock_slack_s < 0:
+            raise ValueError("replay_timeout_s and catch_up_s must be > 0, clock_slack_s >= 0")
+
+
+def rank_endpoint(endpoint: str, rank: int) -> str:
+    """The address of rank `rank`: tcp port + rank; ipc path + `_dp{rank}` (vLLM's offset rule)."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"{endpoint!r} has no port to offset by the rank")
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 class DecodeError(ValueError):

@@ -166,13 +166,6 @@ class KvEventPublisher:
 
     async def _open(self) -> None:
         assert self._ctx is not None
-        pub: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        if "*" in self.endpoint:
-            pub.bind(self.endpoint)
-        else:
-            pub.connect(self.endpoint)
-        self._pub = pub
         if self.replay is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
@@ -187,6 +180,14 @@ class KvEventPublisher:
                     await asyncio.sleep(0.02)
             self._router = router
             self._task = asyncio.create_task(self._serve_replays(router), name="sim-kv-replay")
+        # The replay socket first: an engine answers replays before it publishes.
+        pub: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        if "*" in self.endpoint:
+            pub.bind(self.endpoint)
+        else:
+            pub.connect(self.endpoint)
+        self._pub = pub
 
     async def _close_sockets(self) -> None:
         if self._task is not None:

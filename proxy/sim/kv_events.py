@@ -4,7 +4,8 @@ A PUB socket sends `[topic, seq (u64 big-endian), msgpack batch]`, one batch per
 ROUTER socket answers replay requests `[b"", start_seq]` from a buffer of the last batches, then
 an end marker (seq -1). The three dialects (docs/simulator.md, "KV cache events"):
 
-- `vllm` (0.32+): events are maps tagged by "type"; replay replies carry the topic frame.
+- `vllm` (0.32+): events are maps tagged by "type"; replay replies carry the topic frame
+  (tests/data/vllm-kv-events.json holds the real engine's frames).
 - `vllm-legacy` (the msgspec `array_like` releases): events are positional arrays; replay
   replies have no topic frame.
 - `sglang`: positional arrays, signed int64 hashes, no topic frame in replay replies.
@@ -98,6 +99,7 @@ class KvEventPublisher:
                     "lora_id": None,
                     "medium": "GPU",
                     "lora_name": None,
+                    "extra_keys": [None] * len(hs),
                     "group_idx": 0,
                     "kv_cache_spec_kind": "full_attention",
                 }

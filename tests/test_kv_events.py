@@ -222,3 +222,11 @@ def test_the_simulators_kv_events_flags() -> None:
     assert config.kv_events_format == "vllm-legacy"
     with pytest.raises(ValueError, match="vllm and sglang"):
         SimConfig(dialect="llamacpp", kv_events_endpoint="tcp://127.0.0.1:5557")
+
+
+async def test_an_endpoint_that_cannot_be_bound_fails_the_start() -> None:
+    ports = Ports()
+    async with KvEvents(core(ports)):
+        with pytest.raises(OSError, match="cannot bind"):
+            async with KvEvents(core(ports)):
+                pass

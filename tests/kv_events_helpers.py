@@ -8,8 +8,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.kv_events import KvEvents, KvEventsConfig
-from proxy.kv_events_state import RankSnapshot
+from proxy.witnesses.events import KvEvents, KvEventsConfig
+from proxy.witnesses.events_state import RankSnapshot
 from tests.sim_helpers import WAIT_S, Sim, chat, fast, sim, words
 
 

@@ -7,8 +7,8 @@ from contextlib import AsyncExitStack
 
 import pytest
 
-from proxy.kv_events import KvEvents
 from proxy.sim import SimConfig, add_sim_arguments, sim_config_from_args
+from proxy.witnesses.events import KvEvents
 from tests.kv_events_helpers import Ports, caught_up, core, engine, request, stack, until
 from tests.sim_helpers import sim
 

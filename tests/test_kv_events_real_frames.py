@@ -13,8 +13,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from proxy.kv_events_state import RankState
-from proxy.kv_events_wire import CLEARED, STORED, decode_batch, replay_item
+from proxy.witnesses.events_state import RankState
+from proxy.witnesses.events_wire import CLEARED, STORED, decode_batch, replay_item
 from tests.kv_events_helpers import Ports, engine, request
 from tests.sim_helpers import WAIT_S, sim
 

@@ -249,7 +249,7 @@ def _answers_middleware(dialect: SimDialect) -> Any:
     return not_found
 
 
-def _add_kv_events(app: web.Application, dialect: Dialect, publisher: KvEventPublisher) -> None:
+def _add_kv_events(app: web.Application, dialect: SimDialect, publisher: KvEventPublisher) -> None:
     """Open the event sockets with the app, and the test hook that restarts the engine's seq."""
 
     async def sockets(app: web.Application) -> AsyncIterator[None]:

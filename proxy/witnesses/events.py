@@ -2,7 +2,7 @@
 
 vLLM and SGLang publish every block they store and remove, and an AllBlocksCleared when the
 cache is reset (docs/simulator.md, "KV cache events", has the formats). Each rank's subscriber
-keeps what its cache holds (proxy/kv_events_state.py), fills a gap in the seq from the engine's
+keeps what its cache holds (proxy/witnesses/events_state.py), fills a gap in the seq from the engine's
 replay socket, and notices an engine that restarted. The reset path asks it two things:
 `mark()` before the reset, then `await cleared_since(marker, timeout)`.
 
@@ -24,7 +24,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from proxy.kv_events_state import (
+from proxy.logs import LogThrottle, log_event
+from proxy.witnesses.events_state import (
     ClearResult,
     Marker,
     RankClear,
@@ -33,7 +34,7 @@ from proxy.kv_events_state import (
     RankState,
     judge_rank,
 )
-from proxy.kv_events_wire import (
+from proxy.witnesses.events_wire import (
     DecodeError,
     KvEventsConfig,
     decode_batch,
@@ -41,7 +42,6 @@ from proxy.kv_events_wire import (
     rank_endpoint,
     replay_item,
 )
-from proxy.logs import LogThrottle, log_event
 
 __all__ = [
     "ClearResult",
@@ -54,7 +54,7 @@ __all__ = [
     "rank_endpoint",
 ]
 
-log = logging.getLogger("cachewitness.kv_events")
+log = logging.getLogger("cachewitness.events")
 
 _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes out
 # A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.

@@ -128,7 +128,8 @@ STRAYS = ("none", "blank-line", "second-answer", "half-a-head", "junk")
 
 def _stray(kind: str, ident: int) -> tuple[bytes, bytes]:
     """Bytes after a valid answer: those in its last write, and those written a moment later."""
-    second = _head(ident, extra=b"Content-Length: 4\r\n\r\n") + b"<%d>" % ident
+    tag = b"<%d>" % ident
+    second = _head(ident, extra=b"Content-Length: %d\r\n\r\n" % len(tag)) + tag
     return {
         "none": (b"", b""),
         "blank-line": (b"\r\n", b""),

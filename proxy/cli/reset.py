@@ -12,9 +12,10 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
-from proxy.cli.cluster_report import CLUSTER_READ_EVENT, pod_table, unreadable_pods, worst_exit_code
+from proxy.cli.cluster_report import pod_table, unreadable_pods, worst_exit_code
 from proxy.evidence.summary import summarize, summary_table
 from proxy.redact import redact_url
+from proxy.vocabulary import EventType
 
 __all__ = [
     "EXIT_ADMIN_REFUSED",
@@ -382,13 +383,13 @@ def run_evidence(
         with _OPENER.open(_request(url, token), timeout=ns.timeout) as response:
             if ns.summary:
                 records = list(_records(iter(response.readline, b"")))
-                trailers = [r for r in records if r.get("event_type") == CLUSTER_READ_EVENT]
-                cases = summarize(r for r in records if r.get("event_type") != CLUSTER_READ_EVENT)
+                trailers = [r for r in records if r.get("event_type") == EventType.CLUSTER_READ]
+                cases = summarize(r for r in records if r.get("event_type") != EventType.CLUSTER_READ)
                 sink.write(summary_table(cases).encode("utf-8") + b"\n")
             else:
                 for line in iter(response.readline, b""):  # bounded by the response's end
                     sink.write(line)
-                    if CLUSTER_READ_EVENT.encode() in line:
+                    if EventType.CLUSTER_READ.encode() in line:
                         trailers.extend(_records(iter([line])))
             sink.flush()
     except urllib.error.HTTPError as exc:

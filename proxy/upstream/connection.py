@@ -11,7 +11,7 @@ import asyncio
 import enum
 import select
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httptools
 
@@ -19,9 +19,6 @@ from proxy.upstream.answer import Answer
 from proxy.upstream.answer_head import MAX_HEADERS, HeadRefused, answer_headers, reason_text
 from proxy.upstream.errors import UpstreamBadAnswer, UpstreamBroke, UpstreamError, UpstreamTimeout
 from proxy.upstream.head import Body, framed
-
-if TYPE_CHECKING:
-    from proxy.upstream.leg import UpstreamLeg
 
 __all__ = ["Connection"]
 
@@ -51,6 +48,24 @@ class _BytesAfterAnswer(Exception):
     """Raised from on_message_begin after the answer ended: stop parsing what follows."""
 
 
+class Pool(Protocol):
+    """What a connection calls on the pool that holds it (proxy/upstream/leg.py's `UpstreamLeg`;
+    a protocol, so that the two modules do not import each other)."""
+
+    @property
+    def max_head_bytes(self) -> int:
+        """The largest answer head taken from the engine."""
+
+    def release(self, connection: Connection) -> None:
+        """A connection whose answer is complete: to a waiting request, else to the idle list."""
+
+    def forget(self, connection: Connection) -> None:
+        """A connection closed (by either side): it no longer counts, and a waiter may open one."""
+
+    def watch(self, connection: Connection) -> None:
+        """`connection` starts reading an answer: watch it for read_timeout."""
+
+
 class Connection(asyncio.Protocol):
     """A connection carries one answer at a time; between answers it waits in the pool.
 
@@ -60,7 +75,7 @@ class Connection(asyncio.Protocol):
     connection back to the pool.
     """
 
-    def __init__(self, pool: UpstreamLeg) -> None:
+    def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None

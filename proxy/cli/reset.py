@@ -43,7 +43,7 @@ EXIT_CODES = {
     # A cluster reset that could not reach every pod.
     "partial": 6,
 }
-# The exit codes that are not an answer (README, "Exit codes", has the whole table).
+# The exit codes that are not an answer (docs/cli.md, "Exit codes", has the whole table).
 EXIT_BAD_INPUT = 2  # a bad option, an unreadable --token-file, input the sidecar rejected (400)
 EXIT_FAILED = 6  # the engine unreachable, or another error the sidecar reported
 EXIT_SIDECAR_UNREACHABLE = 8  # no sidecar answer at --url (refused, timeout, or not a sidecar's reply)
@@ -63,7 +63,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 
 
 def _exit_code_help() -> str:
-    """The exit codes in one line, from the same constants the commands return (README has the table)."""
+    """The exit codes in one line, from the same constants the commands return (docs/cli.md has the table)."""
     answers: dict[int, list[str]] = {}
     for answer, code in EXIT_CODES.items():
         answers.setdefault(code, []).append(answer)
@@ -288,7 +288,7 @@ def _human_line(answer: dict[str, Any]) -> str:
 
 
 def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and the README)."""
+    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and docs/cli.md)."""
     env = os.environ if env is None else env
     base = _base_url(ns, env)
     try:

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.admin.auth import setup_auth
-from proxy.admin.views import handle_evidence, handle_state
-from proxy.admission import setup_admission
-from proxy.body_budget import setup_body_budget
+from proxy.admin.middleware import setup_admin
+from proxy.admin.views import handle_evidence, handle_reset, handle_state
+from proxy.admission import ADMISSION, setup_admission
+from proxy.body_budget import BODY_BUDGET, setup_body_budget
 from proxy.cluster.fanout import setup_cluster
 from proxy.config import SETTINGS, Settings
-from proxy.connections import setup_connections
-from proxy.engine_state import setup_engine_state
-from proxy.evidence.log import setup_evidence
+from proxy.connections import CONNECTIONS, Limit, setup_connections
+from proxy.engine_state import ENGINE, redetector, setup_engine_state
+from proxy.evidence.log import EVIDENCE, setup_evidence
 from proxy.forward.handler import forward, setup_forward
-from proxy.health import healthy, ready, setup_health
-from proxy.metrics import handle_metrics, setup_metrics
+from proxy.health import HEALTH, healthy, ready, setup_health
+from proxy.metrics import SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
-from proxy.reset.service import handle_reset, setup_reset
+from proxy.refusals import REFUSALS, RefusalReason
+from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
 
-__all__ = ["build_app", "setup_routes"]
+__all__ = ["build_app", "setup_routes", "sidecar_state"]
 
 
 def build_app(settings: Settings) -> web.Application:
@@ -57,14 +58,15 @@ def build_app(settings: Settings) -> web.Application:
     setup_evidence(app)
     setup_upstream_pool(app)
     setup_engine_state(app)
-    setup_health(app)
+    engine = app[ENGINE]
+    setup_health(app, path=lambda: engine.health_path, on_up=redetector(app))
     setup_admission(app)
     setup_body_budget(app)
-    setup_metrics(app)
+    setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
     setup_recorder(app)
     setup_reset(app)
     setup_cluster(app)
-    setup_auth(app)
+    setup_admin(app)
     setup_forward(app)
     setup_routes(app)
     return app
@@ -79,3 +81,25 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/cache/state", handle_state)
     app.router.add_get("/cache/evidence", handle_evidence)
     app.router.add_route("*", "/{tail:.*}", forward)
+
+
+def sidecar_state(app: web.Application) -> SidecarState:
+    """The services' gauges and counters, read for one scrape (metrics imports none of them)."""
+    admission, engine, evidence = app[ADMISSION], app[ENGINE], app[EVIDENCE]
+    connections, budget, refusals = app[CONNECTIONS], app[BODY_BUDGET], app[REFUSALS]
+    return SidecarState(
+        inflight_requests=admission.inflight,
+        draining=admission.draining,
+        upstream_up=app[HEALTH].upstream_up,
+        engine_kind=engine.info.kind,
+        engine_version=engine.info.version,
+        evidence_records=evidence.records_total,  # a copy, summed over both files
+        buffered_request_bytes=budget.held,
+        unobserved_total=budget.unobserved_total,
+        client_connections=connections.open_connections,
+        connection_limit_hits={str(limit): connections.hits[limit] for limit in Limit},
+        route_refusals={str(reason): refusals.counts[reason] for reason in RefusalReason},
+        evidence_write_errors_total=evidence.write_errors_total,
+        evidence_dropped={str(reason): count for reason, count in evidence.dropped.items()},
+        evidence_pending_bytes=evidence.pending_bytes,
+    )

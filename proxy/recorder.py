@@ -15,8 +15,8 @@ from proxy.evidence.log import EVIDENCE, EvidenceLog
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
+from proxy.vocabulary import CanaryOutcome, Verified
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
-from proxy.witnesses.verification import CanaryOutcome, Verified
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
 

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config import OPTIONS, load_settings
+from proxy.config import OPTIONS
+from proxy.config_load import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "cachewitness"

@@ -31,10 +31,10 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
-from proxy.observe.record import Outcome
 from proxy.recorder import RECORDER
 from proxy.upstream import Answer, Body, UpstreamBadAnswer, UpstreamError, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
+from proxy.vocabulary import Outcome
 
 __all__ = ["INJECTION_REFUSALS", "forward", "setup_forward"]
 

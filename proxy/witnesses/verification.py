@@ -8,49 +8,21 @@ reference client's shape; its `verified` and `reason` carry the canary's result.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-from proxy.engines.base import UNSPECIFIED, CacheReset
+from proxy.engines.base import CacheReset
+from proxy.vocabulary import ResetAnswer, RunKind, Verified, VerifyMode
 
 __all__ = [
-    "CONTRADICTED_ANSWER",
-    "CanaryOutcome",
     "Reading",
     "Verification",
-    "Verified",
-    "VerifyMode",
     "answer_of",
     "not_run",
     "record_with",
 ]
 
-# The answer word (and `cachewitness reset` exit 7) of a reset the canary contradicts.
-CONTRADICTED_ANSWER = "contradicted"
+# The status of a reset the canary contradicts (its answer is ResetAnswer.CONTRADICTED).
 CONTRADICTED_STATUS = 409
-
-
-class Verified(StrEnum):
-    """What the canary proved about a reset (the record's `verified`)."""
-
-    VERIFIED = "verified"
-    CONTRADICTED = "contradicted"
-    UNVERIFIED = "unverified"
-
-
-class VerifyMode(StrEnum):
-    """How a reset is verified: input `verify`, config `verify`."""
-
-    CANARY = "canary"
-    NONE = "none"
-
-
-class CanaryOutcome(StrEnum):
-    """Label of `cachewitness_canary_requests_total`: how one canary request ended."""
-
-    OK = "ok"  # answered with a cached-token count
-    UNREPORTED = "unreported"  # answered 2xx without one
-    FAILED = "failed"  # no 2xx answer
 
 
 @dataclass(frozen=True)
@@ -104,10 +76,10 @@ def not_run(reason: str) -> Verification:
     return Verification(VerifyMode.NONE, Verified.UNVERIFIED, reason)
 
 
-def answer_of(reset: CacheReset, verification: Verification) -> tuple[str, int]:
+def answer_of(reset: CacheReset, verification: Verification) -> tuple[ResetAnswer, int]:
     """The answer word and HTTP status: the engine's, unless the canary contradicts an accepted reset."""
     if verification.verified == Verified.CONTRADICTED and reset.succeeded:
-        return CONTRADICTED_ANSWER, CONTRADICTED_STATUS
+        return ResetAnswer.CONTRADICTED, CONTRADICTED_STATUS
     return reset.outcome, reset.http_status
 
 
@@ -125,5 +97,5 @@ def record_with(record: dict[str, Any], reset: CacheReset, verification: Verific
         updated["reason"] = verification.reason
     if verification.verified == Verified.CONTRADICTED and record["run_kind"] == "cold_start":
         # As the reference says of a failed reset: a cold start that did not happen is unspecified.
-        updated["run_kind"] = UNSPECIFIED
+        updated["run_kind"] = str(RunKind.UNSPECIFIED)
     return updated

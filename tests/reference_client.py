@@ -86,14 +86,18 @@ def _post(url: str, at_ns: int, timeout_s: float, api_key: str | None) -> Client
     try:
         with _OPENER.open(request, timeout=timeout_s) as response:
             success = _success_field(response.read(BODY_LIMIT))
-            return ClientReset(url, at_ns, int(response.status), success=success, answered_at_ns=time.time_ns())
+            return ClientReset(
+                url, at_ns, int(response.status), success=success, answered_at_ns=time.time_ns()
+            )
     except urllib.error.HTTPError as exc:
         return ClientReset(url, at_ns, exc.code, error=f"HTTP {exc.code}", answered_at_ns=time.time_ns())
     except OSError as exc:
         return ClientReset(url, at_ns, error=f"{type(exc).__name__}: {exc}", answered_at_ns=time.time_ns())
 
 
-def reset_cache(url: str, *, timeout_s: float, api_key: str | None = None, retry_s: float = 10.0) -> ClientReset:
+def reset_cache(
+    url: str, *, timeout_s: float, api_key: str | None = None, retry_s: float = 10.0
+) -> ClientReset:
     """POST to the reset URL; a refusal is retried every half second for `retry_s`; never raises."""
     at_ns = time.time_ns()
     deadline = time.monotonic() + retry_s

@@ -38,7 +38,9 @@ def _states(tmp_path: Path) -> list[dict[str, Any]]:
 def _differing(client: dict[str, Any], sidecar: dict[str, Any]) -> set[str]:
     """The client record's fields (reset.* one level down) whose value the sidecar's record does not share."""
     differ = {name for name in client if name != "reset" and client[name] != sidecar.get(name)}
-    differ |= {f"reset.{name}" for name in client["reset"] if client["reset"][name] != sidecar["reset"].get(name)}
+    differ |= {
+        f"reset.{name}" for name in client["reset"] if client["reset"][name] != sidecar["reset"].get(name)
+    }
     return differ
 
 
@@ -189,7 +191,11 @@ async def test_vllm_bench_sweep_reset_is_a_verified_uniform_reset(tmp_path: Path
     async with _uniform(fast("vllm"), tmp_path, admin_token=None) as s:
         await asyncio.to_thread(sweep_reset_caches, s.url)
     (state,) = _states(tmp_path)
-    assert (state["via"], state["verified"], state["reset"]["answer"]) == ("native", "verified", "acknowledged")
+    assert (state["via"], state["verified"], state["reset"]["answer"]) == (
+        "native",
+        "verified",
+        "acknowledged",
+    )
 
 
 async def test_vllm_bench_sweep_reset_fails_at_once_when_contradicted(tmp_path: Path) -> None:

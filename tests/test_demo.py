@@ -18,7 +18,7 @@ def test_demo_runs_the_session_and_prints_the_report() -> None:
     assert "second: 128 of 129 prompt tokens cached" in out
     assert "answer=acknowledged attempts=1, drain waited" in out
     assert "/cache/state verified: verified (the canary), verdict: consistent (the traffic)" in out
-    assert "HTTP 409 answer=contradicted" in out and "--cache-ram 0" in out
+    assert "HTTP 502 answer=contradicted" in out and "--cache-ram 0" in out
     assert "/cache/state verified: contradicted, verdict: contradicted" in out
     assert ["cold-case", "acknowledged", "verified", "consistent"] in [
         line.split()[1:5] for line in out.splitlines()

@@ -17,7 +17,6 @@ from typing import Any
 
 import orjson
 
-from proxy.cli.cluster_report import CLUSTER_READ_EVENT
 from proxy.cli.report_data import build_report
 from proxy.cli.report_page import render_page
 from proxy.cli.reset import (
@@ -31,6 +30,7 @@ from proxy.cli.reset import (
     _unreachable,
 )
 from proxy.redact import redact_url
+from proxy.vocabulary import EventType
 
 __all__ = ["add_report_arguments", "run_report"]
 
@@ -66,7 +66,7 @@ def _lines_records(lines: Iterator[bytes]) -> Iterator[dict[str, Any]]:
             record = orjson.loads(line)
         except orjson.JSONDecodeError:
             continue
-        if isinstance(record, dict) and record.get("event_type") != CLUSTER_READ_EVENT:
+        if isinstance(record, dict) and record.get("event_type") != EventType.CLUSTER_READ:
             yield record
 
 

@@ -15,7 +15,15 @@ __all__ = ["build_parser", "main"]
 
 # Options whose value is a bool get --name/--no-name; the rest take a value.
 _BOOL_OPTIONS = frozenset(
-    {"evidence_stdout", "admin_open", "drain", "inject_usage", "observe", "request_id_header"}
+    {
+        "evidence_stdout",
+        "admin_open",
+        "admin_token_create",
+        "drain",
+        "inject_usage",
+        "observe",
+        "request_id_header",
+    }
 )
 # Secrets are never taken as flags (they would show in `ps`): env or file only.
 _NOT_FLAGS = frozenset({"admin_token", "engine_api_key", "upstream_api_key"})
@@ -82,10 +90,18 @@ def _run_serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"cachewitness: {exc}", file=sys.stderr)
         return 2
-    from proxy.logs import setup_logging
+    import logging
+    import os
+
+    from proxy.config_load import unknown_env
+    from proxy.logs import log_event, setup_logging
     from proxy.serve import run
 
     setup_logging(settings.log_level)
+    for warning in unknown_env(os.environ):
+        log_event(
+            logging.getLogger("cachewitness.config"), logging.WARNING, warning, event="config_unknown_env"
+        )
     return run(settings)
 
 

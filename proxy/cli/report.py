@@ -22,6 +22,7 @@ from proxy.cli.report_page import render_page
 from proxy.cli.reset import (
     _OPENER,
     EXIT_BAD_INPUT,
+    BadUrl,
     _base_url,
     _common_arguments,
     _http_failure,
@@ -112,7 +113,10 @@ def run_report(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
             records = _file_records(ns.from_evidence)
             source = ", ".join(ns.from_evidence)
         else:
-            base = _base_url(ns, env)
+            try:
+                base = _base_url(ns, env)
+            except BadUrl as bad:
+                raise _BadInput(str(bad)) from bad
             try:
                 token = _token(ns, env)
             except OSError as exc:

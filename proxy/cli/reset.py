@@ -23,13 +23,14 @@ __all__ = [
     "EXIT_CODES",
     "EXIT_FAILED",
     "EXIT_SIDECAR_UNREACHABLE",
+    "BadUrl",
     "add_evidence_arguments",
     "add_reset_arguments",
     "run_evidence",
     "run_reset",
 ]
 
-DEFAULT_URL = "http://127.0.0.1:9000"
+DEFAULT_URL = "http://127.0.0.1:8000"
 # SPEC §2: the exit code says the answer.
 EXIT_CODES = {
     "acknowledged": 0,
@@ -167,9 +168,20 @@ def add_evidence_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class BadUrl(ValueError):
+    """A sidecar URL that is not http(s)://HOST[:PORT][/PATH]: bad input (exit 2), with the fix."""
+
+
 def _base_url(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """--url, else CACHEWITNESS_URL, else the default; without a trailing slash."""
-    return (ns.url or env.get("CACHEWITNESS_URL") or DEFAULT_URL).rstrip("/")
+    """--url, else CACHEWITNESS_URL, else the default; without a trailing slash. Raises BadUrl."""
+    url = (ns.url or env.get("CACHEWITNESS_URL") or DEFAULT_URL).rstrip("/")
+    given = "--url" if ns.url else "CACHEWITNESS_URL"
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        # `127.0.0.1:18000` parses as scheme "127.0.0.1": name the URL the user meant.
+        shown = redact_url(url)
+        raise BadUrl(f"{given} {shown} is not an http(s) URL; did you mean http://{shown.split('://')[-1]}?")
+    return url
 
 
 def _token(ns: argparse.Namespace, env: Mapping[str, str]) -> str | None:
@@ -259,6 +271,10 @@ def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+# The answers a witness speaks to (the others are failures the detail explains).
+_PROVABLE = frozenset({"acknowledged", "accepted_unverified", "contradicted"})
+
+
 def _human_line(answer: dict[str, Any]) -> str:
     """One readable line: answer, attempts, engine, and the hint or warning."""
     engine = answer.get("engine") or {}
@@ -275,7 +291,8 @@ def _human_line(answer: dict[str, Any]) -> str:
         parts.append(
             f"drained {drain.get('inflight_at_start', 0)} in flight in {drain.get('waited_s', 0):.2f}s"
         )
-    if answer.get("verified"):
+    if answer.get("verified") and answer.get("answer") in _PROVABLE:
+        # A reset that failed has nothing to prove: its detail says why, once.
         parts.append(f"{answer['verified']} ({(answer.get('verification') or {}).get('reason')})")
     if answer.get("bind") and answer.get("case_token"):
         # The caller asked to bind: its benchmark must send this token, so it is shown.
@@ -290,7 +307,11 @@ def _human_line(answer: dict[str, Any]) -> str:
 def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and docs/cli.md)."""
     env = os.environ if env is None else env
-    base = _base_url(ns, env)
+    try:
+        base = _base_url(ns, env)
+    except BadUrl as bad:
+        print(f"cachewitness reset: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         token = _token(ns, env)
     except OSError as exc:
@@ -366,7 +387,11 @@ def run_evidence(
 ) -> int:
     """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0, or 2/6/8/9 (EXIT_*)."""
     env = os.environ if env is None else env
-    base = _base_url(ns, env)
+    try:
+        base = _base_url(ns, env)
+    except BadUrl as bad:
+        print(f"cachewitness evidence: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         token = _token(ns, env)
     except OSError as exc:

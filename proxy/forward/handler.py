@@ -77,7 +77,7 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         status, code = 502, "upstream_unreachable"
         if isinstance(exc, UpstreamUnreachable):
-            what = "the upstream refused the connection or cannot be reached"
+            what = str(exc)  # the leg's words: the address and the OS error, never the engine's bytes
         else:
             what = "the upstream broke the connection"
     log_event(

@@ -90,6 +90,7 @@ def _post(url: str, at_ns: int, timeout_s: float, api_key: str | None) -> Client
                 url, at_ns, int(response.status), success=success, answered_at_ns=time.time_ns()
             )
     except urllib.error.HTTPError as exc:
+        exc.close()  # its socket (the client leaves it to the garbage collector)
         return ClientReset(url, at_ns, exc.code, error=f"HTTP {exc.code}", answered_at_ns=time.time_ns())
     except OSError as exc:
         return ClientReset(url, at_ns, error=f"{type(exc).__name__}: {exc}", answered_at_ns=time.time_ns())

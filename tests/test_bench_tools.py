@@ -130,7 +130,8 @@ def sglang_flush(base_url: str, api_key: str | None) -> None:
         with urllib.request.urlopen(request, timeout=60) as response:
             response.read()
     except urllib.error.HTTPError as exc:
-        exc.read()
+        with exc:
+            exc.read()
 
 
 async def _flush_status(url: str) -> int:
@@ -142,7 +143,8 @@ async def _flush_status(url: str) -> int:
             with urllib.request.urlopen(request, timeout=60) as response:
                 return int(response.status)
         except urllib.error.HTTPError as exc:
-            return int(exc.code)
+            with exc:
+                return int(exc.code)
 
     return await asyncio.to_thread(call)
 
@@ -202,6 +204,7 @@ async def test_vllm_bench_sweep_reset_fails_at_once_when_contradicted(tmp_path: 
     async with _uniform(fast("vllm", reset_leaves_warm=True), tmp_path, admin_token=None) as s:
         with pytest.raises(urllib.error.HTTPError) as failed:
             await asyncio.to_thread(sweep_reset_caches, s.url)
+    failed.value.close()
     assert failed.value.code == 502 and failed.value.headers["X-Cachewitness-Answer"] == "contradicted"
     (state,) = _states(tmp_path)  # one reset: the sweep stopped at its first endpoint
     assert state["verified"] == "contradicted"
@@ -212,4 +215,5 @@ async def test_vllm_bench_sweep_reset_of_a_refusing_engine_is_409(tmp_path: Path
         async with running_request(s, max_tokens=2000):
             with pytest.raises(urllib.error.HTTPError) as failed:
                 await asyncio.to_thread(sweep_reset_caches, s.url)
+    failed.value.close()
     assert failed.value.code == 409 and failed.value.headers["X-Cachewitness-Answer"] == "refused"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -21,7 +21,7 @@ import orjson
 from proxy.engines.base import CacheReset, EngineCall, bearer, engine_call
 from proxy.witnesses.events import KvEvents
 from proxy.witnesses.events_state import ClearResult, RankClear
-from proxy.witnesses.verification import Verified
+from proxy.witnesses.verification import Verification, Verified, VerifyMode
 
 __all__ = [
     "CLEAR_TIMEOUT_S",
@@ -30,6 +30,7 @@ __all__ = [
     "WitnessReport",
     "combine",
     "events_report",
+    "merged",
 ]
 
 # How long the witness waits for every rank's clear after the flush probe answered. Real vLLM
@@ -218,3 +219,26 @@ class EventsCheck:
         )
         self.calls.append(call)
         return call
+
+
+def merged(mode: VerifyMode, canary: Verification, events: WitnessReport | None) -> Verification:
+    """The reset's verification: every witness that ran under `verification.witnesses`, one `verified`."""
+    witnesses: dict[str, dict[str, Any]] = {}
+    reasons: dict[str, str] = {}
+    results: dict[str, WitnessReport] = {}
+    if canary.ran:
+        witnesses["canary"] = {"result": canary.verified.value, **canary.to_json()}
+        results["canary"] = WitnessReport(canary.verified, canary.reason)
+        reasons["canary"] = canary.reason
+    if events is not None:
+        witnesses["events"] = events.to_json()
+        results["events"] = events
+        reasons["events"] = events.reason
+    if not results:
+        return canary
+    reason = (
+        next(iter(reasons.values()))
+        if len(reasons) == 1
+        else "; ".join(f"{k}: {r}" for k, r in reasons.items())
+    )
+    return replace(canary, method=mode, verified=combine(results), reason=reason, witnesses=witnesses)

@@ -94,7 +94,7 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
         via=Via.NATIVE,
         retry=not engine_mode,
         # The engine's own semantics have no canary; the uniform reset verifies as configured.
-        verify=VerifyMode.NONE if engine_mode else VerifyMode(settings.verify),
+        verify=VerifyMode.NONE if engine_mode else VerifyMode(settings.verify_default),
     )
 
 

@@ -95,6 +95,8 @@ class VerifyMode(StrEnum):
     """How a reset is verified: input `verify`, config `verify`."""
 
     CANARY = "canary"
+    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/events_witness.py)
+    BOTH = "both"  # every witness that can run
     NONE = "none"
 
 

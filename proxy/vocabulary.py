@@ -135,5 +135,6 @@ class EventType(StrEnum):
     CACHE_STATE = "infer.cache_state"
     CACHE_OBSERVATION = "infer.cache_observation"
     CACHE_VERIFICATION = "infer.cache_verification"
+    CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"

@@ -19,13 +19,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from proxy.config import SETTINGS, Settings
-from proxy.vocabulary import Verified
+from proxy.vocabulary import EventType, Verified
 from proxy.witnesses.events import KvEvents, KvEventsConfig, RankSnapshot
 from proxy.witnesses.events_wire import CLEARED, DEVICE, REMOVED, STORED
 
 __all__ = ["CACHE_BLOCKS_EVENT", "CACHE_INDEX", "CacheIndex", "kv_events_config", "setup_kv_events"]
 
-CACHE_BLOCKS_EVENT = "infer.cache_blocks"
+CACHE_BLOCKS_EVENT = EventType.CACHE_BLOCKS
 _EVENT_TYPES = (STORED, REMOVED, CLEARED)
 # Cases remembered as started; past it the oldest is forgotten (and would count as new again).
 _CASES_MAX = 65_536

@@ -9,7 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter, read_evidence
+from proxy.evidence.reader import read_evidence
+from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter
 from tests.tmpfs import resize, tmpfs
 
 

@@ -23,7 +23,8 @@ import orjson
 from aiohttp import web
 
 from proxy.config import SETTINGS
-from proxy.evidence.writer import DropReason, EvidenceWriter, read_evidence_blocks
+from proxy.evidence.reader import read_evidence_blocks
+from proxy.evidence.writer import DropReason, EvidenceWriter
 
 __all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "read_merged", "setup_evidence"]
 

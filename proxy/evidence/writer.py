@@ -1,5 +1,5 @@
-"""The evidence writer (async, batched JSONL with size rotation) and its reader: one file and its
-rotations (the two files the sidecar keeps are in proxy/evidence/log.py)."""
+"""The evidence writer: async, batched JSONL with size rotation, one file and its rotations (the
+two files the sidecar keeps are in proxy/evidence/log.py; reading them is proxy/evidence/reader.py)."""
 
 from __future__ import annotations
 
@@ -9,27 +9,19 @@ import errno
 import logging
 import os
 import sys
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-__all__ = [
-    "MAX_LINE_BYTES",
-    "DropReason",
-    "EvidenceWriter",
-    "evidence_files",
-    "read_evidence",
-    "read_evidence_blocks",
-]
+from proxy.evidence.reader import rotated
+
+__all__ = ["MAX_LINE_BYTES", "DropReason", "EvidenceWriter", "encode_record"]
 
 MAX_LINE_BYTES = 64 * 1024
 # A string longer than this is cut when a record would not fit in one line.
 _TRUNCATED_STRING_CHARS = 1024
-_READ_CHUNK_BYTES = 256 * 1024
 
 log = logging.getLogger("cachewitness.evidence")
 
@@ -313,13 +305,13 @@ class EvidenceWriter:
         if self.keep <= 0:
             self.path.unlink(missing_ok=True)
             return
-        oldest = _rotated(self.path, self.keep)
+        oldest = rotated(self.path, self.keep)
         oldest.unlink(missing_ok=True)
         for index in range(self.keep - 1, 0, -1):
-            source = _rotated(self.path, index)
+            source = rotated(self.path, index)
             if source.exists():
-                source.replace(_rotated(self.path, index + 1))
-        self.path.replace(_rotated(self.path, 1))
+                source.replace(rotated(self.path, index + 1))
+        self.path.replace(rotated(self.path, 1))
 
     def _close_file(self, sync: bool = True) -> None:
         """fsync (when asked) and close the current file, if open."""
@@ -353,103 +345,3 @@ class EvidenceWriter:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass  # stdout gone (closed pipe): the file is the evidence of record
-
-
-def _rotated(path: Path, index: int) -> Path:
-    """`cachewitness.jsonl.<index>`."""
-    return path.with_name(f"{path.name}.{index}")
-
-
-def evidence_files(path: Path, keep: int) -> list[Path]:
-    """The evidence files that exist, oldest first: `.keep` … `.1`, then the current one."""
-    files = [_rotated(path, index) for index in range(keep, 0, -1)] + [path]
-    return [f for f in files if f.exists()]
-
-
-def _matches(
-    line: bytes,
-    session_id: str | None,
-    case_id: str | None,
-    event_type: str | None,
-    since_ns: int | None,
-) -> bool:
-    """Whether one evidence line passes the filters (unparseable lines never do)."""
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return False
-    if not isinstance(record, dict):
-        return False
-    if session_id is not None and record.get("session_id") != session_id:
-        return False
-    if case_id is not None and record.get("case_id") != case_id:
-        return False
-    if event_type is not None and record.get("event_type") != event_type:
-        return False
-    if since_ns is not None:
-        at_ns = record.get("at_ns")
-        if not isinstance(at_ns, int) or at_ns < since_ns:
-            return False
-    return True
-
-
-async def read_evidence_blocks(
-    path: Path,
-    *,
-    keep: int,
-    session_id: str | None = None,
-    case_id: str | None = None,
-    event_type: str | None = None,
-    since_ns: int | None = None,
-) -> AsyncGenerator[list[bytes], None]:
-    """Yield the matching evidence lines (each ending "\\n"), oldest file first, a list per chunk read.
-
-    Reads in bounded chunks in a thread, so a big file streams. A last line
-    without its newline is a write in progress and is not yielded.
-    """
-    filtered = any(v is not None for v in (session_id, case_id, event_type, since_ns))
-    for file in evidence_files(Path(path), keep):
-        try:
-            handle = await asyncio.to_thread(open, file, "rb")
-        except OSError:
-            continue  # rotated away between listing and opening
-        try:
-            carry = b""
-            while True:
-                chunk = await asyncio.to_thread(handle.read, _READ_CHUNK_BYTES)
-                if not chunk:
-                    break
-                data = carry + chunk
-                block: list[bytes] = []
-                start = 0
-                newline = data.find(b"\n")
-                while newline != -1:
-                    line = data[start : newline + 1]
-                    if not filtered or _matches(line, session_id, case_id, event_type, since_ns):
-                        block.append(line)
-                    start = newline + 1
-                    newline = data.find(b"\n", start)
-                carry = data[start:]
-                if block:
-                    yield block
-        finally:
-            await asyncio.to_thread(handle.close)
-
-
-async def read_evidence(
-    path: Path,
-    *,
-    keep: int,
-    session_id: str | None = None,
-    case_id: str | None = None,
-    event_type: str | None = None,
-    since_ns: int | None = None,
-) -> AsyncGenerator[bytes, None]:
-    """The lines of `read_evidence_blocks` one at a time (same filters)."""
-    blocks = read_evidence_blocks(
-        path, keep=keep, session_id=session_id, case_id=case_id, event_type=event_type, since_ns=since_ns
-    )
-    async with aclosing(blocks):
-        async for block in blocks:
-            for line in block:
-                yield line

@@ -8,14 +8,26 @@ import collections
 import errno
 import logging
 import os
+import secrets
 import sys
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from proxy.evidence.reader import rotated
+from proxy import __version__
+from proxy.evidence.chain import (
+    CHAIN_SUFFIX_MAX,
+    CHECKPOINT_EVENT,
+    OPENED_EVENT,
+    Chain,
+    Mark,
+    find_predecessor,
+)
+from proxy.evidence.keys import SigningKey
+from proxy.evidence.reader import evidence_files, rotated
 
 __all__ = ["MAX_LINE_BYTES", "DropReason", "EvidenceWriter", "encode_record"]
 
@@ -42,18 +54,22 @@ def _truncate_strings(value: Any) -> Any:
     return value
 
 
+# An encoded record leaves room for the chain fields the writer's thread adds (proxy/evidence/chain.py).
+_RECORD_BYTES = MAX_LINE_BYTES - CHAIN_SUFFIX_MAX
+
+
 def encode_record(record: dict[str, Any]) -> bytes | None:
-    """One JSONL line (ending "\\n") of at most MAX_LINE_BYTES, or None if it cannot fit.
+    """One JSONL line (ending "\\n") that fits MAX_LINE_BYTES once chained, or None if it cannot.
 
     A record over the limit keeps its shape with long strings cut and gets
     `"truncated": true`; one still too big after that is refused.
     """
     line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-    if len(line) > MAX_LINE_BYTES:
+    if len(line) > _RECORD_BYTES:
         shrunk = _truncate_strings(record)
         shrunk["truncated"] = True
         line = orjson.dumps(shrunk, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-        if len(line) > MAX_LINE_BYTES:
+        if len(line) > _RECORD_BYTES:
             return None
     # orjson's bytes keep their over-allocated buffer (a 500-byte line holds ~8 KB: ijl/orjson#483);
     # a line waiting for a full disk must cost its length, so it is copied to its exact size.
@@ -75,6 +91,9 @@ class DropReason(StrEnum):
 # pieces, never joined into one copy of itself.
 _WRITE_BYTES = 1024 * 1024
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+# Queued in place of a line: a checkpoint, built and signed by the writer's thread (compared by identity).
+_PERIODIC = b"<periodic checkpoint>"
+_FINAL = b"<final checkpoint>"
 
 
 class EvidenceWriter:
@@ -86,6 +105,11 @@ class EvidenceWriter:
     the rest are retried with the next flush (when space returns). Every record is either
     written, waiting, or counted in `dropped` by reason, exactly. Lines are never split:
     a line cut by a failed write is truncated off and written again whole.
+
+    The thread also chains the lines (proxy/evidence/chain.py): numbers and links each, opens
+    the writer's life with an `infer.evidence_opened`, appends a checkpoint (signed by `signer`)
+    every `checkpoint_interval_s` while records come and at close, and hands the count of
+    records dropped since the last one queued to the next as `dropped_before`.
     """
 
     def __init__(
@@ -97,6 +121,8 @@ class EvidenceWriter:
         stdout: bool = False,
         flush_interval_s: float = 0.2,
         max_queue_bytes: int = 32 * 1024 * 1024,
+        checkpoint_interval_s: float = 10.0,
+        signer: SigningKey | None = None,
     ) -> None:
         """Configure; nothing is opened until the first batch."""
         self.path = Path(path)
@@ -105,10 +131,13 @@ class EvidenceWriter:
         self.stdout = stdout
         self.flush_interval_s = flush_interval_s
         self.max_queue_bytes = max_queue_bytes
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.signer = signer
         self.records_total: dict[str, int] = {}
         self.write_errors_total = 0
         self.dropped: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
-        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        # (event type, encoded record or a checkpoint marker, records dropped just before it)
+        self._queue: collections.deque[tuple[str, bytes, int]] = collections.deque()
         self._unwritten: list[tuple[str, bytes]] = []  # what the disk refused, retried first
         # Bytes of the lines waiting: queued, being written by the thread, refused by the disk.
         self._queued_bytes = 0
@@ -124,6 +153,11 @@ class EvidenceWriter:
         self._size = 0
         self._logged_errors: set[str] = set()  # touched by the worker thread only
         self._logged_drops: set[str] = set()  # touched by the event loop only
+        self._gap = 0  # records dropped since the last one queued (event loop)
+        self._since_checkpoint = 0  # records queued since the last checkpoint (event loop)
+        self._checkpoint_at = time.monotonic()
+        self._chain: Chain | None = None  # the writer's thread's, from its first batch on
+        self._mark: Mark | None = None  # the last line written, while nothing chained waits
 
     @property
     def dropped_total(self) -> int:
@@ -151,33 +185,56 @@ class EvidenceWriter:
             if line is None:
                 self.drop(DropReason.RECORD_TOO_LARGE, event_type)
                 return
-            if self.pending_bytes + len(line) > self.max_queue_bytes:
+            # Counted at the size it will have once chained, so that the bound holds after too.
+            size = len(line) + CHAIN_SUFFIX_MAX
+            if self.pending_bytes + size > self.max_queue_bytes:
                 self.drop(DropReason.QUEUE_FULL, event_type)
                 return
-            self._queue.append((event_type, line))
-            self._queued_bytes += len(line)
+            self._queue.append((event_type, line, self._gap))
+            self._gap = 0
+            self._since_checkpoint += 1
+            self._queued_bytes += size
             if len(self._queue) >= 1024:
                 self._wake.set()  # a burst: write now rather than at the next tick
         except Exception:
             self.drop(DropReason.UNENCODABLE, "unknown")
 
+    @property
+    def key_fingerprint(self) -> str | None:
+        """The fingerprint of the key that signs this writer's checkpoints (None: unsigned)."""
+        return self.signer.public.fingerprint if self.signer is not None else None
+
     async def flush(self) -> None:
         """Write every record queued so far (and any earlier failed batch) to the file."""
         async with self._flush_lock:
-            batch = self._unwritten + list(self._queue)
+            unwritten, fresh = self._unwritten, list(self._queue)
             self._flushing_bytes = self._unwritten_bytes + self._queued_bytes
             self._queue.clear()
             self._unwritten, self._queued_bytes, self._unwritten_bytes = [], 0, 0
-            if not batch:
+            if not unwritten and not fresh:
                 return
             try:
-                self._unwritten = await asyncio.to_thread(self._write_batch, batch)
+                self._unwritten = await asyncio.to_thread(self._chain_and_write, unwritten, fresh)
             finally:
                 self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
                 self._flushing_bytes = 0
 
+    async def checkpoint_now(self) -> Mark | None:
+        """Checkpoint what was queued since the last checkpoint, now; the last line then on disk
+        (None while the disk refuses lines, or before the writer's first line)."""
+        if self._since_checkpoint:
+            self._queue_checkpoint(_PERIODIC)
+        await self.flush()
+        return self._mark
+
+    def _queue_checkpoint(self, kind: bytes) -> None:
+        """Queue a checkpoint (outside the queue's bound: one small line an interval)."""
+        self._queue.append((CHECKPOINT_EVENT, kind, self._gap))
+        self._gap, self._since_checkpoint = 0, 0
+        self._checkpoint_at = time.monotonic()
+
     async def close(self) -> None:
-        """Flush everything, fsync, and stop; later writes are dropped and counted."""
+        """Flush everything, with a final checkpoint, fsync, and stop; later writes are dropped and counted."""
         if self._closed:
             return
         self._closed = True
@@ -186,6 +243,7 @@ class EvidenceWriter:
             self._wake.set()
             await self._task
             self._task = None
+        self._queue_checkpoint(_FINAL)
         await self.flush()
         await asyncio.to_thread(self._close_file)
         for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
@@ -200,6 +258,11 @@ class EvidenceWriter:
             except TimeoutError:
                 pass
             self._wake.clear()
+            if (
+                self._since_checkpoint
+                and time.monotonic() - self._checkpoint_at >= self.checkpoint_interval_s
+            ):
+                self._queue_checkpoint(_PERIODIC)
             try:
                 await self.flush()
             except Exception as exc:
@@ -218,11 +281,39 @@ class EvidenceWriter:
     def drop(self, kind: DropReason, event_type: str) -> None:
         """Count a record that will never be written (also one refused before it got here), and log the kind once."""
         self.dropped[kind] += 1
+        if kind is not DropReason.UNWRITABLE_AT_CLOSE:  # those lines were chained already
+            self._gap += 1
         if kind not in self._logged_drops:
             self._logged_drops.add(kind)
             _log("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
 
     # --- worker thread ------------------------------------------------------------
+
+    def _chain_and_write(
+        self, unwritten: list[tuple[str, bytes]], fresh: list[tuple[str, bytes, int]]
+    ) -> list[tuple[str, bytes]]:
+        """Chain the fresh records after the lines still unwritten, write them all; return what is left."""
+        batch = unwritten
+        if self._chain is None:
+            self._chain = self._open_chain()
+            batch.append((OPENED_EVENT, self._chain.opened(version=__version__, file=self.path.name)))
+        chain = self._chain
+        for event_type, line, gap in fresh:
+            if line is _PERIODIC or line is _FINAL:
+                batch.append((CHECKPOINT_EVENT, chain.checkpoint(final=line is _FINAL, dropped_before=gap)))
+            else:
+                batch.append((event_type, chain.link(line, event_type, gap)))
+        left = self._write_batch(batch)
+        self._mark = None if left else Mark(chain.seq, chain.head)
+        return left
+
+    def _open_chain(self) -> Chain:
+        """This writer's chain, continuing the one its files end with (a new one after a corrupt
+        or foreign last line, which stays as it is: old files are never rewritten)."""
+        predecessor = find_predecessor(evidence_files(self.path, self.keep), self.path)
+        if predecessor.broken:
+            _log("evidence_chain_broken_predecessor", path=str(self.path), detail=predecessor.detail)
+        return Chain(predecessor, writer_id=secrets.token_hex(8), signer=self.signer)
 
     def _write_batch(self, batch: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """Append a batch, rotating by size; return what could not be written."""

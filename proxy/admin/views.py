@@ -56,6 +56,8 @@ async def handle_state(request: web.Request) -> web.Response:
         "evidence_resets_path": app[SETTINGS].resets_evidence,
         "evidence_write_errors_total": evidence.write_errors_total,
         "evidence_dropped_total": evidence.dropped_total,
+        # The key that signs the evidence checkpoints (None: unsigned), see docs/evidence.md.
+        "evidence_key_fingerprint": evidence.observations.key_fingerprint,
     }
     return web.json_response(state)
 

@@ -23,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import SETTINGS
+from proxy.evidence.keys import load_signing_key
 from proxy.evidence.reader import read_evidence_blocks
 from proxy.evidence.writer import DropReason, EvidenceWriter
 
@@ -234,12 +235,18 @@ EVIDENCE = web.AppKey("evidence", EvidenceLog)
 def setup_evidence(app: web.Application) -> None:
     """The evidence writers: started first, closed (flushed, fsync'd) after everything that records."""
     settings = app[SETTINGS]
+    # A bad key file is refused before the server starts (proxy/serve.py): here it loads.
+    signer = (
+        load_signing_key(settings.evidence_signing_key_file) if settings.evidence_signing_key_file else None
+    )
     observations = EvidenceWriter(
         Path(settings.evidence),
         max_bytes=settings.evidence_max_bytes,
         keep=settings.evidence_keep,
         stdout=settings.evidence_stdout,
         max_queue_bytes=settings.evidence_queue_max_bytes,
+        checkpoint_interval_s=settings.checkpoint_interval_s,
+        signer=signer,
     )
     resets = EvidenceWriter(
         Path(settings.resets_evidence),
@@ -247,6 +254,8 @@ def setup_evidence(app: web.Application) -> None:
         keep=settings.evidence_resets_keep,
         stdout=settings.evidence_stdout,
         max_queue_bytes=min(settings.evidence_queue_max_bytes, _RESETS_QUEUE_BYTES),
+        checkpoint_interval_s=settings.checkpoint_interval_s,
+        signer=signer,
     )
     log = EvidenceLog(observations, resets, rejected_per_s=settings.evidence_rejected_per_s)
     app[EVIDENCE] = log

@@ -14,64 +14,31 @@ import re
 import tarfile
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from proxy.evidence.keys import PublicKey
-from proxy.evidence.proof import PROOF_CHAIN_EVENT, PROOF_READ_EVENT
 from proxy.evidence.summary import summarize
 from proxy.evidence.verify import ChainCheck, ChainReport
 
 __all__ = [
-    "PROOF_POD_EVENT",
     "Bundle",
     "BundleError",
-    "ProofRouter",
     "cases_of",
     "read_bundle",
     "verify_bundle",
     "write_bundle",
 ]
 
-PROOF_POD_EVENT = "cachewitness.proof_pod"
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_MEMBER_BYTES = 1024 * 1024 * 1024  # a bundle is read whole; a member past this is refused
 
 
 class BundleError(Exception):
     """A file that is not a readable bundle."""
-
-
-@dataclass
-class ProofRouter:
-    """Follows a proof stream's control lines: which pod and chain the next raw line is of."""
-
-    pod: str
-    chain: str | None = None
-    trailers: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> its proof_read line
-
-    def route(self, line: bytes) -> str | None:
-        """The chain `line` belongs to, or None for a control line (which moves the state)."""
-        if not line.startswith(b'{"event_type":"cachewitness.'):
-            return self.chain
-        try:
-            record = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            return self.chain
-        kind = record.get("event_type") if isinstance(record, dict) else None
-        if kind == PROOF_POD_EVENT:
-            self.pod, self.chain = str(record.get("pod")), None
-        elif kind == PROOF_CHAIN_EVENT:
-            self.chain = str(record.get("file"))
-        elif kind == PROOF_READ_EVENT:
-            self.trailers[self.pod] = record
-            self.chain = None
-        else:
-            return self.chain
-        return None
 
 
 def _at_ns(record: dict[str, Any]) -> int:

@@ -174,12 +174,12 @@ class Chain:
         self.counts = {}
         return self.link(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE), OPENED_EVENT)
 
-    def checkpoint(self, *, final: bool, dropped_before: int = 0) -> bytes:
+    def checkpoint(self, *, at_ns: int, final: bool, dropped_before: int = 0) -> bytes:
         """An `infer.evidence_checkpoint` line: the counts since the last one, signed with the head."""
         record: dict[str, Any] = {
             "event_type": CHECKPOINT_EVENT,
             "schema_version": 1,
-            "at_ns": time.time_ns(),
+            "at_ns": at_ns,
             "writer_id": self.writer_id,
             "counts": _ordered(self.counts),
             "final": final,

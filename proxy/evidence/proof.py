@@ -15,8 +15,10 @@ behind a `cachewitness.proof_chain` line naming its file, merged by `at_ns`, the
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -24,18 +26,26 @@ from typing import IO, Any
 import orjson
 
 from proxy.evidence.chain import CHECKPOINT_EVENT, Mark, chained_fields, line_hash
+from proxy.evidence.merge import merge_blocks
+from proxy.evidence.reader import record_matches
 
 __all__ = [
     "PROOF_CHAIN_EVENT",
+    "PROOF_POD_EVENT",
     "PROOF_READ_EVENT",
     "ChainScan",
+    "ProofRouter",
     "choose_ranges",
+    "pod_marker",
+    "proof_stream",
     "range_blocks",
     "scan_chain",
 ]
 
 PROOF_CHAIN_EVENT = "cachewitness.proof_chain"
 PROOF_READ_EVENT = "cachewitness.proof_read"
+PROOF_POD_EVENT = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
+_CONTROL = b'{"event_type":"cachewitness.'  # how the proof's own lines start (orjson, no spaces)
 _READ_BYTES = 256 * 1024
 
 Position = tuple[int, int]  # (index of the file, oldest first; byte offset in it)
@@ -180,6 +190,60 @@ async def range_blocks(scan: ChainScan, start: Position, end: Position) -> Async
                 yield [line + b"\n" for line in data[: cut - 1].split(b"\n")]
 
 
+async def _nothing() -> AsyncGenerator[list[bytes], None]:
+    return
+    yield []  # an async generator that yields nothing
+
+
+def _seq(line: bytes | None) -> int | None:
+    if line is None:
+        return None
+    try:
+        fields = chained_fields(orjson.loads(line))
+    except orjson.JSONDecodeError:
+        return None
+    return fields[0] if fields is not None else None
+
+
+async def proof_stream(
+    chains: Sequence[tuple[str, list[Path], Mark | None]], filters: Mapping[str, Any]
+) -> AsyncGenerator[bytes, None]:
+    """The proof of the records matching `filters`, in writes: each chain's `(name, files oldest
+    first, mark to stop at)` segments merged by `at_ns`, a marker before each run, the trailer."""
+    matches = functools.partial(record_matches, **filters)
+    scans: list[ChainScan] = []
+    try:
+        for name, files, mark in chains:
+            scans.append(await asyncio.to_thread(scan_chain, name, files, mark, matches))
+        ranges = choose_ranges(scans)
+        sources = [
+            range_blocks(scan, *span) if span else _nothing()
+            for scan, span in zip(scans, ranges, strict=True)
+        ]
+        lines = [0] * len(scans)
+        first: list[bytes | None] = [None] * len(scans)
+        last: list[bytes | None] = [None] * len(scans)
+        current = None
+        async with aclosing(merge_blocks(sources)) as merged:
+            async for index, block in merged:
+                if index != current:
+                    yield chain_marker(scans[index].name)
+                    current = index
+                lines[index] += len(block)
+                first[index] = first[index] or block[0]
+                last[index] = block[-1]
+                yield b"".join(block)
+        yield proof_trailer(
+            [
+                {"file": scan.name, "lines": lines[i], "first_seq": _seq(first[i]), "last_seq": _seq(last[i])}
+                for i, scan in enumerate(scans)
+            ]
+        )
+    finally:
+        for scan in scans:
+            await asyncio.to_thread(scan.close)
+
+
 def chain_marker(name: str) -> bytes:
     """The line before a run of one chain's lines."""
     return orjson.dumps({"event_type": PROOF_CHAIN_EVENT, "file": name}, option=orjson.OPT_APPEND_NEWLINE)
@@ -189,3 +253,38 @@ def proof_trailer(chains: list[dict[str, Any]]) -> bytes:
     """The last line of a proof: what each chain sent."""
     record = {"event_type": PROOF_READ_EVENT, "schema_version": 1, "at_ns": time.time_ns(), "chains": chains}
     return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
+
+
+def pod_marker(pod: str) -> bytes:
+    """The line before one pod's proof in a cluster's."""
+    return orjson.dumps({"event_type": PROOF_POD_EVENT, "pod": pod}, option=orjson.OPT_APPEND_NEWLINE)
+
+
+@dataclass
+class ProofRouter:
+    """Follows a proof stream's control lines: which pod and chain the next raw line is of."""
+
+    pod: str
+    chain: str | None = None
+    trailers: dict[str, dict[str, Any]] = field(default_factory=dict)  # pod -> its proof_read line
+
+    def route(self, line: bytes) -> tuple[bool, str | None]:
+        """Whether `line` is a control line (which moves the state), and the chain it is of
+        (None: a line of no chain, outside every segment)."""
+        if not line.startswith(_CONTROL):
+            return False, self.chain
+        try:
+            record = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            return False, self.chain
+        kind = record.get("event_type") if isinstance(record, dict) else None
+        if kind == PROOF_POD_EVENT:
+            self.pod, self.chain = str(record.get("pod")), None
+        elif kind == PROOF_CHAIN_EVENT:
+            self.chain = str(record.get("file"))
+        elif kind == PROOF_READ_EVENT:
+            self.trailers[self.pod] = record
+            self.chain = None
+        else:
+            return False, self.chain
+        return True, None

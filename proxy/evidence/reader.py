@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 
-__all__ = ["evidence_files", "read_evidence", "read_evidence_blocks", "rotated"]
+__all__ = ["evidence_files", "read_evidence", "read_evidence_blocks", "record_matches", "rotated"]
 
 _READ_CHUNK_BYTES = 256 * 1024
 
@@ -37,6 +37,20 @@ def _matches(
         record = orjson.loads(line)
     except orjson.JSONDecodeError:
         return False
+    return record_matches(
+        record, session_id=session_id, case_id=case_id, event_type=event_type, since_ns=since_ns
+    )
+
+
+def record_matches(
+    record: object,
+    *,
+    session_id: str | None = None,
+    case_id: str | None = None,
+    event_type: str | None = None,
+    since_ns: int | None = None,
+) -> bool:
+    """Whether one parsed record passes the filters (only a JSON object may)."""
     if not isinstance(record, dict):
         return False
     if session_id is not None and record.get("session_id") != session_id:

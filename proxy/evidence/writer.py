@@ -91,9 +91,11 @@ class DropReason(StrEnum):
 # pieces, never joined into one copy of itself.
 _WRITE_BYTES = 1024 * 1024
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
-# Queued in place of a line: a checkpoint, built and signed by the writer's thread (compared by identity).
-_PERIODIC = b"<periodic checkpoint>"
-_FINAL = b"<final checkpoint>"
+# Queued in place of a line: a checkpoint, built and signed by the writer's thread. A record's
+# line starts with "{"; a marker with NUL, then P (periodic) or F (final), then its at_ns, taken
+# when it is queued so that the file stays in at_ns order as far as the records do.
+_MARKER = 0
+_PERIODIC, _FINAL = b"P", b"F"
 
 
 class EvidenceWriter:
@@ -170,7 +172,14 @@ class EvidenceWriter:
         return self._queued_bytes + self._flushing_bytes + self._unwritten_bytes
 
     async def start(self) -> None:
-        """Start the periodic flush task."""
+        """Open the chain (its opening line goes first, dated now) and start the periodic flush task."""
+        async with self._flush_lock:
+            if self._chain is None:
+                chain = await asyncio.to_thread(self._open_chain)
+                opened = chain.opened(version=__version__, file=self.path.name)
+                self._chain = chain
+                self._unwritten.append((OPENED_EVENT, opened))
+                self._unwritten_bytes += len(opened)
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="evidence-writer")
 
@@ -229,7 +238,7 @@ class EvidenceWriter:
 
     def _queue_checkpoint(self, kind: bytes) -> None:
         """Queue a checkpoint (outside the queue's bound: one small line an interval)."""
-        self._queue.append((CHECKPOINT_EVENT, kind, self._gap))
+        self._queue.append((CHECKPOINT_EVENT, b"\0%b%d" % (kind, time.time_ns()), self._gap))
         self._gap, self._since_checkpoint = 0, 0
         self._checkpoint_at = time.monotonic()
 
@@ -299,8 +308,11 @@ class EvidenceWriter:
             batch.append((OPENED_EVENT, self._chain.opened(version=__version__, file=self.path.name)))
         chain = self._chain
         for event_type, line, gap in fresh:
-            if line is _PERIODIC or line is _FINAL:
-                batch.append((CHECKPOINT_EVENT, chain.checkpoint(final=line is _FINAL, dropped_before=gap)))
+            if line[0] == _MARKER:
+                final, at_ns = line[1:2] == _FINAL, int(line[2:])
+                batch.append(
+                    (CHECKPOINT_EVENT, chain.checkpoint(at_ns=at_ns, final=final, dropped_before=gap))
+                )
             else:
                 batch.append((event_type, chain.link(line, event_type, gap)))
         left = self._write_batch(batch)

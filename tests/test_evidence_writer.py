@@ -9,8 +9,8 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.evidence.reader import read_evidence
 from proxy.evidence.chain import CHAIN_SUFFIX_MAX
+from proxy.evidence.reader import read_evidence
 from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter
 from tests.evidence_files import CHAIN_EVENTS, unchained
 from tests.tmpfs import resize, tmpfs
@@ -289,7 +289,9 @@ async def test_on_a_full_disk_every_record_is_written_or_counted_lost(tmp_path: 
                 assert writer.pending_bytes <= 200 * line_bytes
         await writer.close()
         on_disk = len(lines(writer.path))
-        declared = [orjson.loads(line).get("dropped_before", 0) for line in writer.path.read_bytes().splitlines()]
+        declared = [
+            orjson.loads(line).get("dropped_before", 0) for line in writer.path.read_bytes().splitlines()
+        ]
     assert writer.dropped[DropReason.QUEUE_FULL] > 0
     assert on_disk == writer.records_total["infer.cache_observation"]
     # The disk is still full at close: its final checkpoint is lost with the records still waiting.

@@ -24,8 +24,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
-
 from proxy.evidence.chain import ZERO_HASH, Chain, Predecessor
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.writer import EvidenceWriter, encode_record
@@ -113,9 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         chain_us = _cpu_us_per_record(chain_alone, args.records, args.repeat)
     signing = Chain(Predecessor(0, ZERO_HASH, False), writer_id="bench", signer=key)
     signing.counts = {"infer.cache_observation": 10_000, "infer.cache_state": 2}
-    checkpoint_us = _cpu_us_per_record(lambda: signing.checkpoint(at_ns=time.time_ns(), final=False), 1, max(args.repeat, 50))
+    checkpoint_us = _cpu_us_per_record(
+        lambda: signing.checkpoint(at_ns=time.time_ns(), final=False), 1, max(args.repeat, 50)
+    )
     line = len(queued[0][1])
-    print(f"{args.records} observation records of {line} bytes, batches of {args.batch}, best of {args.repeat}")
+    print(
+        f"{args.records} observation records of {line} bytes, batches of {args.batch}, best of {args.repeat}"
+    )
     print(f"{'writer thread CPU per record':<44} {'µs':>8}")
     print(f"{'before (write only, no chain)':<44} {before_us:>8.2f}")
     print(f"{'after (chain + write)':<44} {after_us:>8.2f}")

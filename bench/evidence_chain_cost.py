@@ -26,7 +26,8 @@ from pathlib import Path
 
 from proxy.evidence.chain import ZERO_HASH, Chain, Predecessor
 from proxy.evidence.keys import SigningKey
-from proxy.evidence.writer import EvidenceWriter, encode_record
+from proxy.evidence.lines import encode_record
+from proxy.evidence.writer import EvidenceWriter
 
 # A real observation record's shape (a chat completion through the simulator), ~600 bytes.
 _RECORD = {

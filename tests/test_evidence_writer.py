@@ -9,9 +9,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.evidence.chain import CHAIN_SUFFIX_MAX
+from proxy.evidence.lines import CHAIN_SUFFIX_MAX, MAX_LINE_BYTES
 from proxy.evidence.reader import read_evidence
-from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter
+from proxy.evidence.writer import DropReason, EvidenceWriter
 from tests.evidence_files import CHAIN_EVENTS, unchained
 from tests.tmpfs import resize, tmpfs
 

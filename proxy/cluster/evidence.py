@@ -32,10 +32,10 @@ from proxy.cluster.fanout import PEER_CLIENT, admin_headers, peer_error
 from proxy.cluster.peers import Peer, discover_peers
 from proxy.cluster.state import error_message, no_peers
 from proxy.config import SETTINGS
+from proxy.evidence.lines import MAX_LINE_BYTES
 from proxy.evidence.proof import ProofRouter, pod_marker
 from proxy.evidence.reader import record_matches
 from proxy.evidence.verify import ChainCheck
-from proxy.evidence.writer import MAX_LINE_BYTES
 
 __all__ = ["READ_IDLE_TIMEOUT_S", "cluster_evidence", "cluster_proof"]
 

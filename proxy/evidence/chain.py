@@ -20,9 +20,9 @@ from typing import Any
 import orjson
 
 from proxy.evidence.keys import SigningKey
+from proxy.evidence.lines import MAX_LINE_BYTES
 
 __all__ = [
-    "CHAIN_SUFFIX_MAX",
     "CHECKPOINT_EVENT",
     "OPENED_EVENT",
     "ZERO_HASH",
@@ -37,11 +37,9 @@ __all__ = [
 OPENED_EVENT = "infer.evidence_opened"
 CHECKPOINT_EVENT = "infer.evidence_checkpoint"
 ZERO_HASH = "0" * 64
-# The most a line grows by when chained: `,"dropped_before":N,"seq":N,"prev":"<64 hex>"`.
-CHAIN_SUFFIX_MAX = 128
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # A last line longer than this is not one the writer wrote (its lines are at most 64 KiB).
-_TAIL_BYTES = 64 * 1024 + CHAIN_SUFFIX_MAX + 1
+_TAIL_BYTES = MAX_LINE_BYTES + 1
 
 
 def line_hash(line: bytes) -> str:

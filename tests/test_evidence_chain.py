@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from proxy.cli import main
 from proxy.sim import running_sim
+from tests.conftest import stack
 from tests.sim_helpers import chat, fast
 from tests.test_shutdown import start_sidecar
 
@@ -378,3 +379,51 @@ def test_a_fresh_log_starts_at_seq_1_after_64_zeros(signed_log: Log) -> None:
         ZERO,
         0,
     )
+
+
+async def test_a_proof_holds_the_segments_around_its_session_and_not_an_earlier_one(tmp_path: Path) -> None:
+    """`?proof=1&session_id=B`: B's records with the chain around them, each file's part ending at a
+    checkpoint, whole; session A, checkpointed before B began, is not in it."""
+    async with stack(fast("vllm"), tmp_path, checkpoint_interval_s=3600.0) as s:
+        for session in ("A", "B"):
+            for n in range(2):
+                async with s.http.post(
+                    s.url + "/v1/chat/completions",
+                    json=chat(f"{session} {n}"),
+                    headers={"X-Session-Id": session},
+                ) as response:
+                    assert response.status == 200
+                    await response.read()
+            async with s.http.get(s.url + f"/cache/evidence?proof=1&session_id={session}") as response:
+                assert response.status == 200
+                proof = await response.read()
+        async with s.http.get(s.url + "/cache/evidence?proof=2") as response:
+            assert response.status == 400 and (await response.json())["error"]["param"] == "proof"
+    lines = proof.splitlines(keepends=True)
+    trailer = orjson.loads(lines[-1])
+    assert trailer["event_type"] == "cachewitness.proof_read"
+    chains: dict[str, list[bytes]] = {}
+    current = None
+    for line in lines[:-1]:
+        record = orjson.loads(line)
+        if record["event_type"] == "cachewitness.proof_chain":
+            current = record["file"]
+            continue
+        assert current is not None
+        chains.setdefault(current, []).append(line)
+    sessions = [orjson.loads(line).get("session_id") for part in chains.values() for line in part]
+    assert sessions.count("B") == 2 and "A" not in sessions
+    observations = chains["cachewitness.jsonl"]
+    # The file's tail as it was when the proof was asked (the final checkpoint came at shutdown).
+    on_disk = (tmp_path / "evidence" / "cachewitness.jsonl").read_bytes().splitlines(keepends=True)
+    assert orjson.loads(on_disk[-1])["final"] is True
+    assert observations == on_disk[-len(observations) - 1 : -1]
+    for part in chains.values():
+        assert orjson.loads(part[-1])["event_type"] == "infer.evidence_checkpoint"
+        for before, line in itertools.pairwise(part):
+            assert orjson.loads(line)["prev"] == hashlib.sha256(before).hexdigest()
+    # The resets file has no line in B's time span (its opening was checkpointed before B began).
+    assert {c["file"]: c["lines"] for c in trailer["chains"]} == {
+        "cachewitness.jsonl": len(observations),
+        "cachewitness.resets.jsonl": 0,
+    }

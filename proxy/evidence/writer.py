@@ -143,6 +143,7 @@ class EvidenceWriter:
                 self._chain = chain
                 self._unwritten.append((OPENED_EVENT, opened))
                 self._unwritten_bytes += len(opened)
+                self._since_checkpoint += 1  # the next checkpoint covers the opening too
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="evidence-writer")
 

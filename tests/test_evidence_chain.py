@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from proxy.cli import main
+from proxy.evidence.proof import proof_stream
+from proxy.evidence.writer import EvidenceWriter
 from proxy.sim import running_sim
 from tests.conftest import stack
 from tests.sim_helpers import chat, fast
@@ -397,6 +400,8 @@ async def test_a_proof_holds_the_segments_around_its_session_and_not_an_earlier_
             async with s.http.get(s.url + f"/cache/evidence?proof=1&session_id={session}") as response:
                 assert response.status == 200
                 proof = await response.read()
+        async with s.http.get(s.url + "/cache/evidence?proof=1") as response:
+            everything = await response.read()
         async with s.http.get(s.url + "/cache/evidence?proof=2") as response:
             assert response.status == 400 and (await response.json())["error"]["param"] == "proof"
     lines = proof.splitlines(keepends=True)
@@ -422,8 +427,72 @@ async def test_a_proof_holds_the_segments_around_its_session_and_not_an_earlier_
         assert orjson.loads(part[-1])["event_type"] == "infer.evidence_checkpoint"
         for before, line in itertools.pairwise(part):
             assert orjson.loads(line)["prev"] == hashlib.sha256(before).hexdigest()
+    # Without a filter: each file whole, each ending at a checkpoint (the resets file's opening too).
+    ends = {}
+    for line in everything.splitlines():
+        record = orjson.loads(line)
+        if record["event_type"] == "cachewitness.proof_chain":
+            current = record["file"]
+        elif record["event_type"] != "cachewitness.proof_read":
+            ends[current] = record["event_type"]
+    assert ends == dict.fromkeys(
+        ("cachewitness.jsonl", "cachewitness.resets.jsonl"), "infer.evidence_checkpoint"
+    )
     # The resets file has no line in B's time span (its opening was checkpointed before B began).
     assert {c["file"]: c["lines"] for c in trailer["chains"]} == {
         "cachewitness.jsonl": len(observations),
         "cachewitness.resets.jsonl": 0,
     }
+
+
+def relinked(lines: list[bytes]) -> list[bytes]:
+    """The lines renumbered from the first one's seq and each prev recomputed: a rewrite by hand."""
+    out: list[bytes] = []
+    for line in lines:
+        record = orjson.loads(line)
+        if out:
+            before = orjson.loads(out[-1])
+            record["seq"], record["prev"] = before["seq"] + 1, hashlib.sha256(out[-1]).hexdigest()
+        out.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+    return out
+
+
+async def test_a_record_removed_and_the_chain_rewritten_is_caught_by_the_counts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unsigned log rewritten whole without one observation links and numbers well; the
+    checkpoint after it still counts the record that is gone."""
+    await run_sidecar(tmp_path, requests=3)
+    evidence = tmp_path / "ev.jsonl"
+    lines = evidence.read_bytes().splitlines(keepends=True)
+    number = next(i for i, line in enumerate(lines, 1) if OBSERVATION in line)
+    evidence.write_bytes(b"".join(relinked(lines[: number - 1] + lines[number:])))
+    code, out = verify(capsys, str(evidence))
+    assert (
+        code == 1
+        and "counts {'infer.cache_observation': 3" in out
+        and "records since the last one are" in out
+    )
+
+
+async def test_a_proof_stops_at_the_checkpoint_it_asked_for(tmp_path: Path) -> None:
+    """Records written after a proof's checkpoint (while it is read) are not in it."""
+    writer = EvidenceWriter(tmp_path / "ev.jsonl", checkpoint_interval_s=3600.0)
+    await writer.start()
+    now = time.time_ns()
+    for n in range(3):
+        writer.write({"schema_version": 1, "event_type": "infer.cache_observation", "at_ns": now + n})
+    mark = await writer.checkpoint_now()
+    assert mark is not None
+    writer.write({"schema_version": 1, "event_type": "infer.cache_observation", "at_ns": now + 3})
+    await writer.flush()
+    proof = [data async for data in proof_stream([("ev.jsonl", [writer.path], mark)], {})]
+    await writer.close()
+    lines = b"".join(proof).splitlines()
+    chained = [orjson.loads(line) for line in lines if b'"seq":' in line]
+    assert chained[-1]["event_type"] == "infer.evidence_checkpoint" and chained[-1]["seq"] == mark.seq
+    assert [r["at_ns"] for r in chained if r["event_type"] == "infer.cache_observation"] == [
+        now,
+        now + 1,
+        now + 2,
+    ]

@@ -136,5 +136,7 @@ class EventType(StrEnum):
     CACHE_OBSERVATION = "infer.cache_observation"
     CACHE_VERIFICATION = "infer.cache_verification"
     CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
+    EVIDENCE_OPENED = "infer.evidence_opened"  # a writer's start: where its chain resumes
+    EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"

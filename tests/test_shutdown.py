@@ -120,7 +120,7 @@ async def test_sigterm_loses_no_buffered_evidence(tmp_path: Path) -> None:
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), timeout=20) == 0
     lines = (tmp_path / "ev.jsonl").read_bytes().splitlines()
-    assert sum(b'"infer.cache_observation"' in line for line in lines) == 200
+    assert sum(b'"event_type":"infer.cache_observation"' in line for line in lines) == 200
 
 
 async def test_sigterm_cuts_a_stream_at_the_grace_period(tmp_path: Path) -> None:

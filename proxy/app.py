@@ -47,7 +47,7 @@ def build_app(settings: Settings) -> web.Application:
      10. auth, routes    — the admin middleware, forwarding's memory, then the routes.
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
-    of these stop: the runner runs cleanup_ctx after the handlers (SPEC §11).
+    of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
 
     TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
     (`aiohttp/base_protocol.py`).

@@ -1,4 +1,4 @@
-"""Admin auth on `/cache/*` (SPEC §3): bearer token, loopback-only without one, `--admin-open`."""
+"""Admin auth on `/cache/*` (docs/routes.md): bearer token, loopback-only without one, `--admin-open`."""
 
 from __future__ import annotations
 

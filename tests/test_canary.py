@@ -1,4 +1,4 @@
-"""Verified resets: the canary inside the drain window, against each dialect of the simulator (SPEC §12.1)."""
+"""Verified resets: the canary inside the drain window, against each dialect of the simulator (docs/reset.md)."""
 
 from __future__ import annotations
 

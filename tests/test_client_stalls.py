@@ -11,7 +11,7 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from proxy.upstream.answer import HIGH_WATER
+from proxy.upstream.response import HIGH_WATER
 from tests.sim_helpers import WAIT_S, Sim, fast, sim
 from tests.test_connections import stop
 from tests.test_metrics import Scrape

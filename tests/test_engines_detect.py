@@ -1,4 +1,4 @@
-"""`--engine auto` detection (SPEC §6 order) and the engine state built on it."""
+"""`--engine auto` detection (the order of docs/engines.md) and the engine state built on it."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Each engine dialect's reset rules (SPEC §6), one attempt at a time, against the simulator."""
+"""Each engine dialect's reset rules (docs/engines.md), one attempt at a time, against the simulator."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from proxy.engines.base import EngineInfo
 from proxy.observe import (
     MAX_EVENT_BYTES,
-    JsonAnswer,
+    JsonBody,
     Observation,
     StreamRules,
     StreamScanner,
@@ -23,7 +23,7 @@ from proxy.observe import (
     prepare_request,
     usage_from_json,
 )
-from proxy.observe.answer import KEEP_BYTES
+from proxy.observe.json_body import KEEP_BYTES
 from proxy.observe.rules import InjectionRefusals, RuleEntry, rules_for
 
 # --- streams as the engines write them -------------------------------------------
@@ -623,7 +623,7 @@ def test_a_large_json_answer_is_read_in_bounded_memory() -> None:
     body = orjson.dumps(
         {"id": "cmpl-1", "choices": [{"text": "y" * (32 << 20)}], "usage": usage, "system_fingerprint": "f"}
     )
-    answer = JsonAnswer()
+    answer = JsonBody()
     most = 0
     for i in range(0, len(body), 65536):
         answer.feed(body[i : i + 65536])
@@ -634,7 +634,7 @@ def test_a_large_json_answer_is_read_in_bounded_memory() -> None:
 
 
 def test_a_small_json_answer_is_decoded_whole() -> None:
-    answer = JsonAnswer()
+    answer = JsonBody()
     answer.feed(b'{"usage": {"prompt_tokens": 3, ')
     answer.feed(b'"completion_tokens": 1}, "id": "x", "timings": {"cache_n": 2, "prompt_n": 1}}')
     assert answer.usage() == Usage(3, 1, 2, "timings.cache_n") and answer.engine_id() == "x"

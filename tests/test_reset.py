@@ -1,4 +1,4 @@
-"""`POST /cache/reset` through the whole sidecar in front of the simulator (SPEC §4, §5.1, §5.4)."""
+"""`POST /cache/reset` through the whole sidecar in front of the simulator (docs/reset.md, docs/evidence.md)."""
 
 from __future__ import annotations
 
@@ -276,7 +276,7 @@ async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path) -> N
 
 
 async def test_coalesced_round_drains_the_requests_the_round_before_it_let_in(tmp_path) -> None:
-    """Round A releases a held request; round B, right behind it, waits for that request (SPEC §4 step 1)."""
+    """Round A releases a held request; round B, right behind it, waits for that request (docs/reset.md)."""
     async with stack(slow("vllm"), tmp_path) as s:
         admission, service = s.app[ADMISSION], s.app[RESETS]
         running = asyncio.create_task(s.chat(max_tokens=5000))

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 DEFAULT_URL = "http://127.0.0.1:9000"
-# SPEC §2: the exit code says the answer.
+# The exit code says the answer (docs/cli.md).
 EXIT_CODES = {
     "acknowledged": 0,
     "accepted_unverified": 3,
@@ -38,7 +38,7 @@ EXIT_CODES = {
     "unsupported": 5,
     "unreachable": 6,
     "error": 6,
-    # SPEC §12.1: a reset the canary contradicted.
+    # A reset the canary contradicted (docs/reset.md).
     "contradicted": 7,
     # A cluster reset that could not reach every pod.
     "partial": 6,

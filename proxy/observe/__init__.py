@@ -2,7 +2,7 @@
 
 Nothing here does I/O. The forwarding handler calls `prepare_request` on the request
 body, feeds an SSE answer through a `StreamScanner` (with the engine's `StreamRules`
-when it injected) or a JSON answer through a `JsonAnswer`, and builds an `Observation`.
+when it injected) or a JSON response through a `JsonBody`, and builds an `Observation`.
 
     sse.py       SSE framing: bytes in, events and their data out
     jsonscan.py  the one JSON byte scanner (members, value ends, byte-wise removal)
@@ -15,7 +15,7 @@ when it injected) or a JSON answer through a `JsonAnswer`, and builds an `Observ
     record.py    the Observation record
 """
 
-from proxy.observe.answer import JsonAnswer
+from proxy.observe.json_body import JsonBody
 from proxy.observe.record import Observation
 from proxy.observe.request import (
     INJECTABLE_PATHS,
@@ -36,7 +36,7 @@ __all__ = [
     "OBSERVED_PATHS",
     "STREAM_RULES",
     "InjectionRefusals",
-    "JsonAnswer",
+    "JsonBody",
     "Observation",
     "PreparedRequest",
     "StreamRules",

@@ -1,4 +1,4 @@
-"""Verified resets against real engines: the canary proves or contradicts each reset (SPEC §12.1)."""
+"""Verified resets against real engines: the canary proves or contradicts each reset (docs/reset.md)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""The one reading of a single reset call's answer, shared by the dialects that make one call.
+"""The one reading of a single reset call's response, shared by the dialects that make one call.
 
 vLLM, SGLang, mindnano and a configured generic route differ only in facts: which
 statuses mean "busy, retry", which mean "not served", and whether a 2xx body must say
-`success`. Those facts are data (`AnswerRules`); the order of the questions is here.
+`success`. Those facts are data (`ResponseRules`); the order of the questions is here.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from proxy.engines.base import Attempt, failed_attempt, outcome_for_status, succ
 from proxy.engines.call import Reply
 from proxy.vocabulary import ResetAnswer
 
-__all__ = ["AnswerRules", "read_answer"]
+__all__ = ["ResponseRules", "read_response"]
 
 
 @dataclass(frozen=True)
-class AnswerRules:
-    """What one engine's reset answer means, status by status."""
+class ResponseRules:
+    """What one engine's reset response means, status by status."""
 
     route: str  # the reset route, named when it is not served
-    hint: str  # how to get the route served, for an `unsupported` answer
+    hint: str  # how to get the route served, for an `unsupported` response
     busy: Mapping[int, str] = field(default_factory=dict)  # status -> why it is a refusal to retry
     unsupported: frozenset[int] = frozenset({404})
     rejected: Mapping[int, tuple[str, str | None]] = field(default_factory=dict)  # status -> error, hint
@@ -30,8 +30,8 @@ class AnswerRules:
     unconfirmed_warning: str | None = None  # a 2xx whose body does not have the field
 
 
-def read_answer(reply: Reply, rules: AnswerRules) -> Attempt:
-    """The attempt one reset call made: no answer, busy, not served, rejected, other non-2xx, then the 2xx."""
+def read_response(reply: Reply, rules: ResponseRules) -> Attempt:
+    """The attempt one reset call made: no response, busy, not served, rejected, other non-2xx, then the 2xx."""
     status, url, calls = reply.status, reply.call.url, (reply.call,)
     if status is None:
         return failed_attempt(reply, url)

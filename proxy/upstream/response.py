@@ -1,4 +1,4 @@
-"""One answer from the engine: its head once parsed, its body as it arrives, with flow control."""
+"""One response from the engine: its head once parsed, its body as it arrives, with flow control."""
 
 from __future__ import annotations
 
@@ -8,35 +8,35 @@ from typing import Protocol
 
 from multidict import CIMultiDict
 
-__all__ = ["HIGH_WATER", "Answer", "Carrier", "Sink"]
+__all__ = ["HIGH_WATER", "Carrier", "Sink", "UpstreamResponse"]
 
 # Takes one body piece as it arrives; True when its reader is behind (stop reading the engine).
 Sink = Callable[[bytes], bool]
 
 # The body buffered past this while the client reads slowly stops reading from the engine
-# (aiohttp's client paused at 128 KiB; a few SSE events or one JSON answer fit either way).
+# (aiohttp's client paused at 128 KiB; a few SSE events or one JSON response fit either way).
 # The relay holds the client's unsent bytes to the same mark (proxy/forward/relay.py).
 HIGH_WATER = 256 * 1024
 
 
 class Carrier(Protocol):
-    """What an answer calls on the connection that carries it (proxy/upstream/connection.py's
+    """What a response calls on the connection that carries it (proxy/upstream/connection.py's
     `Connection`; a protocol, so that the two modules do not import each other)."""
 
     def taken(self) -> None:
         """The consumer took buffered body: reading from the engine may resume."""
 
-    def abandon(self, answer: Answer) -> None:
-        """The consumer gave `answer` up before its end: the connection must close."""
+    def abandon(self, response: UpstreamResponse) -> None:
+        """The consumer gave `response` up before its end: the connection must close."""
 
 
-class Answer:
+class UpstreamResponse:
     """What the engine answered to one request, read by one consumer.
 
     The connection feeds it (head, body pieces, the end or an error); the consumer takes the
     body with `read()` until it returns b"". Its states are explicit: head pending → head
     ready → complete or failed; `close()` at any point gives up the rest and, unless the
-    answer was complete, closes the connection, which is what tells the engine to stop.
+    response was complete, closes the connection, which is what tells the engine to stop.
     """
 
     __slots__ = (
@@ -60,10 +60,10 @@ class Answer:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
-        # The task writing a body that is not in one buffer, while the answer may already come.
+        # The task writing a body that is not in one buffer, while the response may already come.
         self.writer: asyncio.Task[None] | None = None
         self._connection: Carrier | None = connection
-        self.head_arrived = head  # resolved when the head is in, failed when the answer fails first
+        self.head_arrived = head  # resolved when the head is in, failed when the response fails first
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._complete = False
@@ -104,13 +104,13 @@ class Answer:
         return self._to_sink(sink, self._take())
 
     def complete(self) -> None:
-        """The whole answer is in; the connection is no longer this answer's."""
+        """The whole response is in; the connection is no longer this response's."""
         self._complete = True
         self._connection = None
         self._wake()
 
     def fail(self, error: BaseException) -> None:
-        """The answer cannot be read to its end (the connection is gone or timed out)."""
+        """The response cannot be read to its end (the connection is gone or timed out)."""
         self._error = error
         self._connection = None
         if not self.head_arrived.done():
@@ -123,7 +123,7 @@ class Answer:
         except Exception as exc:
             self._sink, self._sink_error = None, exc
             self._wake()
-            return True  # read no more: the consumer ends the answer
+            return True  # read no more: the consumer ends the response
         if behind:
             self._sink_behind = True
             self._wake()
@@ -150,7 +150,7 @@ class Answer:
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _fed(self) -> None:
-        """Wait until the connection feeds the answer: body, its end or its failure."""
+        """Wait until the connection feeds the response: body, its end or its failure."""
         self._waiter = asyncio.get_running_loop().create_future()
         try:
             await self._waiter
@@ -179,13 +179,13 @@ class Answer:
         return body
 
     async def relay(self, sink: Sink, drained: Callable[[], Awaitable[None]]) -> None:
-        """Hand the body to `sink`, each piece as it arrives, until the end of the answer.
+        """Hand the body to `sink`, each piece as it arrives, until the end of the response.
 
         The pieces go from the connection's callback straight to the sink, what each read from
         the engine brought in one piece: no task wakes up per piece (issue 19: the SSE relay's
         per-event cost). What is buffered goes first.
         When the sink says its reader is behind, reading from the engine stops until
-        `drained()` returns. Raises the answer's failure, or what the sink raised.
+        `drained()` returns. Raises the response's failure, or what the sink raised.
         """
         self._sink = sink
         try:
@@ -193,7 +193,7 @@ class Answer:
                 if self._sink_error is not None:
                     raise self._sink_error
                 if self._chunks:
-                    # Buffered before the relay began, or in the read that ended the answer (or
+                    # Buffered before the relay began, or in the read that ended the response (or
                     # failed it): the rest of the body, before the end or the failure.
                     self._sink_behind = sink(self._take()) or self._sink_behind
                 if self._sink_behind:
@@ -220,7 +220,7 @@ class Answer:
         return b"".join(parts)
 
     def close(self) -> None:
-        """Give the answer up: an answer not read to its end closes its connection."""
+        """Give the response up: a response not read to its end closes its connection."""
         writer = self.writer
         if writer is not None and not writer.done():
             writer.cancel()

@@ -1,21 +1,21 @@
-"""A whole (non-stream) JSON answer read as it passes, in bounded memory."""
+"""A whole (non-stream) JSON response read as it passes, in bounded memory."""
 
 from __future__ import annotations
 
 from proxy.observe.usage import NO_USAGE, Usage, first_id, usage_from_fragment, usage_from_json
 
-__all__ = ["KEEP_BYTES", "JsonAnswer"]
+__all__ = ["KEEP_BYTES", "JsonBody"]
 
-# What is kept of each end of an answer. Usage sits at the end of an OpenAI-shaped answer
+# What is kept of each end of a response. Usage sits at the end of an OpenAI-shaped response
 # (after `choices`; llama.cpp's `timings` and SGLang's `meta_info` too), the engine's id at
-# the start: an answer of any size costs at most 3 × this.
+# the start: a response of any size costs at most 3 × this.
 KEEP_BYTES = 64 * 1024
 
 
-class JsonAnswer:
-    """Keeps the head and a bounded tail of a JSON answer; reads usage and the engine's id at the end.
+class JsonBody:
+    """Keeps the head and a bounded tail of a JSON response; reads usage and the engine's id at the end.
 
-    An answer that fits is decoded whole, exactly; a larger one is read from its tail, each
+    A response that fits is decoded whole, exactly; a larger one is read from its tail, each
     counting member decoded on its own (`usage_from_fragment`).
     """
 
@@ -26,7 +26,7 @@ class JsonAnswer:
         self._size = 0
 
     def feed(self, chunk: bytes) -> None:
-        """Take one chunk of the answer (the caller writes it to the client unchanged)."""
+        """Take one chunk of the response (the caller writes it to the client unchanged)."""
         self._size += len(chunk)
         room = KEEP_BYTES - len(self._head)
         if room > 0:
@@ -43,11 +43,11 @@ class JsonAnswer:
         return len(self._head) + len(self._tail)
 
     def usage(self) -> Usage:
-        """Token counts the answer reported."""
+        """Token counts the response reported."""
         if self._size == len(self._head) + len(self._tail):
             return usage_from_json(bytes(self._head + self._tail))
         return usage_from_fragment(self._tail, 0, len(self._tail)) or NO_USAGE
 
     def engine_id(self) -> str | None:
-        """The engine's own id for this answer (its first `id` member), if it has one."""
+        """The engine's own id for this response (its first `id` member), if it has one."""
         return first_id(self._head, 0, len(self._head))

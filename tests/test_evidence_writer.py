@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter, read_evidence
-from tests.tmpfs import resize, tmpfs
+from tests.support.tmpfs import resize, tmpfs
 
 
 def record(n: int, **extra: object) -> dict[str, object]:

@@ -22,7 +22,7 @@ class ResponseRules:
     """What one engine's reset response means, status by status."""
 
     route: str  # the reset route, named when it is not served
-    hint: str  # how to get the route served, for an `unsupported` response
+    hint: str  # how to get the route served, for an `unsupported` attempt
     busy: Mapping[int, str] = field(default_factory=dict)  # status -> why it is a refusal to retry
     unsupported: frozenset[int] = frozenset({404})
     rejected: Mapping[int, tuple[str, str | None]] = field(default_factory=dict)  # status -> error, hint

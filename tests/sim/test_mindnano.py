@@ -11,7 +11,7 @@ import asyncio
 from typing import Any
 
 from proxy.sim import SimConfig
-from tests.sim_helpers import Sim, event_json, fast, next_event, read_events, sim, slow
+from tests.support.sim import Sim, event_json, fast, next_event, read_events, sim, slow
 
 MODEL = "mindnano-ling3-tiny"
 

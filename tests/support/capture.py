@@ -14,7 +14,8 @@ import aiohttp
 from aiohttp import web
 from yarl import URL
 
-from tests.conftest import serve_app
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import serve_app
 
 _CLIENT = web.AppKey("capture_client", aiohttp.ClientSession)
 _HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "content-length"})
@@ -81,7 +82,7 @@ async def capturing(target: str, port: int = 0) -> AsyncIterator[Capture]:
             return response
 
     async def client_ctx(app: web.Application) -> AsyncIterator[None]:
-        async with aiohttp.ClientSession(auto_decompress=False) as session:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, auto_decompress=False) as session:
             app[_CLIENT] = session
             yield
 

@@ -27,8 +27,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.hostile_engine import OK_JSON, hostile_engine, path_of, query_of
-from tests.test_shutdown import start_sidecar
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.hostile_engine import OK_JSON, hostile_engine, path_of, query_of
+from tests.support.process import start_sidecar
 
 T = TypeVar("T")
 HEAD_LIMIT = 1024  # the smallest max_upstream_head_bytes, so a drawn head can cross it
@@ -217,7 +218,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
 
     async def start() -> Rig:
         engine = await stack.enter_async_context(hostile_engine(answer))
-        http = await stack.enter_async_context(aiohttp.ClientSession())
+        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
         process, proxy = await start_sidecar(
             engine.url,
             tmp_path_factory.mktemp("sidecar"),

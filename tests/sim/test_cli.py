@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 
 from proxy.sim import SimConfig, add_sim_arguments, parse_listen, sim_config_from_args
+from tests.support.client import CLIENT_TIMEOUT
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -110,7 +111,10 @@ async def test_run_sim_serves_and_exits_0_on_sigterm() -> None:
         assert proc.stderr is not None
         line = await asyncio.wait_for(proc.stderr.readline(), 30)
         assert b"sglang engine on" in line
-        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/server_info") as resp:
+        async with (
+            aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+            http.get(f"http://127.0.0.1:{port}/server_info") as resp,
+        ):
             assert resp.status == 200
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0

@@ -20,10 +20,11 @@ from proxy.cluster.peers import discover_peers
 from proxy.config import SETTINGS, ConfigError, Settings
 from proxy.config_load import load_settings
 from proxy.evidence.log import EVIDENCE
-from tests.cluster_helpers import SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
-from tests.conftest import serve_app, serve_sidecar, stack
-from tests.dns_server import dns_server
-from tests.sim_helpers import chat, fast, sim, slow, words
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.cluster import RESETS_PER_VERIFIED, SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
+from tests.support.dns_server import dns_server
+from tests.support.sidecar import serve_app, serve_sidecar, stack
+from tests.support.sim import chat, fast, sim, slow, words
 
 
 async def warm(pod: Pod, prompt: str) -> int:
@@ -33,8 +34,6 @@ async def warm(pod: Pod, prompt: str) -> int:
 
 
 PROMPT = words(64, "shared")
-# Engine resets per pod reset: its own, and one after each canary probe (proxy/witnesses/canary.py).
-RESETS_PER_VERIFIED = 3
 
 
 async def test_cluster_reset_resets_every_engine(tmp_path: Path) -> None:
@@ -163,7 +162,10 @@ async def test_static_peers_list_reaches_every_pod(tmp_path: Path) -> None:
                 peers=peers,
             )
             urls.append((await stack.enter_async_context(pod)).url)
-        async with aiohttp.ClientSession() as http, http.post(f"{urls[1]}/cache/reset?scope=cluster") as resp:
+        async with (
+            aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+            http.post(f"{urls[1]}/cache/reset?scope=cluster") as resp,
+        ):
             body = await resp.json()
         assert resp.status == 200, body
         assert [p["pod"] for p in body["pods"]] == list(peers)

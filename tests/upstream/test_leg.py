@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SidecarFactory, serve_app
+from tests.support.sidecar import SidecarFactory, serve_app
 
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

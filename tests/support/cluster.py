@@ -14,10 +14,11 @@ import orjson
 from aiohttp import web
 
 from proxy.sim import SimConfig
-from tests.conftest import serve_sidecar
-from tests.dns_server import DnsServer, dns_server
-from tests.evidence_files import evidence_records
-from tests.sim_helpers import Sim, chat, sim
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.dns_server import DnsServer, dns_server
+from tests.support.evidence_files import evidence_records
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import Sim, chat, sim
 
 SERVICE = "cw-peers.ns.svc.cluster.test"
 TOKEN = "cluster-test-token"
@@ -105,7 +106,7 @@ async def cluster(
     async with AsyncExitStack() as stack:
         dns = await stack.enter_async_context(dns_server())
         dns.set(SERVICE, hosts)
-        http = await stack.enter_async_context(aiohttp.ClientSession())
+        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=CLIENT_TIMEOUT))
         pods: list[Pod] = []
         for index, (host, config) in enumerate(zip(hosts, configs, strict=True)):
             engine = await stack.enter_async_context(sim(config))
@@ -140,3 +141,7 @@ async def busy_engine(pod: Pod) -> AsyncIterator[None]:
         yield
     finally:
         stream.close()
+
+
+# Engine resets per pod reset: its own, and one after each canary probe (proxy/witnesses/canary.py).
+RESETS_PER_VERIFIED = 3

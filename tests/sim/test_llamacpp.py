@@ -5,16 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from tests.sim_helpers import (
-    chat,
-    event_json,
-    fast,
-    next_event,
-    read_events,
-    sim,
-    slow,
-    words,
-)
+from tests.support.sim import chat, event_json, fast, next_event, read_events, sim, slow, words
 
 NOT_SUPPORTED = {
     "error": {

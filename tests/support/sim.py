@@ -12,6 +12,7 @@ import aiohttp
 import orjson
 
 from proxy.sim import SimConfig, running_sim
+from tests.support.client import CLIENT_TIMEOUT
 
 # Long enough for any state a test waits for on a loaded 2-core machine; polling
 # stops as soon as the state is reached.
@@ -83,7 +84,7 @@ class Sim:
 @asynccontextmanager
 async def sim(config: SimConfig) -> AsyncIterator[Sim]:
     """Run a simulator and a client session for one test."""
-    async with running_sim(config) as url, aiohttp.ClientSession() as http:
+    async with running_sim(config) as url, aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
         yield Sim(url, http)
 
 

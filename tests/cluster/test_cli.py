@@ -6,10 +6,10 @@ import json
 from pathlib import Path
 
 from proxy.app import build_app
-from tests.cluster_helpers import TOKEN, busy_engine, cluster
-from tests.conftest import make_settings, serve_app
-from tests.sim_helpers import fast, slow
-from tests.test_client import cli
+from tests.support.cli import cli
+from tests.support.cluster import TOKEN, busy_engine, cluster
+from tests.support.sidecar import make_settings, serve_app
+from tests.support.sim import fast, slow
 
 
 async def test_cluster_reset_prints_a_row_per_pod_and_exits_0(tmp_path: Path) -> None:

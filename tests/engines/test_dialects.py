@@ -20,9 +20,9 @@ from proxy.engines.vllm import VllmDialect
 from proxy.redact import redact_url
 from proxy.reset.retry import retry_reset
 from proxy.vocabulary import ResetAnswer
-from tests.conftest import closed_port_url, serve_app
-from tests.sim_helpers import Sim, chat, fast, sim, slow, words
-from tests.upstream import in_two_pieces
+from tests.support.sidecar import closed_port_url, serve_app
+from tests.support.sim import Sim, chat, fast, sim, slow, words
+from tests.support.upstream import in_two_pieces
 
 TIMEOUT_S = 10.0
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.sim_helpers import chat, fast, sim, slow, words
+from tests.support.sim import chat, fast, sim, slow, words
 
 
 async def _flush(s, query: str = "", headers: dict[str, str] | None = None) -> tuple[int, str]:  # type: ignore[no-untyped-def]

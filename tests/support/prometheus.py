@@ -20,10 +20,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import free_port
-from tests.test_helm import HELM, render
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.helm import HELM, render
+from tests.support.sidecar import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS_BIN = ROOT / ".cache" / "tools" / "bin"
 PROMETHEUS = TOOLS_BIN / "prometheus"
 PROMTOOL = TOOLS_BIN / "promtool"
@@ -189,7 +190,7 @@ async def running_prometheus(
         )
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
             await _wait_ready(http, url, process, log_path)
             yield Prometheus(url, http)
     finally:

@@ -6,7 +6,7 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.sim_helpers import chat, fast, next_event, sim, slow, words
+from tests.support.sim import chat, fast, next_event, sim, slow, words
 
 
 async def test_reset_is_refused_while_a_stream_runs_and_accepted_after() -> None:

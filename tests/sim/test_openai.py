@@ -9,16 +9,7 @@ import orjson
 import pytest
 
 from proxy.sim import DIALECTS
-from tests.sim_helpers import (
-    chat,
-    event_json,
-    fast,
-    next_event,
-    read_events,
-    sim,
-    slow,
-    words,
-)
+from tests.support.sim import chat, event_json, fast, next_event, read_events, sim, slow, words
 
 
 async def test_repeated_prompt_hits_whole_blocks_over_http() -> None:

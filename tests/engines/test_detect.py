@@ -11,9 +11,9 @@ from proxy.engines.base import AttemptPlan
 from proxy.engines.detect import detect_engine, probe_version
 from proxy.sim import build_sim_app
 from proxy.vocabulary import ResetAnswer
-from tests.conftest import closed_port_url, serve_app
-from tests.sim_helpers import fast, sim
-from tests.upstream import in_two_pieces
+from tests.support.sidecar import closed_port_url, serve_app
+from tests.support.sim import fast, sim
+from tests.support.upstream import in_two_pieces
 
 TIMEOUT_S = 5.0
 

@@ -2,7 +2,7 @@
 
 A cluster reset carries the admin token to every peer; over plain http anyone on the path
 reads it. Here each pod is a simulator and a sidecar (serve.py's runner) with TLS ended in
-front of it by tests/tls_helpers.py, the certificates signed by a CA made for the test.
+front of it by tests/support/tls_helpers.py, the certificates signed by a CA made for the test.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import pytest
 
 from proxy.config import ConfigError
 from proxy.config_load import load_settings
-from tests.cluster_helpers import SERVICE, shared_port
-from tests.conftest import free_port, serve_sidecar
-from tests.dns_server import dns_server
-from tests.sim_helpers import Sim, fast, sim
-from tests.test_cluster import RESETS_PER_VERIFIED
-from tests.tls_helpers import Certificates, TlsFront, make_certificates, tls_front
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.cluster import RESETS_PER_VERIFIED, SERVICE, shared_port
+from tests.support.dns_server import dns_server
+from tests.support.sidecar import free_port, serve_sidecar
+from tests.support.sim import Sim, fast, sim
+from tests.support.tls_helpers import Certificates, TlsFront, make_certificates, tls_front
 
 TOKEN = "tls-cluster-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
@@ -85,7 +85,7 @@ async def test_a_cluster_reset_over_https_verified_by_peers_ca_file_reaches_ever
             peers_scheme="https",
             peers_ca_file=str(certs.ca),
         ) as pods,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         status, body = await cluster_reset(http, pods[0])
         assert status == 200, body
@@ -112,7 +112,7 @@ async def test_without_the_ca_the_pods_certificates_fail_verification_and_no_tok
     peers = tuple(f"127.0.0.1:{port}" for port in ports)
     async with (
         tls_cluster(tmp_path, certs, ["127.0.0.1"] * 2, ports, peers=peers, peers_scheme="https") as pods,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         status, body = await cluster_reset(http, pods[0])
         assert status == 502, body
@@ -143,7 +143,7 @@ async def test_pods_found_through_dns_are_verified_against_the_service_name(tmp_
                 peers_scheme="https",
                 peers_ca_file=str(certs.ca),
             ) as pods,
-            aiohttp.ClientSession() as http,
+            aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
         ):
             status, body = await cluster_reset(http, pods[1])
             assert status == 200, body

@@ -129,7 +129,7 @@ async def test_evidence_filter_the_sidecar_rejects_exits_2(tmp_path) -> None:
 
 
 def test_readme_exit_code_table_matches_the_client() -> None:
-    from proxy.cli import reset as client
+    from proxy.cli import http as client
 
     readme = (REPO / "README.md").read_text()
     section = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
@@ -213,8 +213,8 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
 
 @pytest.mark.parametrize("command", ["reset", "evidence"])
 def test_help_lists_every_exit_code(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from proxy.cli import http as client
     from proxy.cli import main
-    from proxy.cli import reset as client
 
     with pytest.raises(SystemExit):
         main([command, "--help"])

@@ -115,7 +115,9 @@ async def test_chunked_request_body_is_streamed(sidecar: SidecarFactory, upstrea
             yield bytes([index]) * 10_000
 
     # Its own bound: a sidecar that stops forwarding the body fails here, not after aiohttp's 300 s.
-    async with client.post(proxy + "/echo", data=parts(), timeout=aiohttp.ClientTimeout(total=30)) as response:
+    async with client.post(
+        proxy + "/echo", data=parts(), timeout=aiohttp.ClientTimeout(total=30)
+    ) as response:
         described = await response.json()
     assert described["body_len"] == 500_000
 

@@ -9,7 +9,7 @@ when it injected) or a JSON response through a `JsonBody`, and builds an `Observ
     usage.py     token counts from an object, a body or a fragment
     answer.py    a JSON answer in bounded memory
     rules.py     each engine's stream facts under injection, as a table
-    hold.py      the finish-chunk hold: last-event members moved back
+    pending_finish.py  the pending finish chunk: last-event members moved back
     stream.py    the stream scanner that applies them
     request.py   observed routes and the injected request body
     record.py    the Observation record

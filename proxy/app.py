@@ -15,11 +15,12 @@ from proxy.engine_state import ENGINE, redetector, setup_engine_state
 from proxy.evidence.log import EVIDENCE, setup_evidence
 from proxy.forward.handler import forward, setup_forward
 from proxy.health import HEALTH, healthy, ready, setup_health
-from proxy.metrics import SidecarState, handle_metrics, setup_metrics
+from proxy.metrics import METRICS, SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
 from proxy.refusals import REFUSALS, RefusalReason
 from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
+from proxy.witnesses.events_index import setup_kv_events
 
 __all__ = ["build_app", "setup_routes", "sidecar_state"]
 
@@ -41,6 +42,7 @@ def build_app(settings: Settings) -> web.Application:
       5. admission       — the drain gate, and the request-body budget (no lifetime);
       6. metrics         — learns model ids at start; its background fetches stop first
                            (handed `sidecar_state`: metrics stands below what it reports);
+      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only);
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
                            finishes within the grace period (`serve` starts it for requests
@@ -65,6 +67,8 @@ def build_app(settings: Settings) -> web.Application:
     setup_admission(app)
     setup_body_budget(app)
     setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
+    # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
+    setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
     setup_recorder(app)
     setup_reset(app)
     setup_cluster(app)

@@ -105,7 +105,11 @@ class Settings:
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
     reset_attempt_timeout: float = 30.0
-    verify: VerifyMode = VerifyMode.CANARY
+    verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_ranks: int = 1
+    kv_events_topic: str = "kv"
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
@@ -153,6 +157,13 @@ class Settings:
             return self.evidence_resets_path
         path = Path(self.evidence)
         return str(path.with_name(f"{path.stem}.resets{path.suffix or '.jsonl'}"))
+
+    @property
+    def verify_default(self) -> VerifyMode:
+        """`verify`, else both where the engine's KV events are followed, canary otherwise."""
+        if self.verify is not None:
+            return VerifyMode(self.verify)  # a Settings built in code may hold the plain word
+        return VerifyMode.BOTH if self.kv_events_endpoint else VerifyMode.CANARY
 
     @property
     def engine_key(self) -> str | None:
@@ -214,6 +225,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _zmq_address(text: str) -> str:
+    if not text.startswith(("tcp://", "ipc://")):
+        raise ValueError(text)
+    return text
 
 
 def url_option(text: str) -> str:
@@ -428,9 +445,24 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "verify",
         VerifyMode,
-        "how a reset proves itself by default: canary (a private prompt cached before, cold after) or none",
-        "canary or none",
+        "how a reset proves itself by default: canary (a private prompt cached before, cold after), "
+        "events (the engine's KV cache events), both, or none (unset: both with kv_events_endpoint, else canary)",
+        "canary, events, both or none",
     ),
+    Option(
+        "kv_events_endpoint",
+        _zmq_address,
+        "ZeroMQ address the sidecar binds for the engine's KV cache events (unset: no events witness)",
+        "tcp://HOST:PORT such as tcp://127.0.0.1:5557",
+    ),
+    Option("kv_events_replay", _zmq_address, "the engine's KV events replay address", "tcp://HOST:PORT"),
+    Option(
+        "kv_events_ranks",
+        _positive_int,
+        "engine data-parallel ranks publishing KV events",
+        "a whole number ≥ 1",
+    ),
+    Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option(
         "inject_usage_reprobe_seconds",

@@ -103,6 +103,8 @@ class VerifyMode(StrEnum):
     """How a reset is verified: input `verify`, config `verify`."""
 
     CANARY = "canary"
+    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/events_witness.py)
+    BOTH = "both"  # every witness that can run
     NONE = "none"
 
 
@@ -141,5 +143,6 @@ class EventType(StrEnum):
     CACHE_STATE = "infer.cache_state"
     CACHE_OBSERVATION = "infer.cache_observation"
     CACHE_VERIFICATION = "infer.cache_verification"
+    CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"

@@ -51,7 +51,7 @@ EXIT_CODES: dict[str, int] = {
 }
 
 
-# The exit codes that are not an answer (README, "Exit codes", has the whole table).
+# The exit codes that are not an answer (docs/cli.md, "Exit codes", has the whole table).
 EXIT_BAD_INPUT = 2  # a bad option, an unreadable --token-file, input the sidecar rejected (400)
 
 
@@ -77,7 +77,7 @@ OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirec
 
 
 def exit_code_help() -> str:
-    """The exit codes in one line, from the same constants the commands return (README has the table)."""
+    """The exit codes in one line, from the same constants the commands return (docs/cli.md has the table)."""
     answers: dict[int, list[str]] = {}
     for answer, code in EXIT_CODES.items():
         answers.setdefault(code, []).append(answer)

@@ -121,7 +121,7 @@ def _human_line(answer: dict[str, Any]) -> str:
 
 
 def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and the README)."""
+    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and docs/cli.md)."""
     env = os.environ if env is None else env
     base = base_url(ns, env)
     try:

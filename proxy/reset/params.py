@@ -115,7 +115,7 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
         return value
     if name == "verify":
         if value not in tuple(VerifyMode):
-            raise BadInput(name, 'verify must be "canary" or "none"')
+            raise BadInput(name, 'verify must be "none", "canary", "events" or "both"')
         return VerifyMode(value)
     if name == "scope":
         if value not in tuple(Scope):
@@ -161,7 +161,7 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
     values: dict[str, Any] = {
         "drain": settings.drain,
         "retry_seconds": float(settings.retry_seconds),
-        "verify": settings.verify,
+        "verify": settings.verify_default,
     }
     for source, from_query in ((query, True), (body, False)):
         for name, value in source.items():

@@ -175,7 +175,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
 
     We own the signals rather than use `web.run_app`: it exits 1 on a second SIGTERM
-    and runs on_shutdown before in-flight handlers finish (SPEC §11).
+    and runs on_shutdown before in-flight handlers finish (docs/architecture.md).
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ __all__ = [
     "Requested",
     "ResetAnswer",
     "RunKind",
+    "Scope",
     "Verdict",
     "Verified",
     "VerifyMode",
@@ -66,6 +67,13 @@ class Via(StrEnum):
     API = "api"  # POST /cache/reset
     NATIVE = "native"  # the engine's own reset route, called through the sidecar
     CLUSTER = "cluster"  # a cluster-scope reset's own record (proxy/cluster/fanout.py)
+
+
+class Scope(StrEnum):
+    """Where a reset or a read reaches (input and record `scope`; docs/cluster.md)."""
+
+    POD = "pod"  # this sidecar's engine
+    CLUSTER = "cluster"  # every peer sidecar's, fanned out from this one
 
 
 class Requested(StrEnum):

@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,9 +32,9 @@ from proxy.cli import main
 from proxy.evidence.proof import proof_stream
 from proxy.evidence.writer import EvidenceWriter
 from proxy.sim import running_sim
-from tests.conftest import stack
-from tests.sim_helpers import chat, fast
-from tests.test_shutdown import start_sidecar
+from tests.support.process import start_sidecar
+from tests.support.sidecar import stack
+from tests.support.sim import chat, fast
 
 WAIT_S = 60.0
 ZERO = "0" * 64
@@ -138,11 +137,11 @@ def verify(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
 
 
 @pytest.fixture
-def copy(signed_log: Log, tmp_path: Path) -> Iterator[Path]:
+def copy(signed_log: Log, tmp_path: Path) -> Path:
     """A copy of the signed run's evidence to edit: the path of its current observation file."""
     target = tmp_path / "log"
     shutil.copytree(signed_log.folder, target)
-    yield target / "ev.jsonl"
+    return target / "ev.jsonl"
 
 
 def test_the_run_verifies_whole_with_its_key_and_by_hand(

@@ -16,8 +16,8 @@ import pytest
 
 from proxy.cli import main
 from proxy.evidence.bundle import safe_name
-from tests.cluster_helpers import Cluster, Pod, cluster
-from tests.sim_helpers import chat, fast
+from tests.support.cluster import Cluster, Pod, cluster
+from tests.support.sim import chat, fast
 
 SESSION = "paper-run"
 

@@ -17,10 +17,10 @@ import pytest
 
 from proxy.cli import main
 from proxy.sim import running_sim
-from tests.sim_helpers import chat, fast
-from tests.test_metrics import Scrape
-from tests.test_shutdown import start_sidecar
-from tests.tmpfs import resize, tmpfs
+from tests.support.metrics import Scrape
+from tests.support.process import start_sidecar
+from tests.support.sim import chat, fast
+from tests.support.tmpfs import resize, tmpfs
 
 WAIT_S = 60.0
 REQUESTS = 400  # ~300 KB of observations: the 64 KiB disk and the 16 KiB queue fill many times

@@ -12,9 +12,10 @@ import orjson
 import pytest
 
 from proxy.sim import running_sim
-from tests.conftest import SidecarFactory
-from tests.evidence_files import CHAIN_EVENTS
-from tests.sim_helpers import chat, fast, slow, words
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.evidence_files import CHAIN_EVENTS
+from tests.support.sidecar import SidecarFactory
+from tests.support.sim import chat, fast, slow, words
 
 PROMPT = words(80)
 
@@ -138,7 +139,7 @@ async def test_stream_cut_before_usage_is_recorded_and_proxy_keeps_serving(
 ) -> None:
     async with running_sim(slow("vllm")) as engine:
         proxy = await sidecar(engine)
-        async with aiohttp.ClientSession() as leaving:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as leaving:
             response = await leaving.post(
                 proxy + "/v1/chat/completions", json=chat(PROMPT, max_tokens=200, stream=True)
             )

@@ -19,10 +19,10 @@ import pytest
 from proxy.config import ConfigError
 from proxy.config_load import load_settings
 from proxy.forward.ids import ID_CHARS
-from tests.conftest import stack
-from tests.evidence_files import CHAIN_EVENTS, resets_file, unchained
-from tests.sim_helpers import chat, fast, words
-from tests.test_metrics import scrape
+from tests.support.evidence_files import CHAIN_EVENTS, resets_file, unchained
+from tests.support.metrics import scrape
+from tests.support.sidecar import stack
+from tests.support.sim import chat, fast, words
 
 KIB = 1024
 # An 8 KB id, as in the flood (aiohttp takes header lines up to 8,190 bytes).

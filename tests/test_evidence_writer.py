@@ -12,8 +12,8 @@ import pytest
 from proxy.evidence.lines import CHAIN_SUFFIX_MAX, MAX_LINE_BYTES
 from proxy.evidence.reader import read_evidence
 from proxy.evidence.writer import DropReason, EvidenceWriter
-from tests.evidence_files import CHAIN_EVENTS, unchained
-from tests.tmpfs import resize, tmpfs
+from tests.support.evidence_files import CHAIN_EVENTS, unchained
+from tests.support.tmpfs import resize, tmpfs
 
 
 def record(n: int, **extra: object) -> dict[str, object]:

@@ -22,9 +22,9 @@ from proxy.errors import error_response
 from proxy.evidence.log import EVIDENCE
 from proxy.forward.ids import is_stored_id
 from proxy.health import HEALTH
-from proxy.reset.params import CLUSTER, BadInput, read_params
+from proxy.reset.params import BadInput, read_params
 from proxy.reset.service import RESETS
-from proxy.vocabulary import EventType
+from proxy.vocabulary import EventType, Scope
 from proxy.witnesses.traffic import WITNESS
 
 __all__ = ["handle_evidence", "handle_reset", "handle_state"]
@@ -32,7 +32,6 @@ __all__ = ["handle_evidence", "handle_reset", "handle_state"]
 # The records a pod serves (the cluster trailer is the cluster read's own, never stored).
 _EVENT_TYPES = frozenset(str(kind) for kind in EventType if kind is not EventType.CLUSTER_READ)
 _FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope", "proof")
-_SCOPES = ("pod", "cluster")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024
 _ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
@@ -44,18 +43,18 @@ async def handle_reset(request: web.Request) -> web.Response:
         params = await read_params(request, request.app[SETTINGS])
     except BadInput as bad:
         return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
-    if params.scope == CLUSTER:
+    if params.scope == Scope.CLUSTER:
         return await cluster_reset(request, params)
     status, body = await request.app[RESETS].reset(params)
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _scope(request: web.Request) -> str | web.Response:
+def _scope(request: web.Request) -> Scope | web.Response:
     """`?scope=pod` (default) or `?scope=cluster`; a 400 for anything else."""
-    scope = request.query.get("scope", "pod")
-    if scope not in _SCOPES:
+    scope = request.query.get("scope", Scope.POD)
+    if scope not in tuple(Scope):
         return _bad_filter("scope", 'scope must be "pod" or "cluster"')
-    return scope
+    return Scope(scope)
 
 
 async def handle_state(request: web.Request) -> web.Response:
@@ -63,7 +62,7 @@ async def handle_state(request: web.Request) -> web.Response:
     scope = _scope(request)
     if isinstance(scope, web.Response):
         return scope
-    if scope == "cluster":
+    if scope == Scope.CLUSTER:
         return await cluster_state(request)
     app = request.app
     state = app[WITNESS].state()
@@ -124,7 +123,7 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     if proof not in ("0", "1"):
         return _bad_filter("proof", "proof must be 1 (the chain segments that prove the records) or 0")
     filters = {k: v for k, v in query.items() if k not in ("scope", "proof")}
-    if scope == "cluster":
+    if scope == Scope.CLUSTER:
         if proof == "1":
             return await cluster_proof(request, filters)
         return await cluster_evidence(request, filters)

@@ -23,15 +23,15 @@ from typing import Any
 import orjson
 
 from proxy.cli.cluster_report import unreadable_pods
-from proxy.cli.reset import (
-    _OPENER,
+from proxy.cli.http import (
     EXIT_BAD_INPUT,
-    _base_url,
-    _common_arguments,
-    _http_failure,
-    _request,
-    _token,
-    _unreachable,
+    OPENER,
+    admin_request,
+    base_url,
+    common_arguments,
+    http_failure,
+    read_token,
+    unreachable,
 )
 from proxy.evidence.bundle import BundleError, cases_of, read_bundle, verify_bundle, write_bundle
 from proxy.evidence.keys import KeyFileError, PublicKey, generate_key_files, load_public_key
@@ -92,7 +92,7 @@ def add_proof_commands(
         description="Exit 0: bundle written and whole; 1: written, but a chain is not whole; "
         "2/8/9 as the other client commands.",
     )
-    _common_arguments(bundle)
+    common_arguments(bundle)
     bundle.add_argument("--session-id", required=True, metavar="S")
     bundle.add_argument("-o", "--out", required=True, metavar="FILE", help="the bundle to write (.tar.gz)")
     bundle.set_defaults(run=run_bundle)
@@ -255,9 +255,9 @@ def _keys(pods: Mapping[str, Mapping[str, list[bytes]]]) -> list[PublicKey]:
 def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     """Fetch the session's proof, write the bundle, check it."""
     env = os.environ if env is None else env
-    base = _base_url(ns, env)
+    base = base_url(ns, env)
     try:
-        token = _token(ns, env)
+        token = read_token(ns, env)
     except OSError as exc:
         print(
             f"cachewitness evidence bundle: cannot read --token-file {ns.token_file}: {exc}", file=sys.stderr
@@ -265,14 +265,14 @@ def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
         return EXIT_BAD_INPUT
     url = _proof_url(ns, base)
     try:
-        with _OPENER.open(_request(url, token), timeout=ns.timeout) as response:
+        with OPENER.open(admin_request(url, token), timeout=ns.timeout) as response:
             pods, trailers = _collect(
                 iter(response.readline, b""), urllib.parse.urlsplit(base).netloc.rpartition("@")[2]
             )
     except urllib.error.HTTPError as exc:
-        return _http_failure("evidence bundle", exc.code, exc.read(), url)
+        return http_failure("evidence bundle", exc.code, exc.read(), url)
     except (OSError, ValueError) as exc:
-        return _unreachable("evidence bundle", base, exc)
+        return unreachable("evidence bundle", base, exc)
     missing = unreadable_pods(trailers)
     if missing:
         print(f"cachewitness evidence bundle: pods not read: {'; '.join(missing)}", file=sys.stderr)

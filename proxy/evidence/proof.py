@@ -107,7 +107,7 @@ def scan_chain(
     scan = ChainScan(name)
     for path in files:
         try:
-            scan.handles.append(open(path, "rb"))
+            scan.handles.append(open(path, "rb"))  # noqa: SIM115 -- closed by the scan, which outlives this loop
         except OSError:
             continue  # rotated away since it was listed
     segment: _Segment | None = None

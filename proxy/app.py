@@ -15,11 +15,12 @@ from proxy.engine_state import ENGINE, redetector, setup_engine_state
 from proxy.evidence.log import EVIDENCE, setup_evidence
 from proxy.forward.handler import forward, setup_forward
 from proxy.health import HEALTH, healthy, ready, setup_health
-from proxy.metrics import SidecarState, handle_metrics, setup_metrics
+from proxy.metrics import METRICS, SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
 from proxy.refusals import REFUSALS, RefusalReason
 from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
+from proxy.witnesses.events_index import setup_kv_events
 
 __all__ = ["build_app", "setup_routes", "sidecar_state"]
 
@@ -36,18 +37,21 @@ def build_app(settings: Settings) -> web.Application:
       1. evidence        — started first, closed last: every record written at shutdown lands;
       2. upstream pool   — open before anything calls the engine, closed after all of them;
       3. engine state    — detects the engine through the pool;
-      4. health          — probes the health path the detected dialect names;
+      4. health          — probes the health path the detected dialect names (handed the
+                           engine state's readers: health stands below it);
       5. admission       — the drain gate, and the request-body budget (no lifetime);
-      6. metrics         — learns model ids at start; its background fetches stop first;
+      6. metrics         — learns model ids at start; its background fetches stop first
+                           (handed `sidecar_state`: metrics stands below what it reports);
+      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only);
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
                            finishes within the grace period (`serve` starts it for requests
                            and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. auth, routes    — the admin middleware, forwarding's memory, then the routes.
+     10. admin, routes   — the route-policy middleware, forwarding's memory, then the routes.
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
-    of these stop: the runner runs cleanup_ctx after the handlers (SPEC §11).
+    of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
 
     TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
     (`aiohttp/base_protocol.py`).
@@ -63,6 +67,8 @@ def build_app(settings: Settings) -> web.Application:
     setup_admission(app)
     setup_body_budget(app)
     setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
+    # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
+    setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
     setup_recorder(app)
     setup_reset(app)
     setup_cluster(app)

@@ -80,6 +80,9 @@ class Settings:
     evidence_resets_max_bytes: int = 16 * 1024 * 1024
     evidence_resets_keep: int = 5
     evidence_rejected_per_s: float = 100.0
+    # The evidence's hash chain (proxy/evidence/chain.py): checkpoints, signed with this key when set.
+    evidence_signing_key_file: str | None = None
+    checkpoint_interval_s: float = 10.0
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     # A first start on a laptop: write a new random token into admin_token_file when it is absent.
@@ -108,7 +111,11 @@ class Settings:
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
     reset_attempt_timeout: float = 30.0
-    verify: VerifyMode = VerifyMode.CANARY
+    verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_ranks: int = 1
+    kv_events_topic: str = "kv"
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
@@ -156,6 +163,13 @@ class Settings:
             return self.evidence_resets_path
         path = Path(self.evidence)
         return str(path.with_name(f"{path.stem}.resets{path.suffix or '.jsonl'}"))
+
+    @property
+    def verify_default(self) -> VerifyMode:
+        """`verify`, else both where the engine's KV events are followed, canary otherwise."""
+        if self.verify is not None:
+            return VerifyMode(self.verify)  # a Settings built in code may hold the plain word
+        return VerifyMode.BOTH if self.kv_events_endpoint else VerifyMode.CANARY
 
     @property
     def engine_key(self) -> str | None:
@@ -211,12 +225,25 @@ def _head_bytes(text: str) -> int:
     return value
 
 
+def _interval(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise ValueError(text)
+    return value
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(part) for part in text.split(",") if part.strip())
 
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _zmq_address(text: str) -> str:
+    if not text.startswith(("tcp://", "ipc://")):
+        raise ValueError(text)
+    return text
 
 
 def url_option(text: str) -> str:
@@ -346,6 +373,19 @@ OPTIONS: tuple[Option, ...] = (
         "records per second of requests the sidecar refused itself; the rest are counted as dropped (rate)",
         "a rate ≥ 0 (0 = no limit)",
     ),
+    Option(
+        "evidence_signing_key_file",
+        _path,
+        "Ed25519 private key (PEM) that signs the evidence checkpoints (cachewitness keygen makes one); "
+        "unset: checkpoints are unsigned",
+        "a readable PEM file path",
+    ),
+    Option(
+        "checkpoint_interval_s",
+        _interval,
+        "seconds between evidence checkpoints (one in each file while records come, and one at shutdown)",
+        "seconds > 0",
+    ),
     Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
     Option(
@@ -437,9 +477,24 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "verify",
         VerifyMode,
-        "how a reset proves itself by default: canary (a private prompt cached before, cold after) or none",
-        "canary or none",
+        "how a reset proves itself by default: canary (a private prompt cached before, cold after), "
+        "events (the engine's KV cache events), both, or none (unset: both with kv_events_endpoint, else canary)",
+        "canary, events, both or none",
     ),
+    Option(
+        "kv_events_endpoint",
+        _zmq_address,
+        "ZeroMQ address the sidecar binds for the engine's KV cache events (unset: no events witness)",
+        "tcp://HOST:PORT such as tcp://127.0.0.1:5557",
+    ),
+    Option("kv_events_replay", _zmq_address, "the engine's KV events replay address", "tcp://HOST:PORT"),
+    Option(
+        "kv_events_ranks",
+        _positive_int,
+        "engine data-parallel ranks publishing KV events",
+        "a whole number ≥ 1",
+    ),
+    Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option(
         "inject_usage_reprobe_seconds",

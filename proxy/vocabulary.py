@@ -18,6 +18,7 @@ __all__ = [
     "Requested",
     "ResetAnswer",
     "RunKind",
+    "Scope",
     "Verdict",
     "Verified",
     "VerifyMode",
@@ -68,6 +69,13 @@ class Via(StrEnum):
     CLUSTER = "cluster"  # a cluster-scope reset's own record (proxy/cluster/fanout.py)
 
 
+class Scope(StrEnum):
+    """Where a reset or a read reaches (input and record `scope`; docs/cluster.md)."""
+
+    POD = "pod"  # this sidecar's engine
+    CLUSTER = "cluster"  # every peer sidecar's, fanned out from this one
+
+
 class Requested(StrEnum):
     """The cache state a caller asks a reset for (input and record `requested`)."""
 
@@ -95,6 +103,8 @@ class VerifyMode(StrEnum):
     """How a reset is verified: input `verify`, config `verify`."""
 
     CANARY = "canary"
+    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/events_witness.py)
+    BOTH = "both"  # every witness that can run
     NONE = "none"
 
 
@@ -133,5 +143,8 @@ class EventType(StrEnum):
     CACHE_STATE = "infer.cache_state"
     CACHE_OBSERVATION = "infer.cache_observation"
     CACHE_VERIFICATION = "infer.cache_verification"
+    CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
+    EVIDENCE_OPENED = "infer.evidence_opened"  # a writer's start: where its chain resumes
+    EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"

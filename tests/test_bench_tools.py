@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from proxy.sim import SimConfig
-from tests.conftest import running_request, stack
-from tests.evidence_files import evidence_records
-from tests.reference_client import ClientReset, cache_state_record, reset_cache
-from tests.sim_helpers import fast, slow
+from tests.support.evidence_files import evidence_records
+from tests.support.reference_client import ClientReset, cache_state_record, reset_cache
+from tests.support.sidecar import running_request, stack
+from tests.support.sim import fast, slow
 
 TOKEN = "bench-tools-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

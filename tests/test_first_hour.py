@@ -19,9 +19,9 @@ import pytest
 from proxy.cli.reset import DEFAULT_URL
 from proxy.config import ConfigError, Settings
 from proxy.config_load import load_settings
-from tests.conftest import closed_port_url, free_port, serve_sidecar
-from tests.sim_helpers import WAIT_S
-from tests.test_client import REPO, cli
+from tests.support.cli import REPO, cli
+from tests.support.sidecar import closed_port_url, free_port, serve_sidecar
+from tests.support.sim import WAIT_S
 
 # -- the client commands ----------------------------------------------------------------------------
 

@@ -17,9 +17,9 @@ import orjson
 import pytest
 
 from proxy.sim import SimConfig
-from tests.conftest import Stack, running_request, stack
-from tests.evidence_files import evidence_records
-from tests.sim_helpers import fast, slow
+from tests.support.evidence_files import evidence_records
+from tests.support.sidecar import Stack, running_request, stack
+from tests.support.sim import fast, slow
 
 NATIVE = {
     "vllm": "/reset_prefix_cache",

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import orjson
 
-from tests.conftest import closed_port_url
-from tests.report_session import OTHER_SESSION, SESSION, expected_rows, session_records, session_run
-from tests.test_client import cli
+from tests.support.cli import cli
+from tests.support.report_session import OTHER_SESSION, SESSION, expected_rows, session_records, session_run
+from tests.support.sidecar import closed_port_url
 
 
 class _Page(HTMLParser):

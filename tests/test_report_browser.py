@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import REPO, BrowserPage, chromium_binary, open_page
-from tests.report_session import SESSION, expected_rows, session_records, session_run
-from tests.test_client import cli
+from tests.support.browser import REPO, BrowserPage, chromium_binary, open_page
+from tests.support.cli import cli
+from tests.support.report_session import SESSION, expected_rows, session_records, session_run
 from tests.test_report import _hostile_evidence
 
 pytestmark = pytest.mark.slow

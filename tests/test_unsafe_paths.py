@@ -5,7 +5,7 @@ so `/%u0073lots` reached llama-server's `/slots` with no admin check. M2: decodi
 nothing changed cost quadratic time. Now a path is decoded twice at most, and one that still
 holds `%`, or holds `%u`, bytes that are not UTF-8 or control characters, gets 400
 `invalid_request_target`. The property test spells every engine's control routes in every
-way that engine's own decoder accepts (tests/path_spellings.py) and checks that none reaches it.
+way that engine's own decoder accepts (tests/support/path_spellings.py) and checks that none reaches it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from yarl import URL
 
 from proxy.engines import llamacpp, mindnano, sglang, vllm
 from proxy.engines.routes import RouteRule
-from tests.capture import Capture, capturing
-from tests.conftest import serve_sidecar
-from tests.path_spellings import CPP_HTTPLIB, DECODERS, STARLETTE, decode, spellings
-from tests.sim_helpers import fast, sim
+from tests.support.capture import Capture, capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.path_spellings import CPP_HTTPLIB, DECODERS, STARLETTE, decode, spellings
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import fast, sim
 
 TOKEN = "admin-t0ken-for-path-tests"
 # All of 127/8 is on lo (Linux): a client bound here is loopback, but not a trusted peer.
@@ -48,9 +49,13 @@ class Stack:
             body = await resp.json(content_type=None) if resp.content_type == "application/json" else None
             return resp.status, body
 
-    def reached(self, target: str) -> bool:
-        """Whether the engine saw a request for exactly this raw target."""
-        return any(seen.raw_path == target for seen in self.capture.seen)
+    def reached(self, target: str, method: str | None = None) -> bool:
+        """Whether the engine saw a request for exactly this raw target (by this method, if named).
+
+        The method matters: the sidecar's own engine detection sends `GET /props`, which is
+        not a forwarded `POST /props`.
+        """
+        return any(seen.raw_path == target and method in (None, seen.method) for seen in self.capture.seen)
 
 
 @asynccontextmanager
@@ -63,7 +68,9 @@ async def stack(
         sim(fast(dialect, **options)) as engine,
         capturing(engine.url) as capture,
         serve_sidecar(capture.url, tmp_path, **{"engine": dialect, **overrides}) as sidecar,
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(source, 0))) as http,
+        aiohttp.ClientSession(
+            timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(local_addr=(source, 0))
+        ) as http,
     ):
         yield Stack(sidecar.url, capture, http)
 
@@ -102,7 +109,7 @@ async def test_llamacpp_control_routes_in_u_spellings_are_refused(tmp_path, admi
             assert status == 400, (method, target, status, body)
             assert body is not None and body["error"]["code"] == "invalid_request_target", body
             assert body["error"]["type"] == "invalid_request_error"
-            assert not s.reached(target), target
+            assert not s.reached(target, method), target
         assert not [seen for seen in s.capture.seen if "%u" in seen.raw_path.lower()]
 
 
@@ -215,4 +222,4 @@ async def test_no_spelling_the_engine_decodes_to_a_control_route_is_forwarded(
     assert decode(decoder, raw) == path
     status, body = await guarded.stack.call(method, raw + query)
     assert status in guarded.refused, (method, raw + query, status, body)
-    assert not guarded.stack.reached(raw + query), (method, raw + query)
+    assert not guarded.stack.reached(raw + query, method), (method, raw + query)

@@ -90,7 +90,7 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
         via=Via.NATIVE,
         retry=not engine_mode,
         # The engine's own semantics have no canary; the uniform reset verifies as configured.
-        verify=VerifyMode.NONE if engine_mode else settings.verify,
+        verify=VerifyMode.NONE if engine_mode else settings.verify_default,
     )
 
 

@@ -18,7 +18,7 @@ from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.forward.exchange import Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
-from proxy.forward.ids import stored_id
+from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.inbound import refusal
 from proxy.forward.relay import relay
 from proxy.forward.request_body import BodyStart, BodyTooLarge, ClientGone, limited_body, read_within_budget
@@ -32,9 +32,10 @@ from proxy.observe import (
     rules_for,
 )
 from proxy.recorder import RECORDER
-from proxy.upstream import Answer, Body, UpstreamBadAnswer, UpstreamError, UpstreamUnreachable
+from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
 from proxy.vocabulary import Outcome
+from proxy.witnesses.events_index import CACHE_INDEX
 
 __all__ = ["INJECTION_REFUSALS", "forward", "setup_forward"]
 
@@ -69,17 +70,15 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     if isinstance(exc, TimeoutError):
         exchange.outcome = Outcome.TIMEOUT
         status, code, what = 504, "upstream_timeout", "the upstream did not answer in time"
-    elif isinstance(exc, UpstreamBadAnswer):
+    elif isinstance(exc, UpstreamBadResponse):
         exchange.outcome, exchange.bad_answer = Outcome.UPSTREAM_ERROR, True
         # The reason is the leg's own words (a limit, a rule), never a byte of the engine's.
         status, code, what = 502, "upstream_bad_answer", f"the upstream's answer cannot be relayed: {exc}"
     else:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         status, code = 502, "upstream_unreachable"
-        if isinstance(exc, UpstreamUnreachable):
-            what = str(exc)  # the leg's words: the address and the OS error, never the engine's bytes
-        else:
-            what = "the upstream broke the connection"
+        # An unreachable engine: the leg's words (the address and the OS error, no engine bytes).
+        what = str(exc) if isinstance(exc, UpstreamUnreachable) else "the upstream broke the connection"
     log_event(
         log,
         logging.WARNING,
@@ -201,6 +200,13 @@ async def _observe_and_exchange(
             # Assigned after admission: a request held during a drain belongs to the new reset.
             begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
             exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
+            index = app.get(CACHE_INDEX)
+            if index is not None:  # a case's first request: what the engine's cache holds as it starts
+                headers = request.headers
+                index.request_started(
+                    stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+                    stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+                )
         elif _is_inference(request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
@@ -323,7 +329,7 @@ def _judge_refusal(app: web.Application, exchange: Exchange, status: int, refusa
     )
 
 
-async def _injection_refusal(upstream: Answer) -> tuple[str | None, bytes]:
+async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, bytes]:
     """Why the answer to an injected request cannot stand (None if it can), and what was read of it.
 
     An error naming `stream_options` refuses the injection; a compressed answer (the engine

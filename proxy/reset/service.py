@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -27,6 +28,8 @@ from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
 from proxy.witnesses.canary import Canary, verify_reset
+from proxy.witnesses.events_index import CACHE_INDEX
+from proxy.witnesses.events_witness import EventsCheck, merged
 from proxy.witnesses.verification import not_run
 
 __all__ = ["RESETS", "ResetService", "setup_reset"]
@@ -164,11 +167,27 @@ class ResetService:
                     retry=params.retry,
                 )
 
-            # The canary (inside the drain window) wraps the engine reset: see proxy/witnesses/canary.py.
+            # The events witness wraps the engine reset (marker, reset, flush probe, clear), and the
+            # canary (inside the drain window) wraps both: proxy/witnesses/events_witness.py, canary.py.
+            events = self._events(params)
+            witnessed = events.wrap(engine_reset) if events is not None else engine_reset
             if isinstance(canary, Canary):
-                reset, verification = await verify_reset(canary, engine_reset)
+                reset, verification = await verify_reset(canary, witnessed)
+                if events is not None and reset.succeeded:
+                    await events.settle()  # the canary's last reset: its clear, before a case starts
             else:
-                reset, verification = await engine_reset(), not_run(canary)
+                reset, verification = await witnessed(), not_run(canary)
+            if events is not None:
+                verification = merged(params.verify, verification, events.report)
+                reset = replace(reset, calls=(*reset.calls, *events.calls))
+            index = app.get(CACHE_INDEX)
+            if index is not None and reset.succeeded:
+                index.reset_answered(
+                    reset_id=current.reset_id,
+                    session_id=params.session_id,
+                    case_id=params.case_id,
+                    verified=verification.verified,
+                )
             if reset.succeeded:
                 # Before the gate opens: requests held by the drain belong to this reset.
                 recorder.reset_accepted(
@@ -194,8 +213,8 @@ class ResetService:
     def _canary(self, params: ResetParams, engine: EngineInfo) -> Canary | str:
         """The canary that will prove this reset, or why none is sent."""
         settings = self._app[SETTINGS]
-        if params.verify == VerifyMode.NONE:
-            return "verify none: no canary was sent"
+        if params.verify in (VerifyMode.NONE, VerifyMode.EVENTS):
+            return f"verify {params.verify.value}: no canary was sent"
         if not params.drain:
             return "the canary runs inside the drain window only, and this reset had drain false"
         if engine.kind == EngineKind.UNKNOWN:
@@ -208,6 +227,20 @@ class ResetService:
             engine.kind,
             settings.reset_attempt_timeout,
             count=self._app[RECORDER].canary_request,
+            api_key=settings.engine_key,
+        )
+
+    def _events(self, params: ResetParams) -> EventsCheck | None:
+        """The events witness for this reset, None without kv_events_endpoint or when not asked."""
+        index = self._app.get(CACHE_INDEX)
+        if index is None or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
+            return None
+        settings = self._app[SETTINGS]
+        return EventsCheck(
+            index.events,
+            self._app[UPSTREAM_POOL],
+            settings.upstream_base,
+            settings.reset_attempt_timeout,
             api_key=settings.engine_key,
         )
 

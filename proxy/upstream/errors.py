@@ -6,7 +6,7 @@ import os
 import socket
 
 __all__ = [
-    "UpstreamBadAnswer",
+    "UpstreamBadResponse",
     "UpstreamBroke",
     "UpstreamError",
     "UpstreamTimeout",
@@ -36,7 +36,7 @@ def host_port(host: str | None, port: int | None) -> str:
 
 
 class UpstreamError(Exception):
-    """The engine could not be asked, or its answer could not be read whole."""
+    """The engine could not be asked, or its response could not be read whole."""
 
 
 class UpstreamUnreachable(UpstreamError):
@@ -48,7 +48,7 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 
 class UpstreamBroke(UpstreamError):
-    """The connection closed before the answer ended (502).
+    """The connection closed before the response ended (502).
 
     `unsent`: the request was not written at all (the pooled connection was found closed
     first), so it may go on another connection. Once written, it never is: the engine may
@@ -60,7 +60,7 @@ class UpstreamBroke(UpstreamError):
         self.unsent = unsent
 
 
-class UpstreamBadAnswer(UpstreamBroke):
-    """The engine's answer is not HTTP the sidecar relays: not HTTP at all, a head past the
+class UpstreamBadResponse(UpstreamBroke):
+    """The engine's response is not HTTP the sidecar relays: not HTTP at all, a head past the
     leg's limits (`max_upstream_head_bytes`, 100 headers), or a reason phrase or header value
     that cannot be relayed unchanged (502 `upstream_bad_answer`; the connection is closed)."""

@@ -7,7 +7,8 @@ reference client's shape; its `verified` and `reason` carry the canary's result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.engines.base import CacheReset
@@ -56,11 +57,13 @@ class Verification:
     after: tuple[Reading, ...] = ()
     elapsed_s: float = 0.0
     hint: str | None = None
+    # Each witness that ran, by name: its JSON with `result` and its numbers (`canary`, `events`, ...).
+    witnesses: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def ran(self) -> bool:
-        """Whether a canary was sent at all."""
-        return self.method == VerifyMode.CANARY
+        """Whether any witness ran at all."""
+        return self.method != VerifyMode.NONE
 
     def to_json(self) -> dict[str, Any]:
         """The `verification` block of answers and records."""
@@ -71,6 +74,7 @@ class Verification:
             "after": [reading.to_json() for reading in self.after],
             "elapsed_s": round(self.elapsed_s, 6),
             "reason": self.reason,
+            "witnesses": {name: dict(report) for name, report in self.witnesses.items()},
         }
 
 

@@ -208,10 +208,18 @@ def start_llama_server(
 
 
 def start_vllm(
-    model_dir: Path, *, dev_mode: bool, served_name: str = "tiny", extra_args: list[str] | None = None
+    model_dir: Path,
+    *,
+    dev_mode: bool,
+    served_name: str = "tiny",
+    extra_args: list[str] | None = None,
+    port: int | None = None,
 ) -> ManagedProcess:
-    """Start vLLM (CPU) with prefix caching and cached-token details; wait for /health."""
-    port = free_port()
+    """Start vLLM (CPU) with prefix caching and cached-token details; wait for /health.
+
+    `port`: a fixed one (a restarted engine found again where the sidecar looks), else a free one.
+    """
+    port = port or free_port()
     env = dict(os.environ)
     env.update(
         {

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.cli.reset import DEFAULT_URL
+from proxy.cli.http import DEFAULT_URL
 from proxy.config import ConfigError, Settings
 from proxy.config_load import load_settings
 from tests.support.cli import REPO, cli

@@ -7,6 +7,8 @@ real browser: tests/test_report_browser.py.
 
 from __future__ import annotations
 
+import io
+import tarfile
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -168,3 +170,49 @@ async def test_no_sidecar_at_url_exits_8(tmp_path: Path) -> None:
     result = await cli("report", "--url", url, "--session-id", "s", "-o", str(tmp_path / "r.html"))
     assert result.code == 8
     assert f"the sidecar at {url} cannot be reached" in result.stderr
+
+
+async def test_report_from_a_run_bundle_shows_the_session_and_says_the_chains_are_whole(
+    tmp_path: Path,
+) -> None:
+    bundle, out = tmp_path / "run.tar.gz", tmp_path / "report.html"
+    async with session_run(tmp_path) as run:
+        made = await cli("evidence", "bundle", "--url", run.url, "--session-id", SESSION, "-o", str(bundle))
+    assert made.code == 0, made.stderr
+    result = await cli("report", "--from-bundle", str(bundle), "--session-id", SESSION, "-o", str(out))
+    assert result.code == 0, result.stderr
+    page = read_page(out)
+    vllm_files = run.files[2:]
+    assert {row[0]: row for row in page.rows} == expected_rows(session_records(vllm_files), SESSION)
+    assert f"Records from bundle {bundle}, every chain whole (" in out.read_text()
+
+
+async def test_report_from_a_bad_bundle_is_bad_input(tmp_path: Path) -> None:
+    not_a_bundle = _hostile_evidence(tmp_path / "hostile.jsonl")
+    result = await cli(
+        "report", "--from-bundle", str(not_a_bundle), "--session-id", "s", "-o", str(tmp_path / "r")
+    )
+    assert result.code == 2 and "is not a readable bundle" in result.stderr
+
+
+def _tampered(bundle: Path, out: Path) -> Path:
+    """The bundle with one cached-token count raised in its records (the chain no longer holds)."""
+    with tarfile.open(bundle, "r:*") as source, tarfile.open(out, "w:gz") as target:
+        for info in source:
+            data = source.extractfile(info).read() if info.isfile() else b""  # type: ignore[union-attr]
+            if info.name.startswith("pods/") and b'"cached_tokens":400' in data:
+                data = data.replace(b'"cached_tokens":400', b'"cached_tokens":401', 1)
+            info.size = len(data)
+            target.addfile(info, io.BytesIO(data))
+    return out
+
+
+async def test_report_of_an_edited_bundle_says_its_chain_is_not_whole(tmp_path: Path) -> None:
+    bundle, out = tmp_path / "run.tar.gz", tmp_path / "report.html"
+    async with session_run(tmp_path) as run:
+        made = await cli("evidence", "bundle", "--url", run.url, "--session-id", SESSION, "-o", str(bundle))
+    assert made.code == 0, made.stderr
+    edited = _tampered(bundle, tmp_path / "edited.tar.gz")
+    result = await cli("report", "--from-bundle", str(edited), "--session-id", SESSION, "-o", str(out))
+    assert result.code == 0, result.stderr
+    assert f"Records from bundle {edited}, NOT whole: " in out.read_text()

@@ -148,3 +148,7 @@ class EventType(StrEnum):
     EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"
+    # The lines of a proof (`GET /cache/evidence?proof=1`, docs/evidence.md) that are no record:
+    PROOF_CHAIN = "cachewitness.proof_chain"  # the lines that follow are of this file's chain
+    PROOF_POD = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
+    PROOF_READ = "cachewitness.proof_read"  # a pod's proof ends: what each chain sent

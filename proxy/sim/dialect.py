@@ -148,6 +148,11 @@ class SimDialect:
         """Dialect-specific members of `/sim/stats`."""
         return {"cache_blocks": len(self.cache)}
 
+    def restart(self) -> None:
+        """The engine restarted: counters at 0, every cache tier empty."""
+        self.engine.restart()
+        self.cache.clear()
+
     def clear_cache(self) -> int:
         """Drop the whole prefix cache and count a reset."""
         self.engine.resets_total += 1

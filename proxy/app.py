@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.admin.auth import setup_auth
+from proxy.admin.cases import handle_case_close
 from proxy.admin.views import handle_evidence, handle_state
 from proxy.admission import setup_admission
 from proxy.body_budget import setup_body_budget
@@ -77,5 +78,6 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_post("/cache/reset", handle_reset)
     app.router.add_get("/cache/state", handle_state)
+    app.router.add_post("/cache/cases/{case_id}/close", handle_case_close)
     app.router.add_get("/cache/evidence", handle_evidence)
     app.router.add_route("*", "/{tail:.*}", forward)

@@ -27,7 +27,9 @@ from proxy.evidence.writer import DropReason, EvidenceWriter, read_evidence_bloc
 
 __all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "read_merged", "setup_evidence"]
 
-RESET_EVENTS = frozenset({"infer.cache_state", "infer.cache_verification"})
+RESET_EVENTS = frozenset(
+    {"infer.cache_state", "infer.cache_verification", "infer.cache_reconciliation", "infer.engine_event"}
+)
 # Reset records waiting for a full disk, at most (and at most evidence_queue_max_bytes): they
 # are few and small (only admin calls write them), so this adds little to the observations' bound.
 _RESETS_QUEUE_BYTES = 4 * 1024 * 1024

@@ -203,4 +203,16 @@ class VllmDialect(SimDialect):
             labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
         )
         cache_config.add_metric([str(self.config.block_size), "True", str(self.config.cache_blocks)], 1.0)
-        return [queries, hits, cached, prompt, by_source, request_prompt, gen, running, waiting, usage, cache_config]
+        return [
+            queries,
+            hits,
+            cached,
+            prompt,
+            by_source,
+            request_prompt,
+            gen,
+            running,
+            waiting,
+            usage,
+            cache_config,
+        ]

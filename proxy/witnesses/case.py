@@ -78,7 +78,7 @@ class _Segment:
     unobserved: Sums = field(default_factory=Sums)
     canary: Sums = field(default_factory=Sums)
     last_traffic: float | None = None  # monotonic
-    restart_seen: bool = False
+    restart_seen: str | None = None  # how a restart (or a sleep) during the segment was seen
     restart_before_traffic: bool = False
 
     @property
@@ -127,7 +127,9 @@ class CaseWitness:
     # -- reads ----------------------------------------------------------------------------------
     async def read(self) -> tuple[bool, Totals | None]:
         """(reachable, totals) from a settled direct read: repeated until two reads agree."""
-        reachable, totals = await read_totals(self.session(), self.base_url, self.kind(), self.timeout_s, self.api_key)
+        reachable, totals = await read_totals(
+            self.session(), self.base_url, self.kind(), self.timeout_s, self.api_key
+        )
         for _ in range(_SETTLE_READS):
             if totals is None:
                 break
@@ -147,11 +149,14 @@ class CaseWitness:
         await self._close_with(totals, "reset")
         self._baseline = totals
 
-    def reset_finished(
-        self, reset_id: str | None, session_id: str | None, case_id: str | None, canary: Sums
-    ) -> None:
-        """The reset ended: the sequence it leaves (a new one if it was accepted) starts at its first read."""
+    async def reset_finished(self, ids: tuple[str | None, str | None, str | None], canary: Sums) -> None:
+        """The reset ended: the sequence it leaves (`ids`: a new one if it was accepted) starts at its first read.
+
+        A second read, after the canary, is where a restart during the case is measured from.
+        """
+        reset_id, session_id, case_id = ids
         self._segment = _Segment(reset_id, session_id, case_id, time.time_ns(), self._baseline, canary=canary)
+        await self.read()
 
     async def close(self, case_id: str | None, closed_by: str = "close") -> Reconciliation | None:
         """End the current case (`case_id` must be its own, or None for any); its reconciliation."""
@@ -227,8 +232,8 @@ class CaseWitness:
         self.events.append(event)
         self.write(event.to_record())
         self.on_event(kind)
-        if seg is not None and kind in (EventKind.RESTARTED, EventKind.SLEPT) and not seg.restart_seen:
-            seg.restart_seen = True
+        if seg is not None and kind in (EventKind.RESTARTED, EventKind.SLEPT) and seg.restart_seen is None:
+            seg.restart_seen = f"{kind.value}: {seen_by}"
             seg.restart_before_traffic = seg.traffic == 0
 
     async def poll(self) -> None:
@@ -277,4 +282,3 @@ def _went_down(before: Totals, after: Totals) -> bool:
         (before.cached_tokens, after.cached_tokens),
     )
     return any(b is not None and a is not None and a < b for b, a in pairs)
-

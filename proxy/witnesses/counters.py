@@ -115,28 +115,39 @@ def reconcile(
     seen: Sums,
     canary: Sums,
     in_flight_at_read: int,
-    restart_seen: bool,
+    restart_seen: str | None,
     restart_before_traffic: bool,
 ) -> tuple[dict[str, int | None] | None, dict[str, int | None] | None, bool, CaseVerdict, str]:
     """(engine deltas, bypass, restarted, verdict, reason) of one sequence.
 
     `seen` is everything the sidecar saw reach the engine (observed and unobserved); `restart_seen`
-    says the watcher saw a restart in between, `restart_before_traffic` that it came before the
-    sequence's first request.
+    says how a restart in between was seen (None: none was), `restart_before_traffic` that it came
+    before the sequence's first request.
     """
     if before is None or after is None:
-        return None, None, restart_seen, CaseVerdict.INCONCLUSIVE, "the engine's counters could not be read"
+        return (
+            None,
+            None,
+            restart_seen is not None,
+            CaseVerdict.INCONCLUSIVE,
+            "the engine's counters could not be read",
+        )
     deltas = {
         "requests": _delta(after.requests, before.requests),
         "prompt_tokens": _delta(after.prompt_tokens, before.prompt_tokens),
         "cached_tokens": _delta(after.cached_tokens, before.cached_tokens),
     }
     went_down = any(value is not None and value < 0 for value in deltas.values())
-    restarted = restart_seen or went_down
-    if restarted:
+    if restart_seen is not None or went_down:
         if restart_before_traffic:
-            return None, None, True, CaseVerdict.COLD_BY_RESTART, "the engine restarted before the case's traffic"
-        how = "a counter went down" if went_down else "the engine watcher saw it"
+            return (
+                None,
+                None,
+                True,
+                CaseVerdict.COLD_BY_RESTART,
+                "the engine restarted before the case's traffic",
+            )
+        how = restart_seen or "a counter went down"
         return None, None, True, CaseVerdict.INCONCLUSIVE, f"the engine restarted inside the case ({how})"
     known = seen.add(canary)
     bypass = {

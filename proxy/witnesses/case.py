@@ -237,7 +237,13 @@ class CaseWitness:
             seg.restart_before_traffic = seg.traffic == 0
 
     async def poll(self) -> None:
-        """One look at the engine: counters (restarts, reachability), sleep state, an idle case."""
+        """One look at the engine: counters (restarts, reachability), sleep state, an idle case.
+
+        Only once a reset opened a sequence: before it there is no case to witness, and the
+        engine's /metrics is fetched for scrapes only (shared, one per second).
+        """
+        if self._segment is None:
+            return
         session, kind = self.session(), self.kind()
         reachable, totals = await read_totals(session, self.base_url, kind, self.timeout_s, self.api_key)
         self._note(reachable, totals, "engine watcher")

@@ -157,6 +157,9 @@ class CaseWitness:
         reset_id, session_id, case_id = ids
         self._segment = _Segment(reset_id, session_id, case_id, time.time_ns(), self._baseline, canary=canary)
         await self.read()
+        if self.kind() == EngineKind.VLLM and self._sleeping is None:
+            # The state a later change is measured from, before the watcher's first look.
+            self._sleeping = await fetch_sleeping(self.session(), self.base_url, self.timeout_s, self.api_key)
 
     async def close(self, case_id: str | None, closed_by: str = "close") -> Reconciliation | None:
         """End the current case (`case_id` must be its own, or None for any); its reconciliation."""

@@ -109,6 +109,7 @@ class Settings:
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
     reset_attempt_timeout: float = 30.0
+    case_idle_s: float = 30.0
     verify: str = "canary"
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
@@ -445,6 +446,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_timeout", _positive_float, "longest drain before a reset", "seconds ≥ 0"),
     Option("retry_seconds", _positive_float, "default retry window for refused resets", "seconds 0..120"),
     Option("reset_attempt_timeout", _positive_float, "timeout of one engine reset call", "seconds > 0"),
+    Option("case_idle_s", _positive_float, "a case with no request this long has ended", "seconds > 0"),
     Option(
         "verify",
         _choice(VERIFY_MODES),

@@ -40,6 +40,7 @@ from proxy.recorder import RECORDER
 from proxy.reset.params import CLUSTER, BadInput, ResetParams, read_params, worst_case_seconds
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.witnesses.canary import Canary, verify_reset
+from proxy.witnesses.counters import Sums
 from proxy.witnesses.traffic import ResetSummary
 from proxy.witnesses.verification import Verification, VerifyMode, answer_of, not_run, record_with
 
@@ -286,6 +287,9 @@ class ResetService:
                     retry=params.retry,
                 )
 
+            # The case before this reset ends here: its engine counters are read (proxy/witnesses/case.py).
+            if recorder.case is not None:
+                await recorder.case.reset_started()
             # The canary (inside the drain window) wraps the engine reset: see proxy/witnesses/canary.py.
             if isinstance(canary, Canary):
                 reset, verification = await verify_reset(canary, engine_reset)
@@ -301,6 +305,10 @@ class ResetService:
                     verified=verification.verified,
                     case_token=current.case_token,
                     bind=params.bind,
+                )
+            if recorder.case is not None:
+                await recorder.case.reset_finished(
+                    recorder.witness.sequence_ids(), canary.spent if isinstance(canary, Canary) else Sums()
                 )
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,

@@ -152,7 +152,7 @@ def setup_recorder(app: web.Application) -> None:
         base_url=settings.upstream_base,
         kind=lambda: app[ENGINE].info.kind,
         timeout_s=settings.reset_attempt_timeout,
-        idle_s=getattr(settings, "case_idle_s", 30.0),  # the option lands with the reset hook
+        idle_s=settings.case_idle_s,
         in_flight=lambda: app[ADMISSION].inflight,
         write=evidence.write,
         on_bypass=metrics.bypass,

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.admin.auth import setup_auth
 from proxy.admin.cases import handle_case_close
-from proxy.admin.views import handle_evidence, handle_state
-from proxy.admission import setup_admission
-from proxy.body_budget import setup_body_budget
+from proxy.admin.middleware import setup_admin
+from proxy.admin.views import handle_evidence, handle_reset, handle_state
+from proxy.admission import ADMISSION, setup_admission
+from proxy.body_budget import BODY_BUDGET, setup_body_budget
 from proxy.cluster.fanout import setup_cluster
 from proxy.config import SETTINGS, Settings
-from proxy.connections import setup_connections
-from proxy.engine_state import setup_engine_state
-from proxy.evidence.log import setup_evidence
+from proxy.connections import CONNECTIONS, Limit, setup_connections
+from proxy.engine_state import ENGINE, redetector, setup_engine_state
+from proxy.evidence.log import EVIDENCE, setup_evidence
 from proxy.forward.handler import forward, setup_forward
-from proxy.health import healthy, ready, setup_health
-from proxy.metrics import handle_metrics, setup_metrics
+from proxy.health import HEALTH, healthy, ready, setup_health
+from proxy.metrics import METRICS, SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
-from proxy.reset.service import handle_reset, setup_reset
+from proxy.refusals import REFUSALS, RefusalReason
+from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
+from proxy.witnesses.events_index import setup_kv_events
 
-__all__ = ["build_app", "setup_routes"]
+__all__ = ["build_app", "setup_routes", "sidecar_state"]
 
 
 def build_app(settings: Settings) -> web.Application:
@@ -39,6 +41,7 @@ def build_app(settings: Settings) -> web.Application:
       4. health          — probes the health path the detected dialect names;
       5. admission       — the drain gate, and the request-body budget (no lifetime);
       6. metrics         — learns model ids at start; its background fetches stop first;
+      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only);
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
                            finishes within the grace period (`serve` starts it for requests
@@ -58,14 +61,17 @@ def build_app(settings: Settings) -> web.Application:
     setup_evidence(app)
     setup_upstream_pool(app)
     setup_engine_state(app)
-    setup_health(app)
+    engine = app[ENGINE]
+    setup_health(app, path=lambda: engine.health_path, on_up=redetector(app))
     setup_admission(app)
     setup_body_budget(app)
-    setup_metrics(app)
+    setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
+    # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
+    setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
     setup_recorder(app)
     setup_reset(app)
     setup_cluster(app)
-    setup_auth(app)
+    setup_admin(app)
     setup_forward(app)
     setup_routes(app)
     return app
@@ -81,3 +87,25 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_post("/cache/cases/{case_id}/close", handle_case_close)
     app.router.add_get("/cache/evidence", handle_evidence)
     app.router.add_route("*", "/{tail:.*}", forward)
+
+
+def sidecar_state(app: web.Application) -> SidecarState:
+    """The services' gauges and counters, read for one scrape (metrics imports none of them)."""
+    admission, engine, evidence = app[ADMISSION], app[ENGINE], app[EVIDENCE]
+    connections, budget, refusals = app[CONNECTIONS], app[BODY_BUDGET], app[REFUSALS]
+    return SidecarState(
+        inflight_requests=admission.inflight,
+        draining=admission.draining,
+        upstream_up=app[HEALTH].upstream_up,
+        engine_kind=engine.info.kind,
+        engine_version=engine.info.version,
+        evidence_records=evidence.records_total,  # a copy, summed over both files
+        buffered_request_bytes=budget.held,
+        unobserved_total=budget.unobserved_total,
+        client_connections=connections.open_connections,
+        connection_limit_hits={str(limit): connections.hits[limit] for limit in Limit},
+        route_refusals={str(reason): refusals.counts[reason] for reason in RefusalReason},
+        evidence_write_errors_total=evidence.write_errors_total,
+        evidence_dropped={str(reason): count for reason, count in evidence.dropped.items()},
+        evidence_pending_bytes=evidence.pending_bytes,
+    )

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
 from proxy.config import SETTINGS, Settings
-from proxy.engines.base import Dialect, EngineInfo, EngineKind
+from proxy.engines.base import Dialect, EngineInfo
 from proxy.engines.detect import (
-    UNKNOWN,
     UndetectedDialect,
     detect_engine,
     probe_version,
@@ -26,13 +25,14 @@ from proxy.engines.vllm import VllmDialect
 from proxy.logs import log_event
 from proxy.redact import redact_url
 from proxy.upstream.pools import UPSTREAM_POOL
+from proxy.vocabulary import EngineKind
 
-__all__ = ["ENGINE", "EngineState", "make_dialect", "setup_engine_state"]
+__all__ = ["ENGINE", "EngineState", "make_dialect", "redetector", "setup_engine_state"]
 
 log = logging.getLogger("cachewitness.engine")
 
 
-def make_dialect(kind: str, settings: Settings) -> Dialect:
+def make_dialect(kind: EngineKind, settings: Settings) -> Dialect:
     """The dialect for an engine kind, configured from settings (unknown kinds get the generic one)."""
     key = settings.engine_key
     if kind == EngineKind.VLLM:
@@ -43,7 +43,7 @@ def make_dialect(kind: str, settings: Settings) -> Dialect:
         return LlamacppDialect(api_key=key)
     if kind == EngineKind.MINDNANO:
         return MindnanoDialect(api_key=key)
-    if kind == UNKNOWN:
+    if kind == EngineKind.UNKNOWN:
         return UndetectedDialect()
     if kind == EngineKind.NONE:
         return NoResetDialect(health_path=settings.health_path or "/health")
@@ -64,7 +64,7 @@ class EngineState:
         """Start undetected (auto) or with the configured kind."""
         self._settings = settings
         self._auto = settings.engine == "auto"
-        kind = UNKNOWN if self._auto else settings.engine
+        kind = EngineKind.UNKNOWN if self._auto else EngineKind(settings.engine)
         self.info = EngineInfo(kind)
         self.dialect: Dialect = make_dialect(kind, settings)
         self._lock = asyncio.Lock()
@@ -77,7 +77,7 @@ class EngineState:
     @property
     def detected(self) -> bool:
         """False while `--engine auto` has not yet reached the upstream."""
-        return self.info.kind != UNKNOWN
+        return self.info.kind != EngineKind.UNKNOWN
 
     async def detect(self, session: aiohttp.ClientSession) -> EngineInfo:
         """Detect (auto) or probe the configured kind's version (best effort); log what was found. Never raises."""
@@ -92,16 +92,18 @@ class EngineState:
                 version = await probe_version(
                     session,
                     settings.upstream_base,
-                    settings.engine,
+                    EngineKind(settings.engine),
                     timeout_s,
                     api_key=settings.engine_key,
                 )
-                info = EngineInfo(settings.engine, version)
+                info = EngineInfo(EngineKind(settings.engine), version)
             self.info = info
             self.dialect = make_dialect(info.kind, settings)
-        level = logging.WARNING if info.kind == UNKNOWN else logging.INFO
+        level = logging.WARNING if info.kind == EngineKind.UNKNOWN else logging.INFO
         message = (
-            "engine not reached; kind pending re-detection" if info.kind == UNKNOWN else "engine detected"
+            "engine not reached; kind pending re-detection"
+            if info.kind == EngineKind.UNKNOWN
+            else "engine detected"
         )
         log_event(
             log,
@@ -128,6 +130,21 @@ class EngineState:
 
 
 ENGINE = web.AppKey("engine", EngineState)
+
+
+def redetector(app: web.Application) -> Callable[[bool], Awaitable[None]]:
+    """What the health watcher calls when the upstream answers (True: back after being down)."""
+    engine = app[ENGINE]
+
+    async def redetect(recovered: bool) -> None:
+        # Back after being down: it may be another engine now. First contact: detect if
+        # start-up detection could not reach it.
+        if recovered:
+            await engine.upstream_came_back(app[UPSTREAM_POOL])
+        else:
+            await engine.ensure_detected(app[UPSTREAM_POOL])
+
+    return redetect
 
 
 def setup_engine_state(app: web.Application) -> None:

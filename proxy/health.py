@@ -12,7 +12,6 @@ import aiohttp
 from aiohttp import web
 
 from proxy.config import SETTINGS
-from proxy.engine_state import ENGINE
 from proxy.logs import log_event
 from proxy.upstream.pools import UPSTREAM_POOL
 
@@ -97,22 +96,16 @@ class UpstreamHealth:
 HEALTH = web.AppKey("health", UpstreamHealth)
 
 
-def setup_health(app: web.Application) -> None:
-    """The upstream health watcher: probes from start (after detection) until shutdown."""
+def setup_health(
+    app: web.Application, *, path: Callable[[], str], on_up: Callable[[bool], Awaitable[None]]
+) -> None:
+    """The upstream health watcher: probes from start (after detection) until shutdown.
+
+    `path` reads the health path of the engine fronted now, `on_up` is told when the upstream
+    answers (True: back after being down); build_app hands both from the engine state.
+    """
     settings = app[SETTINGS]
-    engine = app[ENGINE]
-
-    async def redetect(recovered: bool) -> None:
-        # Back after being down: it may be another engine now. First contact: detect if
-        # start-up detection could not reach it.
-        if recovered:
-            await engine.upstream_came_back(app[UPSTREAM_POOL])
-        else:
-            await engine.ensure_detected(app[UPSTREAM_POOL])
-
-    health = UpstreamHealth(
-        settings.upstream_base, settings.health_interval, path=lambda: engine.health_path, on_up=redetect
-    )
+    health = UpstreamHealth(settings.upstream_base, settings.health_interval, path=path, on_up=on_up)
     app[HEALTH] = health
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:

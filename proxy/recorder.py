@@ -21,10 +21,10 @@ from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
 from proxy.upstream.pools import UPSTREAM_POOL
+from proxy.vocabulary import CanaryOutcome, Verdict, Verified
 from proxy.witnesses.case import CaseWitness
 from proxy.witnesses.counters import CaseVerdict
-from proxy.witnesses.traffic import WITNESS, ResetSummary, Verdict, Witness
-from proxy.witnesses.verification import CanaryOutcome, Verified
+from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
 

@@ -164,11 +164,11 @@ async def test_evidence_filter_the_sidecar_rejects_exits_2(tmp_path) -> None:
     assert run.code == 2 and "event_type" in run.stderr
 
 
-def test_readme_exit_code_table_matches_the_client() -> None:
+def test_cli_doc_exit_code_table_matches_the_client() -> None:
     from proxy.cli import reset as client
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### Exit codes", 1)[1].split("\n#", 1)[0]
+    doc = (REPO / "docs" / "cli.md").read_text()
+    section = doc.split("\n## Exit codes", 1)[1].split("\n#", 1)[0]
     documented = {
         int(cells[1].strip()): cells[2]
         for line in section.splitlines()

@@ -17,7 +17,8 @@ import pytest
 from aiohttp import web
 
 from proxy.cluster.peers import discover_peers
-from proxy.config import SETTINGS, ConfigError, Settings, load_settings
+from proxy.config import SETTINGS, ConfigError, Settings
+from proxy.config_load import load_settings
 from proxy.evidence.log import EVIDENCE
 from tests.cluster_helpers import SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.conftest import serve_app, serve_sidecar, stack

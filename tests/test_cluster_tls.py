@@ -17,7 +17,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config import ConfigError, load_settings
+from proxy.config import ConfigError
+from proxy.config_load import load_settings
 from tests.cluster_helpers import SERVICE, shared_port
 from tests.conftest import free_port, serve_sidecar
 from tests.dns_server import dns_server

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ConfigError, Settings, load_settings
+from proxy.config import ConfigError, Settings
+from proxy.config_load import load_settings
 
 
 def write_toml(tmp_path: Path, text: str) -> str:

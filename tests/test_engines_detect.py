@@ -7,9 +7,10 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.engine_state import EngineState
-from proxy.engines.base import UNREACHABLE, AttemptPlan
+from proxy.engines.base import AttemptPlan
 from proxy.engines.detect import detect_engine, probe_version
 from proxy.sim import build_sim_app
+from proxy.vocabulary import ResetAnswer
 from tests.conftest import closed_port_url, serve_app
 from tests.sim_helpers import fast, sim
 from tests.upstream import in_two_pieces
@@ -98,7 +99,7 @@ async def test_undetected_engine_answers_resets_unreachable(http) -> None:
     state = EngineState(Settings(upstream=closed_port_url()))
     await state.detect(http)
     attempt = await state.dialect.reset_once(http, AttemptPlan(closed_port_url(), timeout_s=1))
-    assert attempt.outcome == UNREACHABLE
+    assert attempt.outcome == ResetAnswer.UNREACHABLE
     assert attempt.hint and "--engine" in attempt.hint
 
 

@@ -10,17 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from proxy.engines.base import (
-    ACCEPTED_UNVERIFIED,
-    ACKNOWLEDGED,
-    ERROR,
-    REFUSED,
-    UNREACHABLE,
-    UNSUPPORTED,
-    Attempt,
-    AttemptPlan,
-    Dialect,
-)
+from proxy.engines.base import Attempt, AttemptPlan, Dialect
 from proxy.engines.generic import GenericDialect
 from proxy.engines.llamacpp import LlamacppDialect
 from proxy.engines.mindnano import MindnanoDialect
@@ -28,7 +18,8 @@ from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.redact import redact_url
-from proxy.reset.service import retry_reset
+from proxy.reset.retry import retry_reset
+from proxy.vocabulary import ResetAnswer
 from tests.conftest import closed_port_url, serve_app
 from tests.sim_helpers import Sim, chat, fast, sim, slow, words
 from tests.upstream import in_two_pieces
@@ -70,7 +61,7 @@ async def running_request(
 async def test_vllm_idle_reset_is_acknowledged(http) -> None:
     async with sim(fast("vllm")) as engine:
         attempt = await reset(VllmDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status, attempt.success) == (ACKNOWLEDGED, 200, True)
+        assert (attempt.outcome, attempt.status, attempt.success) == (ResetAnswer.ACKNOWLEDGED, 200, True)
         assert attempt.url.endswith("/reset_prefix_cache?reset_external=true")
         assert (await engine.stats())["resets_total"] == 1
 
@@ -78,28 +69,32 @@ async def test_vllm_idle_reset_is_acknowledged(http) -> None:
 async def test_vllm_success_false_while_a_request_runs_is_refused(http) -> None:
     async with sim(slow("vllm")) as engine, running_request(engine):
         attempt = await reset(VllmDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status, attempt.success) == (REFUSED, 200, False)
+        assert (attempt.outcome, attempt.status, attempt.success) == (ResetAnswer.REFUSED, 200, False)
         assert '"success":false' in attempt.calls[0].body_excerpt.replace(" ", "")
 
 
 async def test_vllm_force_sends_reset_running_requests(http) -> None:
     async with sim(slow("vllm")) as engine, running_request(engine):
         attempt = await reset(VllmDialect(), http, engine.url, force=True)
-        assert attempt.outcome == ACKNOWLEDGED
+        assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
         assert "reset_running_requests=true" in attempt.url and "reset_external=true" in attempt.url
 
 
 async def test_vllm_legacy_empty_body_is_accepted_unverified(http) -> None:
     async with sim(fast("vllm", legacy_empty_body=True)) as engine:
         attempt = await reset(VllmDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status, attempt.success) == (ACCEPTED_UNVERIFIED, 200, None)
+        assert (attempt.outcome, attempt.status, attempt.success) == (
+            ResetAnswer.ACCEPTED_UNVERIFIED,
+            200,
+            None,
+        )
         assert attempt.warning and "0.26" in attempt.warning
 
 
 async def test_vllm_without_dev_mode_is_unsupported_with_hint(http) -> None:
     async with sim(fast("vllm", dev_mode=False)) as engine:
         attempt = await reset(VllmDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status) == (UNSUPPORTED, 404)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.UNSUPPORTED, 404)
         assert attempt.hint and "VLLM_SERVER_DEV_MODE=1" in attempt.hint
 
 
@@ -109,14 +104,14 @@ async def test_vllm_without_dev_mode_is_unsupported_with_hint(http) -> None:
 async def test_sglang_idle_flush_is_acknowledged_with_timeout_param(http) -> None:
     async with sim(fast("sglang")) as engine:
         attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=7)
-        assert (attempt.outcome, attempt.status) == (ACKNOWLEDGED, 200)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.ACKNOWLEDGED, 200)
         assert attempt.url.endswith("/flush_cache?timeout=7")
 
 
 async def test_sglang_400_while_busy_is_refused_and_its_body_kept(http) -> None:
     async with sim(slow("sglang")) as engine, running_request(engine):
         attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=0)
-        assert (attempt.outcome, attempt.status) == (REFUSED, 400)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.REFUSED, 400)
         assert "Flush cache failed" in attempt.calls[0].body_excerpt
 
 
@@ -127,19 +122,19 @@ async def test_sglang_timeout_waits_for_the_running_request_to_end(http) -> None
         attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=30)
         status, _ = await request
         assert status == 200
-        assert attempt.outcome == ACKNOWLEDGED
+        assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
 
 
 async def test_sglang_admin_key_is_sent_as_bearer(http) -> None:
     async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
         attempt = await reset(SglangDialect(api_key="s3cret"), http, engine.url)
-        assert attempt.outcome == ACKNOWLEDGED
+        assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
 
 
 async def test_sglang_missing_admin_key_is_an_error_with_hint(http) -> None:
     async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
         attempt = await reset(SglangDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status) == (ERROR, 401)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.ERROR, 401)
         assert attempt.hint and "upstream_api_key" in attempt.hint
 
 
@@ -154,7 +149,7 @@ async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
             )
         assert all((await engine.stats())["slot_tokens"])
         attempt = await reset(LlamacppDialect(), http, engine.url)
-        assert attempt.outcome == ACKNOWLEDGED
+        assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
         assert [call.url.rsplit("/", 1)[1] for call in attempt.calls] == [
             "props",
             "slots",
@@ -169,7 +164,7 @@ async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
 async def test_llamacpp_answer_always_warns_about_cache_ram(http, tmp_path) -> None:
     async with sim(fast("llamacpp", slot_save_path=str(tmp_path))) as engine:
         attempt = await reset(LlamacppDialect(), http, engine.url)
-        assert attempt.outcome == ACKNOWLEDGED
+        assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
         assert attempt.warning and "--cache-ram 0" in attempt.warning
 
 
@@ -180,7 +175,7 @@ async def test_llamacpp_generating_slot_is_refused_without_an_erase(http, tmp_pa
         running_request(engine, "/completion", prompt=words(8), n_predict=2000, id_slot=0),
     ):
         attempt = await reset(LlamacppDialect(), http, engine.url, retry_seconds=2.0)
-    assert attempt.outcome == REFUSED
+    assert attempt.outcome == ResetAnswer.REFUSED
     assert attempt.error and attempt.error.startswith("slot 0 generating")
     assert [call.url.rsplit("/", 1)[1] for call in attempt.calls] == ["props", "slots"]
 
@@ -208,7 +203,7 @@ def erase_that_blocks() -> web.Application:
 async def test_llamacpp_erase_is_bounded_by_the_retry_window_and_refused(http) -> None:
     async with serve_app(erase_that_blocks()) as url:
         attempt = await reset(LlamacppDialect(), http, url, retry_seconds=1.0, timeout_s=TIMEOUT_S)
-    assert attempt.outcome == REFUSED
+    assert attempt.outcome == ResetAnswer.REFUSED
     assert attempt.error and "still waited on a busy slot" in attempt.error
     assert attempt.calls[-1].elapsed_s < TIMEOUT_S / 2  # the window, not the attempt timeout
 
@@ -219,7 +214,7 @@ async def test_llamacpp_erase_that_times_out_is_retried_while_the_window_lasts(h
         reset_ = await retry_reset(
             LlamacppDialect(), http, url, force=False, retry_seconds=2.0, timeout_s=0.6
         )
-    assert reset_.outcome == REFUSED and reset_.attempts >= 2
+    assert reset_.outcome == ResetAnswer.REFUSED and reset_.attempts >= 2
     erases = [call for call in reset_.calls if "action=erase" in call.url]
     assert len(erases) == reset_.attempts and all(call.error for call in erases)
 
@@ -231,14 +226,14 @@ async def test_llamacpp_answers_that_arrive_in_two_pieces_are_read_whole(http) -
     app.router.add_post("/slots/{id}", in_two_pieces({"id_slot": 0, "n_erased": 12}))
     async with serve_app(app) as url:
         attempt = await reset(LlamacppDialect(), http, url)
-    assert attempt.outcome == ACKNOWLEDGED, attempt.error
+    assert attempt.outcome == ResetAnswer.ACKNOWLEDGED, attempt.error
     assert len(attempt.calls) == 4
 
 
 async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) -> None:
     async with sim(fast("llamacpp")) as engine:
         attempt = await reset(LlamacppDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status) == (UNSUPPORTED, 501)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.UNSUPPORTED, 501)
         assert attempt.hint and "--slot-save-path" in attempt.hint
         assert attempt.warning and "--cache-ram 0" in attempt.warning
 
@@ -249,14 +244,14 @@ async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) ->
 async def test_mindnano_idle_clear_is_acknowledged(http) -> None:
     async with sim(fast("mindnano")) as engine:
         attempt = await reset(MindnanoDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status) == (ACKNOWLEDGED, 200)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.ACKNOWLEDGED, 200)
         assert (await engine.stats())["resets_total"] == 1
 
 
 async def test_mindnano_429_while_busy_is_refused(http) -> None:
     async with sim(slow("mindnano")) as engine, running_request(engine):
         attempt = await reset(MindnanoDialect(), http, engine.url)
-        assert (attempt.outcome, attempt.status) == (REFUSED, 429)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.REFUSED, 429)
 
 
 # -- generic and none ----------------------------------------------------------------------
@@ -265,7 +260,7 @@ async def test_mindnano_429_while_busy_is_refused(http) -> None:
 async def test_generic_without_reset_path_is_unsupported_with_hint(http) -> None:
     async with sim(fast("openai")) as engine:
         attempt = await reset(GenericDialect(), http, engine.url)
-        assert attempt.outcome == UNSUPPORTED
+        assert attempt.outcome == ResetAnswer.UNSUPPORTED
         assert attempt.hint and "reset_path" in attempt.hint
         assert attempt.calls == ()
 
@@ -274,25 +269,25 @@ async def test_generic_configured_route_reads_the_success_field(http) -> None:
     async with sim(fast("vllm")) as engine:
         dialect = GenericDialect(reset_path="/reset_prefix_cache", success_field="success")
         attempt = await reset(dialect, http, engine.url)
-        assert (attempt.outcome, attempt.success) == (ACKNOWLEDGED, True)
+        assert (attempt.outcome, attempt.success) == (ResetAnswer.ACKNOWLEDGED, True)
 
 
 async def test_generic_busy_status_is_refused(http) -> None:
     async with sim(slow("mindnano")) as engine, running_request(engine):
         dialect = GenericDialect(reset_path="/v1/cache/clear", busy_statuses=(429,))
         attempt = await reset(dialect, http, engine.url)
-        assert (attempt.outcome, attempt.status) == (REFUSED, 429)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.REFUSED, 429)
 
 
 async def test_generic_2xx_without_success_field_is_accepted_unverified(http) -> None:
     async with sim(fast("mindnano")) as engine:
         attempt = await reset(GenericDialect(reset_path="/v1/cache/clear"), http, engine.url)
-        assert (attempt.outcome, attempt.status) == (ACCEPTED_UNVERIFIED, 200)
+        assert (attempt.outcome, attempt.status) == (ResetAnswer.ACCEPTED_UNVERIFIED, 200)
 
 
 async def test_none_dialect_is_unsupported_without_calling(http) -> None:
     attempt = await reset(NoResetDialect(), http, closed_port_url())
-    assert attempt.outcome == UNSUPPORTED and attempt.calls == ()
+    assert attempt.outcome == ResetAnswer.UNSUPPORTED and attempt.calls == ()
     assert attempt.hint and "--engine" in attempt.hint
 
 
@@ -301,7 +296,7 @@ async def test_none_dialect_is_unsupported_without_calling(http) -> None:
 
 async def test_no_connection_is_unreachable(http) -> None:
     attempt = await reset(VllmDialect(), http, closed_port_url())
-    assert attempt.outcome == UNREACHABLE and attempt.status is None
+    assert attempt.outcome == ResetAnswer.UNREACHABLE and attempt.status is None
     assert attempt.calls[0].error
 
 
@@ -313,7 +308,7 @@ async def test_5xx_is_an_error(http) -> None:
     app.router.add_post("/v1/cache/clear", broken)
     async with serve_app(app) as url:
         attempt = await reset(MindnanoDialect(), http, url)
-    assert (attempt.outcome, attempt.status) == (ERROR, 500)
+    assert (attempt.outcome, attempt.status) == (ResetAnswer.ERROR, 500)
     assert attempt.calls[0].body_excerpt == "boom"
 
 
@@ -325,7 +320,7 @@ async def test_other_4xx_is_an_error_that_names_the_status(http) -> None:
     app.router.add_post("/reset_prefix_cache", teapot)
     async with serve_app(app) as url:
         attempt = await reset(VllmDialect(), http, url)
-    assert attempt.outcome == ERROR and attempt.error and "418" in attempt.error
+    assert attempt.outcome == ResetAnswer.ERROR and attempt.error and "418" in attempt.error
 
 
 async def test_engine_call_urls_are_redacted(http) -> None:

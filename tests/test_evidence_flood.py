@@ -16,7 +16,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config import ConfigError, load_settings
+from proxy.config import ConfigError
+from proxy.config_load import load_settings
 from proxy.forward.ids import ID_CHARS
 from tests.conftest import stack
 from tests.evidence_files import resets_file

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config import OPTIONS, load_settings
+from proxy.config import OPTIONS
+from proxy.config_load import load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "cachewitness"
@@ -707,3 +708,34 @@ def test_dockerfile_runs_serve_as_a_non_root_user_with_a_healthcheck() -> None:
     assert re.search(r"^USER 10001:10001$", runtime, re.MULTILINE)
     assert "HEALTHCHECK" in runtime and "/-/healthy" in runtime
     assert runtime.rstrip().endswith('ENTRYPOINT ["cachewitness", "serve"]')
+
+
+# --- the engine's KV cache events --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["vllm", "sglang"])
+def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> None:
+    """vLLM and SGLang publish to the port the sidecar binds, replay on their own, both pod-local."""
+    manifests = render("--set", f"engine.preset={preset}")
+    kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
+    assert kv["publisher"] == "zmq"
+    # A concrete host: the engine connects, the sidecar binds (docs/engines.md).
+    assert (kv["endpoint"], kv["replay_endpoint"], kv["topic"]) == (
+        "tcp://127.0.0.1:5557",
+        "tcp://127.0.0.1:5558",
+        "kv",
+    )
+    assert kv.get("enable_kv_cache_events") is (True if preset == "vllm" else None)
+    env = env_values(sidecar(manifests))
+    assert env["CACHEWITNESS_KV_EVENTS_ENDPOINT"] == kv["endpoint"]
+    assert env["CACHEWITNESS_KV_EVENTS_REPLAY"] == kv["replay_endpoint"]
+
+
+@pytest.mark.parametrize(
+    "overrides", [("engine.preset=llamacpp",), ("engine.preset=vllm", "engine.kvEvents.enabled=false")]
+)
+def test_kv_events_stay_off_where_there_are_none(overrides: tuple[str, ...]) -> None:
+    """llama.cpp publishes no events; switched off, neither container hears of them."""
+    manifests = render(*(arg for o in overrides for arg in ("--set", o)))
+    assert "--kv-events-config" not in engine(manifests)["command"]
+    assert not any(name.startswith("CACHEWITNESS_KV_EVENTS") for name in env_values(sidecar(manifests)))

@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.config import load_settings
+from proxy.config_load import load_settings
 from proxy.sim import running_sim
 from tests.conftest import serve_sidecar
 from tests.prometheus import PENDING_METRICS

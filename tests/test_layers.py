@@ -25,7 +25,10 @@ PROXY = ROOT / "proxy"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"vocabulary", "logs", "errors", "redact", "watchdog"}),
     frozenset({"config"}),
-    frozenset({"observe", "engines", "upstream", "sim"}),
+    # upstream (the pool and the leg) reads only config, logs and watchdog; the engines' own
+    # calls go through it. config_load reads only config: only the CLI and tests load settings.
+    frozenset({"upstream", "config_load"}),
+    frozenset({"observe", "engines", "sim"}),
     frozenset(
         {
             "evidence",
@@ -50,58 +53,12 @@ LAYERS: tuple[frozenset[str], ...] = (
 )
 RANK = {unit: rank for rank, layer in enumerate(LAYERS) for unit in layer}
 
-# Known imports against the order, each to be removed by inverting it (issue 28, phase 2).
-# (importer module, imported module): why it is there today -> the fix.
-ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset(
-    {
-        # A CLI module read by the server: CLUSTER_READ_EVENT -> vocabulary.EventType.
-        ("proxy.cluster.evidence", "proxy.cli.cluster_report"),
-        # ENGINE_KINDS from EngineKind -> vocabulary.EngineKind.
-        ("proxy.config", "proxy.engines.base"),
-        # VERIFY_MODES from VerifyMode -> vocabulary.VerifyMode.
-        ("proxy.config", "proxy.witnesses.verification"),
-        # engine_call sends through send_upstream (sideways): put upstream in the layer below
-        # observe/engines (it imports only logs, watchdog, config), or hand engine_call a send.
-        ("proxy.engines.base", "proxy.upstream.resend"),
-        # The probe path of the detected dialect (sideways): build_app hands setup_health a
-        # reader of the engine state, or health moves a layer up.
-        ("proxy.health", "proxy.engine_state"),
-        # Label sets from Verified, CanaryOutcome and Verdict -> vocabulary.
-        ("proxy.metrics.families", "proxy.witnesses.verification"),
-        ("proxy.metrics.labels", "proxy.witnesses.traffic"),
-        ("proxy.metrics.labels", "proxy.witnesses.verification"),
-        # metrics reads six services at scrape time (sideways): each service gets a reader
-        # function of its own state, and build_app hands the readers to setup_metrics.
-        ("proxy.metrics.state", "proxy.admission"),
-        ("proxy.metrics.state", "proxy.body_budget"),
-        ("proxy.metrics.state", "proxy.connections"),
-        ("proxy.metrics.state", "proxy.engine_state"),
-        ("proxy.metrics.state", "proxy.evidence.log"),
-        ("proxy.metrics.state", "proxy.refusals"),
-        # The detected engine's resets pre-created at scrape time -> a reader from build_app.
-        ("proxy.metrics", "proxy.engine_state"),
-        ("proxy.metrics.state", "proxy.health"),
-        # rules_for(EngineInfo), EngineKind (sideways) -> vocabulary.EngineKind, and
-        # rules_for(kind, version) takes the two values.
-        ("proxy.observe.rules", "proxy.engines.base"),
-        # scope=cluster dispatch inside the reset handler -> the handler moves to admin/views,
-        # which may import both reset and cluster.
-        ("proxy.reset.service", "proxy.cluster.fanout"),
-        # The canary reads the engine's /metrics and /v1/models (sideways) -> engines/queries.
-        ("proxy.witnesses.canary", "proxy.metrics.merge"),
-        ("proxy.witnesses.canary", "proxy.metrics.models"),
-    }
-)
+# Known imports against the order: none. An entry here would be (importer module, imported
+# module) with a comment that says why it is there and how it is to go.
+ALLOWED_UPWARD: frozenset[tuple[str, str]] = frozenset()
 
-# Known module circles (each a set of modules), to be broken in phase 2.
-ALLOWED_CIRCLES: frozenset[frozenset[str]] = frozenset(
-    {
-        # Type-checking only: the answer names its Connection, the connection its pool.
-        # -> a Protocol each in answer.py (what it calls on its connection: taken, abandon) and
-        # connection.py (what it calls on its pool: forget, release, watch).
-        frozenset({"proxy.upstream.answer", "proxy.upstream.connection", "proxy.upstream.leg"}),
-    }
-)
+# Known module circles (each a set of modules): none.
+ALLOWED_CIRCLES: frozenset[frozenset[str]] = frozenset()
 
 
 def module_name(path: Path) -> str:

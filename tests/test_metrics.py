@@ -24,7 +24,7 @@ from tests.sim_helpers import sim as sim_client
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
 
-# Every family the README's metrics table names.
+# Every family docs/metrics.md names.
 FAMILIES = (
     "cachewitness_requests_total",
     "cachewitness_request_duration_seconds",
@@ -151,6 +151,20 @@ async def test_every_family_is_present_right_after_start(
     assert first.value("cachewitness_prompt_tokens_total", model="sim-model") == 0
     assert first.value("cachewitness_cache_resets_total", engine="vllm", answer="refused") == 0
     assert first.value("cachewitness_cache_verifications_total", verdict="contradicted") == 0
+
+
+async def test_docs_metrics_names_every_family_the_sidecar_exports(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """Each `cachewitness_` family of a live scrape is in docs/metrics.md's table (without its prefix)."""
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    async with running_sim(fast("vllm")) as engine:
+        url = await sidecar(engine)
+        result = await scrape(http, url)
+    exported = [name for name in result.type_lines() if name.startswith("cachewitness_")]
+    assert len(exported) >= len(FAMILIES)
+    prefix = len("cachewitness_")
+    assert [name for name in exported if f"`{name[prefix:]}`" not in doc] == []
 
 
 async def test_exposition_has_one_help_per_family_no_created_series_and_no_document_citations(

@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.engines.base import (
-    ACCEPTED_UNVERIFIED,
-    ACKNOWLEDGED,
-    ERROR,
-    REFUSED,
-    UNREACHABLE,
-    UNSUPPORTED,
-    Attempt,
-    CacheReset,
-    cache_state_record,
-    run_kind,
-)
+from proxy.engines.base import Attempt, CacheReset
+from proxy.evidence.records import cache_state_record, run_kind
+from proxy.vocabulary import ResetAnswer
 
 
 def folded(
     outcome: str, *, status: int | None = 200, error: str | None = None, attempts: int = 1
 ) -> CacheReset:
-    success = {ACKNOWLEDGED: True, ACCEPTED_UNVERIFIED: None}.get(outcome, False)
+    success = {ResetAnswer.ACKNOWLEDGED: True, ResetAnswer.ACCEPTED_UNVERIFIED: None}.get(outcome, False)
     last = Attempt(outcome, status=status, success=success, error=error, url="http://engine/r")
     return CacheReset.from_attempts(last, at_ns=1, attempts=attempts, calls=(), answered_at_ns=2)
 
@@ -29,12 +20,12 @@ def folded(
 @pytest.mark.parametrize(
     ("outcome", "answer", "succeeded", "http_status"),
     [
-        (ACKNOWLEDGED, "acknowledged", True, 200),
-        (ACCEPTED_UNVERIFIED, "accepted_unverified", True, 200),
-        (REFUSED, "refused", False, 409),
-        (UNSUPPORTED, None, False, 501),
-        (UNREACHABLE, None, False, 502),
-        (ERROR, None, False, 502),
+        (ResetAnswer.ACKNOWLEDGED, "acknowledged", True, 200),
+        (ResetAnswer.ACCEPTED_UNVERIFIED, "accepted_unverified", True, 200),
+        (ResetAnswer.REFUSED, "refused", False, 409),
+        (ResetAnswer.UNSUPPORTED, None, False, 501),
+        (ResetAnswer.UNREACHABLE, None, False, 502),
+        (ResetAnswer.ERROR, None, False, 502),
     ],
 )
 def test_answer_words_and_status_by_outcome(
@@ -47,16 +38,19 @@ def test_answer_words_and_status_by_outcome(
 
 
 def test_refusal_error_counts_attempts_like_the_reference() -> None:
-    assert folded(REFUSED, error="success false", attempts=3).error == "refused: success false on 3 attempts"
+    assert (
+        folded(ResetAnswer.REFUSED, error="success false", attempts=3).error
+        == "refused: success false on 3 attempts"
+    )
 
 
-@pytest.mark.parametrize("outcome", [UNSUPPORTED, UNREACHABLE, ERROR])
+@pytest.mark.parametrize("outcome", [ResetAnswer.UNSUPPORTED, ResetAnswer.UNREACHABLE, ResetAnswer.ERROR])
 def test_failure_error_starts_with_the_outcome(outcome: str) -> None:
     assert folded(outcome, status=None, error="why").error == f"{outcome}: why"
 
 
 def test_reset_block_has_exactly_the_reference_keys() -> None:
-    assert list(folded(ACKNOWLEDGED).to_record()) == [
+    assert list(folded(ResetAnswer.ACKNOWLEDGED).to_record()) == [
         "url",
         "at_ns",
         "status",
@@ -71,12 +65,12 @@ def test_reset_block_has_exactly_the_reference_keys() -> None:
 @pytest.mark.parametrize(
     ("outcome", "success"),
     [
-        (ACKNOWLEDGED, True),
-        (ACCEPTED_UNVERIFIED, None),
-        (REFUSED, False),
-        (UNSUPPORTED, None),
-        (UNREACHABLE, None),
-        (ERROR, None),
+        (ResetAnswer.ACKNOWLEDGED, True),
+        (ResetAnswer.ACCEPTED_UNVERIFIED, None),
+        (ResetAnswer.REFUSED, False),
+        (ResetAnswer.UNSUPPORTED, None),
+        (ResetAnswer.UNREACHABLE, None),
+        (ResetAnswer.ERROR, None),
     ],
 )
 def test_reset_block_success_means_what_the_reference_means(outcome: str, success: bool | None) -> None:
@@ -88,12 +82,12 @@ def test_reset_block_success_means_what_the_reference_means(outcome: str, succes
 @pytest.mark.parametrize(
     ("requested", "warmup", "outcome", "expected"),
     [
-        ("cold", 0, ACKNOWLEDGED, "cold_start"),
-        ("cold", 0, ACCEPTED_UNVERIFIED, "cold_start"),
-        ("cold", 0, REFUSED, "unspecified"),
-        ("cold", 0, UNSUPPORTED, "unspecified"),
-        ("cold", 2, ACKNOWLEDGED, "steady_state"),
-        ("unspecified", 0, ACKNOWLEDGED, "unspecified"),
+        ("cold", 0, ResetAnswer.ACKNOWLEDGED, "cold_start"),
+        ("cold", 0, ResetAnswer.ACCEPTED_UNVERIFIED, "cold_start"),
+        ("cold", 0, ResetAnswer.REFUSED, "unspecified"),
+        ("cold", 0, ResetAnswer.UNSUPPORTED, "unspecified"),
+        ("cold", 2, ResetAnswer.ACKNOWLEDGED, "steady_state"),
+        ("unspecified", 0, ResetAnswer.ACKNOWLEDGED, "unspecified"),
     ],
 )
 def test_run_kind(requested: str, warmup: int, outcome: str, expected: str) -> None:
@@ -102,7 +96,11 @@ def test_run_kind(requested: str, warmup: int, outcome: str, expected: str) -> N
 
 def test_reason_of_an_unconfirmed_reset_names_the_status() -> None:
     record = cache_state_record(
-        session_id="s", case_id="c", requested="cold", reset=folded(ACCEPTED_UNVERIFIED), warmup_requests=0
+        session_id="s",
+        case_id="c",
+        requested="cold",
+        reset=folded(ResetAnswer.ACCEPTED_UNVERIFIED),
+        warmup_requests=0,
     )
     assert record["reason"] == (
         "the cache reset returned HTTP 200 without saying whether it succeeded, and no engine adapter can confirm it"
@@ -115,7 +113,7 @@ def test_reason_of_a_failed_reset_quotes_its_error() -> None:
         session_id="s",
         case_id="c",
         requested="cold",
-        reset=folded(UNSUPPORTED, status=404, error="HTTP 404"),
+        reset=folded(ResetAnswer.UNSUPPORTED, status=404, error="HTTP 404"),
         warmup_requests=0,
     )
     assert record["reason"] == "the cache reset failed (unsupported: HTTP 404)"

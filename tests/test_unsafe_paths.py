@@ -48,9 +48,13 @@ class Stack:
             body = await resp.json(content_type=None) if resp.content_type == "application/json" else None
             return resp.status, body
 
-    def reached(self, target: str) -> bool:
-        """Whether the engine saw a request for exactly this raw target."""
-        return any(seen.raw_path == target for seen in self.capture.seen)
+    def reached(self, target: str, method: str | None = None) -> bool:
+        """Whether the engine saw a request for exactly this raw target (by this method, if named).
+
+        The method matters: the sidecar's own engine detection sends `GET /props`, which is
+        not a forwarded `POST /props`.
+        """
+        return any(seen.raw_path == target and method in (None, seen.method) for seen in self.capture.seen)
 
 
 @asynccontextmanager
@@ -102,7 +106,7 @@ async def test_llamacpp_control_routes_in_u_spellings_are_refused(tmp_path, admi
             assert status == 400, (method, target, status, body)
             assert body is not None and body["error"]["code"] == "invalid_request_target", body
             assert body["error"]["type"] == "invalid_request_error"
-            assert not s.reached(target), target
+            assert not s.reached(target, method), target
         assert not [seen for seen in s.capture.seen if "%u" in seen.raw_path.lower()]
 
 
@@ -215,4 +219,4 @@ async def test_no_spelling_the_engine_decodes_to_a_control_route_is_forwarded(
     assert decode(decoder, raw) == path
     status, body = await guarded.stack.call(method, raw + query)
     assert status in guarded.refused, (method, raw + query, status, body)
-    assert not guarded.stack.reached(raw + query), (method, raw + query)
+    assert not guarded.stack.reached(raw + query, method), (method, raw + query)

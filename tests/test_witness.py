@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from proxy.observe import Observation
-from proxy.observe.record import Outcome
+from proxy.vocabulary import Outcome, Verified
 from proxy.witnesses.traffic import ResetSummary, Witness
-from proxy.witnesses.verification import Verified
 
 BASE = Observation(
     request_id="r", session_id=None, case_id=None, method="POST", path="/v1/chat/completions",

@@ -1,10 +1,11 @@
-"""Admin auth: the sidecar's own `/cache/*` routes and the engine's control routes (SPEC §3, issue 14).
+"""Who may: admin auth for the sidecar's own `/cache/*` routes and the engine's control routes (docs/routes.md).
 
 Admin rules: with a token configured, `Authorization: Bearer <token>` (else 401); with
 none, clients from `trusted_peers` only (default 127.0.0.1 and ::1, not all of 127/8: a
 mesh proxy connects from 127.0.0.6; else 403), unless `admin_open`. Ordinary forwarded
 traffic needs no admin auth, and the admin token never travels on to the engine: every
-header whose value holds it is dropped, whatever its name or scheme.
+header whose value holds it is dropped, whatever its name or scheme. The route policy that
+applies these rules to every request is proxy/admin/middleware.py.
 """
 
 from __future__ import annotations
@@ -14,33 +15,26 @@ import binascii
 import functools
 import hmac
 import ipaddress
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
-from multidict import CIMultiDict
 
-from proxy.admin.native import handle_native_reset, handle_slot_erase
-from proxy.admin.policy import RouteClass, RouteDecision, RoutePolicy
-from proxy.config import SETTINGS, EngineRoutes, NativeResetAuth, Settings
-from proxy.engine_state import ENGINE
+from proxy.config import Settings
 from proxy.errors import error_response
-from proxy.forward.handler import forward
-from proxy.forward.inbound import PATH_REFUSAL
-from proxy.refusals import REFUSALS, RefusalReason, Refusals
-from proxy.upstream.pools import UPSTREAM_POOL
+from proxy.refusals import RefusalReason
 
 __all__ = [
     "ADMIN_PREFIX",
-    "admin_middleware",
+    "admin_denial",
     "carries_token",
     "engine_authorization",
+    "holds_token",
     "is_trusted",
-    "setup_auth",
+    "peer_host",
+    "without_token",
 ]
 
 ADMIN_PREFIX = "/cache/"
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 NO_TOKEN_MESSAGE = (
     "admin routes (/cache/* and the engine's control routes) answer only clients from trusted_peers "
@@ -70,7 +64,7 @@ def is_trusted(host: str | None, peers: tuple[str, ...]) -> bool:
     return any(address in network for network in _networks(peers))
 
 
-def _peer_host(request: web.Request) -> str | None:
+def peer_host(request: web.Request) -> str | None:
     """The TCP peer's address (not a forwarded header: those are the client's to forge)."""
     transport = request.transport
     peer = transport.get_extra_info("peername") if transport is not None else None
@@ -144,7 +138,7 @@ def admin_denial(
             code=str(reason),
             headers={"WWW-Authenticate": 'Bearer realm="cachewitness"'},
         )
-    if settings.admin_open or is_trusted(_peer_host(request), settings.trusted_peers):
+    if settings.admin_open or is_trusted(peer_host(request), settings.trusted_peers):
         return None
     reason = RefusalReason.ADMIN_LOOPBACK_ONLY
     return reason, error_response(403, NO_TOKEN_MESSAGE, type_="permission_error", code=str(reason))
@@ -163,7 +157,7 @@ def engine_authorization(request: web.Request, settings: Settings, *, control: b
     ]
 
 
-def _holds(name: str, value: str, token: str) -> bool:
+def holds_token(name: str, value: str, token: str) -> bool:
     """Whether one header holds the admin token, in its value or (oddly) its name."""
     if token in value or token in name:
         return True
@@ -171,92 +165,6 @@ def _holds(name: str, value: str, token: str) -> bool:
     return value[:1] in ("b", "B") and carries_token(value, token)
 
 
-def _without_token(headers: Iterable[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
+def without_token(headers: Iterable[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:
     """The headers that do not hold the admin token."""
-    return [(name, value) for name, value in headers if token is None or not _holds(name, value, token)]
-
-
-def _toward_engine(request: web.Request, settings: Settings, *, control: bool) -> web.Request:
-    """The request as the engine may see it: a clone only when a header must go or change."""
-    admin, engine_key = settings.admin_token, settings.engine_key if control else None
-    if engine_key is None and (
-        admin is None or not any(_holds(name, value, admin) for name, value in request.headers.items())
-    ):
-        return request
-    headers = CIMultiDict(_without_token(request.headers.items(), admin))
-    if engine_key is not None:
-        headers.popall("Authorization", None)
-        headers.add("Authorization", f"Bearer {engine_key}")
-    return request.clone(headers=headers)
-
-
-async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
-    """The route class for the engine fronted now; detection runs first if a control path meets an unknown kind."""
-    engine = request.app[ENGINE]
-    decision = policy.classify(request.method, request.rel_url.raw_path, request.query, engine.dialect)
-    if (
-        decision.route not in (RouteClass.FORWARDED, RouteClass.INVALID_TARGET)
-        and not policy.knows(engine.dialect)
-        and not engine.detected
-    ):
-        await engine.ensure_detected(request.app[UPSTREAM_POOL])
-        decision = policy.classify(request.method, request.rel_url.raw_path, request.query, engine.dialect)
-    return decision
-
-
-def admin_middleware(settings: Settings) -> Middleware:
-    """The middleware that applies the route policy to every request."""
-    policy = RoutePolicy(settings)
-    guarded = settings.engine_routes == EngineRoutes.ADMIN
-    reset_key = (
-        settings.engine_key if settings.native_reset_auth == NativeResetAuth.UPSTREAM_API_KEY else None
-    )
-
-    @web.middleware
-    async def route_policy(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Sidecar routes under /cache/ and engine control routes need admin auth; the rest passes."""
-        refusals = request.app[REFUSALS]
-        match = request.match_info
-        if match.handler is not forward:
-            # The sidecar's own route, exactly as registered (method and path): under
-            # /cache/ it is an admin route. Any other /cache/* request is forwarded.
-            resource = match.route.resource
-            if resource is not None and resource.canonical.startswith(ADMIN_PREFIX):
-                denial = admin_denial(request, settings)
-                if denial is not None:
-                    return _refused(request, refusals, *denial, path=resource.canonical)
-            return await handler(request)
-        decision = await _classify(request, policy)
-        if decision.route is RouteClass.FORWARDED:
-            return await handler(_toward_engine(request, settings, control=False))
-        if decision.route is RouteClass.INVALID_TARGET:
-            reason = RefusalReason.INVALID_REQUEST_TARGET
-            return _refused(request, refusals, reason, PATH_REFUSAL.response(), path=decision.path)
-        if guarded:
-            key = reset_key if decision.route is RouteClass.NATIVE_RESET else None
-            denial = admin_denial(request, settings, engine_key=key)
-            if denial is not None:
-                return _refused(request, refusals, *denial, path=decision.path)
-        if decision.route is RouteClass.NATIVE_RESET and decision.native is not None:
-            return await handle_native_reset(request, decision.native)
-        if decision.route is RouteClass.SLOT_ERASE:
-            return await handle_slot_erase(
-                request, decision.path, engine_authorization(request, settings, control=True)
-            )
-        return await handler(_toward_engine(request, settings, control=True))
-
-    return route_policy
-
-
-def _refused(
-    request: web.Request, refusals: Refusals, reason: RefusalReason, answer: web.Response, *, path: str
-) -> web.Response:
-    """Count and (throttled) log one refused request; its answer."""
-    refusals.refused(reason, method=request.method, path=path, status=answer.status, peer=_peer_host(request))
-    return answer
-
-
-def setup_auth(app: web.Application) -> None:
-    """Apply the route policy before every handler: admin auth, the engine's credentials, interception."""
-    app[REFUSALS] = Refusals()
-    app.middlewares.append(admin_middleware(app[SETTINGS]))
+    return [(name, value) for name, value in headers if token is None or not holds_token(name, value, token)]

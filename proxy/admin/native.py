@@ -20,15 +20,17 @@ from aiohttp import web
 
 from proxy.config import SETTINGS, NativeResets, Settings
 from proxy.engine_state import ENGINE
-from proxy.engines.base import UNSPECIFIED, CacheReset, Via, bearer, cache_state_record, engine_call
+from proxy.engines.base import CacheReset
+from proxy.engines.call import bearer, engine_call
 from proxy.engines.llamacpp import erase_attempt
 from proxy.engines.routes import NativeReset
 from proxy.errors import error_response
+from proxy.evidence.records import cache_state_record
 from proxy.recorder import RECORDER
 from proxy.reset.params import MAX_RETRY_SECONDS, BadInput, ResetParams, is_valid_id
 from proxy.reset.service import RESETS
 from proxy.upstream.pools import UPSTREAM_POOL
-from proxy.witnesses.verification import VerifyMode
+from proxy.vocabulary import Requested, VerifyMode, Via
 
 __all__ = ["handle_native_reset", "handle_slot_erase", "native_params"]
 
@@ -94,7 +96,7 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
         via=Via.NATIVE,
         retry=not engine_mode,
         # The engine's own semantics have no canary; the uniform reset verifies as configured.
-        verify=VerifyMode.NONE if engine_mode else VerifyMode(settings.verify),
+        verify=VerifyMode.NONE if engine_mode else settings.verify_default,
     )
 
 
@@ -155,7 +157,7 @@ async def handle_slot_erase(request: web.Request, path: str, authorization: list
     record = cache_state_record(
         session_id=session_id,
         case_id=case_id,
-        requested=UNSPECIFIED,
+        requested=Requested.UNSPECIFIED,
         reset=reset,
         warmup_requests=0,
         reset_id=uuid.uuid4().hex,

@@ -17,8 +17,9 @@ from urllib.parse import unquote
 
 from proxy.config import Settings
 from proxy.engines import llamacpp, mindnano, sglang, vllm
-from proxy.engines.base import Dialect, EngineKind
+from proxy.engines.base import Dialect
 from proxy.engines.routes import NativeReset, RouteRule, control, control_prefix
+from proxy.vocabulary import EngineKind
 
 __all__ = [
     "ALL_CONTROL_ROUTES",

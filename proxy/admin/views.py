@@ -1,13 +1,19 @@
-"""The admin read views: `GET /cache/state` and `GET /cache/evidence`."""
+"""The admin views: `POST /cache/reset`, `GET /cache/state` and `GET /cache/evidence`.
+
+Each takes `scope=cluster` as well, and hands it to proxy/cluster/ (docs/cluster.md); admin
+stands above both reset and cluster, so the dispatch lives here.
+"""
 
 from __future__ import annotations
 
 import re
 
+import orjson
 from aiohttp import web
 
 from proxy.admission import ADMISSION
 from proxy.cluster.evidence import cluster_evidence
+from proxy.cluster.fanout import cluster_reset
 from proxy.cluster.state import cluster_state
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
@@ -15,16 +21,32 @@ from proxy.errors import error_response
 from proxy.evidence.log import EVIDENCE
 from proxy.forward.ids import is_stored_id
 from proxy.health import HEALTH
+from proxy.reset.params import CLUSTER, BadInput, read_params
+from proxy.reset.service import RESETS
+from proxy.vocabulary import EventType
 from proxy.witnesses.traffic import WITNESS
 
-__all__ = ["handle_evidence", "handle_state"]
+__all__ = ["handle_evidence", "handle_reset", "handle_state"]
 
-_EVENT_TYPES = frozenset({"infer.cache_state", "infer.cache_observation", "infer.cache_verification"})
+# The records a pod serves (the cluster trailer is the cluster read's own, never stored).
+_EVENT_TYPES = frozenset(str(kind) for kind in EventType if kind is not EventType.CLUSTER_READ)
 _FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope")
 _SCOPES = ("pod", "cluster")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024
 _ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
+
+
+async def handle_reset(request: web.Request) -> web.Response:
+    """`POST /cache/reset`: a 400 naming the field for bad input, else the answer of docs/reset.md."""
+    try:
+        params = await read_params(request, request.app[SETTINGS])
+    except BadInput as bad:
+        return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
+    if params.scope == CLUSTER:
+        return await cluster_reset(request, params)
+    status, body = await request.app[RESETS].reset(params)
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
 def _scope(request: web.Request) -> str | web.Response:

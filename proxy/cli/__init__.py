@@ -8,7 +8,8 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.config import OPTIONS, ConfigError, Settings, load_settings
+from proxy.config import OPTIONS, ConfigError, Settings
+from proxy.config_load import load_settings
 
 __all__ = ["build_parser", "main"]
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["CLUSTER_READ_EVENT", "pod_table", "unreadable_pods", "worst_exit_code"]
+from proxy.vocabulary import EventType
 
-# The trailing line of merged evidence (proxy/cluster/state.py).
-CLUSTER_READ_EVENT = "cachewitness.cluster_read"
+__all__ = ["pod_table", "unreadable_pods", "worst_exit_code"]
 
 
 def worst_exit_code(
@@ -51,6 +50,6 @@ def unreadable_pods(records: Iterable[Mapping[str, Any]]) -> list[str]:
     """`pod (error)` for each pod a merged-evidence trailing line names as unreadable."""
     named: list[str] = []
     for record in records:
-        if record.get("event_type") == CLUSTER_READ_EVENT:
+        if record.get("event_type") == EventType.CLUSTER_READ:
             named += [f"{pod.get('pod')} ({pod.get('error')})" for pod in record.get("unreadable") or []]
     return named

@@ -12,9 +12,10 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
-from proxy.cli.cluster_report import CLUSTER_READ_EVENT, pod_table, unreadable_pods, worst_exit_code
+from proxy.cli.cluster_report import pod_table, unreadable_pods, worst_exit_code
 from proxy.evidence.summary import summarize, summary_table
 from proxy.redact import redact_url
+from proxy.vocabulary import EventType
 
 __all__ = [
     "EXIT_ADMIN_REFUSED",
@@ -42,7 +43,7 @@ EXIT_CODES = {
     # A cluster reset that could not reach every pod.
     "partial": 6,
 }
-# The exit codes that are not an answer (README, "Exit codes", has the whole table).
+# The exit codes that are not an answer (docs/cli.md, "Exit codes", has the whole table).
 EXIT_BAD_INPUT = 2  # a bad option, an unreadable --token-file, input the sidecar rejected (400)
 EXIT_FAILED = 6  # the engine unreachable, or another error the sidecar reported
 EXIT_SIDECAR_UNREACHABLE = 8  # no sidecar answer at --url (refused, timeout, or not a sidecar's reply)
@@ -62,7 +63,7 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedire
 
 
 def _exit_code_help() -> str:
-    """The exit codes in one line, from the same constants the commands return (README has the table)."""
+    """The exit codes in one line, from the same constants the commands return (docs/cli.md has the table)."""
     answers: dict[int, list[str]] = {}
     for answer, code in EXIT_CODES.items():
         answers.setdefault(code, []).append(answer)
@@ -287,7 +288,7 @@ def _human_line(answer: dict[str, Any]) -> str:
 
 
 def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and the README)."""
+    """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and docs/cli.md)."""
     env = os.environ if env is None else env
     base = _base_url(ns, env)
     try:
@@ -382,13 +383,13 @@ def run_evidence(
         with _OPENER.open(_request(url, token), timeout=ns.timeout) as response:
             if ns.summary:
                 records = list(_records(iter(response.readline, b"")))
-                trailers = [r for r in records if r.get("event_type") == CLUSTER_READ_EVENT]
-                cases = summarize(r for r in records if r.get("event_type") != CLUSTER_READ_EVENT)
+                trailers = [r for r in records if r.get("event_type") == EventType.CLUSTER_READ]
+                cases = summarize(r for r in records if r.get("event_type") != EventType.CLUSTER_READ)
                 sink.write(summary_table(cases).encode("utf-8") + b"\n")
             else:
                 for line in iter(response.readline, b""):  # bounded by the response's end
                     sink.write(line)
-                    if CLUSTER_READ_EVENT.encode() in line:
+                    if EventType.CLUSTER_READ.encode() in line:
                         trailers.extend(_records(iter([line])))
             sink.flush()
     except urllib.error.HTTPError as exc:

@@ -21,12 +21,12 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.cli.cluster_report import CLUSTER_READ_EVENT
 from proxy.cluster.fanout import PEER_CLIENT, admin_headers, peer_error
 from proxy.cluster.peers import Peer, discover_peers
 from proxy.cluster.state import error_message, no_peers
 from proxy.config import SETTINGS
 from proxy.evidence.writer import MAX_LINE_BYTES
+from proxy.vocabulary import EventType
 
 __all__ = ["READ_IDLE_TIMEOUT_S", "cluster_evidence"]
 
@@ -163,7 +163,7 @@ async def cluster_evidence(request: web.Request, filters: Mapping[str, str]) -> 
                 sequence += 1
         trailer = {
             "schema_version": 1,
-            "event_type": CLUSTER_READ_EVENT,
+            "event_type": str(EventType.CLUSTER_READ),
             "at_ns": time.time_ns(),
             "scope": "cluster",
             "peers_source": peers.source,

@@ -27,7 +27,7 @@ from proxy.config import SETTINGS, Settings
 from proxy.logs import log_event
 from proxy.recorder import RECORDER
 from proxy.reset.params import INPUT_FIELDS, POD, ResetParams, worst_case_seconds
-from proxy.witnesses.verification import VerifyMode
+from proxy.vocabulary import VerifyMode
 
 __all__ = [
     "PEER_CLIENT",

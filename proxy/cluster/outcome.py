@@ -12,24 +12,12 @@ from typing import Any
 import orjson
 
 from proxy.cluster.peers import Peer, PeerSet
-from proxy.engines.base import (
-    ACCEPTED_UNVERIFIED,
-    ACKNOWLEDGED,
-    ERROR,
-    REFUSED,
-    UNREACHABLE,
-    UNSUPPORTED,
-    CacheReset,
-    Via,
-    cache_state_record,
-)
+from proxy.engines.base import CacheReset
+from proxy.evidence.records import cache_state_record
 from proxy.reset.params import CLUSTER, ResetParams
-from proxy.witnesses.verification import Verified, VerifyMode
+from proxy.vocabulary import ResetAnswer, Verified, VerifyMode, Via
 
-__all__ = ["CONTRADICTED", "PARTIAL", "ClusterReset", "PodReset", "pod_answer", "unreached"]
-
-PARTIAL = "partial"
-CONTRADICTED = "contradicted"
+__all__ = ["ClusterReset", "PodReset", "pod_answer", "unreached"]
 
 
 @dataclass(frozen=True)
@@ -49,17 +37,19 @@ class PodReset:
     @property
     def unknown(self) -> bool:
         """Nobody knows whether this pod's engine was reset: the pod or its engine was not reached."""
-        return self.answer in (UNREACHABLE, ERROR)
+        return self.answer in (ResetAnswer.UNREACHABLE, ResetAnswer.ERROR)
 
     @property
     def contradicted(self) -> bool:
         """The pod's canary saw cached tokens after the reset."""
-        return self.answer == CONTRADICTED or self.verified == Verified.CONTRADICTED
+        return self.answer == ResetAnswer.CONTRADICTED or self.verified == Verified.CONTRADICTED
 
     @property
     def confirmed(self) -> bool:
         """Acknowledged, and verified where a canary ran."""
-        return self.answer == ACKNOWLEDGED and (not self.canary_ran or self.verified == Verified.VERIFIED)
+        return self.answer == ResetAnswer.ACKNOWLEDGED and (
+            not self.canary_ran or self.verified == Verified.VERIFIED
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The entry of the answer's and the record's `pods` list."""
@@ -89,33 +79,33 @@ class ClusterReset:
     deadline_s: float
 
     @property
-    def answer(self) -> str:
-        """The cluster's word: the worst pod decides (SPEC §12.4, issue 15)."""
+    def answer(self) -> ResetAnswer:
+        """The cluster's word: the worst pod decides (docs/cluster.md)."""
         pods = self.pods
         if not pods:
-            return ERROR
+            return ResetAnswer.ERROR
         if any(pod.unknown for pod in pods):
-            return PARTIAL
+            return ResetAnswer.PARTIAL
         if any(pod.contradicted for pod in pods):
-            return CONTRADICTED
-        if any(pod.answer == REFUSED for pod in pods):
-            return REFUSED
-        if any(pod.answer == UNSUPPORTED for pod in pods):
-            return UNSUPPORTED
+            return ResetAnswer.CONTRADICTED
+        if any(pod.answer == ResetAnswer.REFUSED for pod in pods):
+            return ResetAnswer.REFUSED
+        if any(pod.answer == ResetAnswer.UNSUPPORTED for pod in pods):
+            return ResetAnswer.UNSUPPORTED
         if all(pod.confirmed for pod in pods):
-            return ACKNOWLEDGED
+            return ResetAnswer.ACKNOWLEDGED
         # Accepted everywhere, but some pod could not confirm it (an empty 2xx, an inconclusive canary).
-        return ACCEPTED_UNVERIFIED
+        return ResetAnswer.ACCEPTED_UNVERIFIED
 
     @property
     def http_status(self) -> int:
         """200 all accepted, 409 refused or contradicted, 501 unsupported, 502 partial or no peers."""
         return {
-            ACKNOWLEDGED: 200,
-            ACCEPTED_UNVERIFIED: 200,
-            CONTRADICTED: 409,
-            REFUSED: 409,
-            UNSUPPORTED: 501,
+            ResetAnswer.ACKNOWLEDGED: 200,
+            ResetAnswer.ACCEPTED_UNVERIFIED: 200,
+            ResetAnswer.CONTRADICTED: 409,
+            ResetAnswer.REFUSED: 409,
+            ResetAnswer.UNSUPPORTED: 501,
         }.get(self.answer, 502)
 
     @property
@@ -131,8 +121,12 @@ class ClusterReset:
     def error(self) -> str | None:
         """What went wrong, naming the pods; None when every pod accepted."""
         if not self.pods:
-            return f"{ERROR}: {self.peers.error or 'no peers'}"
-        failed = [pod for pod in self.pods if pod.answer not in (ACKNOWLEDGED, ACCEPTED_UNVERIFIED)]
+            return f"{ResetAnswer.ERROR}: {self.peers.error or 'no peers'}"
+        failed = [
+            pod
+            for pod in self.pods
+            if pod.answer not in (ResetAnswer.ACKNOWLEDGED, ResetAnswer.ACCEPTED_UNVERIFIED)
+        ]
         failed += [pod for pod in self.pods if pod.contradicted and pod not in failed]
         if not failed:
             return None
@@ -147,14 +141,14 @@ class ClusterReset:
         if not self.pods:
             return self.peers.hint
         answer = self.answer
-        if answer == PARTIAL:
+        if answer == ResetAnswer.PARTIAL:
             return (
                 "a pod named unreachable may be restarting or not serving; its engine may still hold its "
                 "cache: retry the cluster reset, or read that pod's /cache/state"
             )
-        if answer in (REFUSED, CONTRADICTED):
+        if answer in (ResetAnswer.REFUSED, ResetAnswer.CONTRADICTED):
             return "see each pod's answer; a refused pod was busy past retry_seconds (raise it, or drain)"
-        if answer == UNSUPPORTED:
+        if answer == ResetAnswer.UNSUPPORTED:
             return next((pod.hint for pod in self.pods if pod.hint), None)
         return None
 
@@ -193,9 +187,9 @@ class ClusterReset:
         """The answer's body."""
         body: dict[str, Any] = {}
         answer = self.answer
-        if answer != ACCEPTED_UNVERIFIED:
+        if answer != ResetAnswer.ACCEPTED_UNVERIFIED:
             # As for one pod: absent, not null, when unconfirmed.
-            body["success"] = answer == ACKNOWLEDGED
+            body["success"] = answer == ResetAnswer.ACKNOWLEDGED
         body.update(
             {
                 "answer": answer,
@@ -220,7 +214,7 @@ class ClusterReset:
 
 def unreached(peer: Peer, url: str, error: str) -> PodReset:
     """A pod that gave no reset answer."""
-    return PodReset(peer.address, url, None, UNREACHABLE, Verified.UNVERIFIED, None, error)
+    return PodReset(peer.address, url, None, ResetAnswer.UNREACHABLE, Verified.UNVERIFIED, None, error)
 
 
 def pod_answer(peer: Peer, url: str, status: int, raw: bytes) -> PodReset:
@@ -234,7 +228,13 @@ def pod_answer(peer: Peer, url: str, status: int, raw: bytes) -> PodReset:
         if not isinstance(message, str):
             message = raw[:200].decode("utf-8", errors="replace") or "(no body)"
         return PodReset(
-            peer.address, url, status, ERROR, Verified.UNVERIFIED, None, f"HTTP {status}: {message}"
+            peer.address,
+            url,
+            status,
+            ResetAnswer.ERROR,
+            Verified.UNVERIFIED,
+            None,
+            f"HTTP {status}: {message}",
         )
     verification = body.get("verification")
     canary_ran = isinstance(verification, dict) and verification.get("method") == VerifyMode.CANARY

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.engines.base import Attempt, CacheReset, Dialect, EngineCall, EngineInfo
+from proxy.engines.base import Attempt, CacheReset, Dialect, EngineInfo
+from proxy.engines.call import EngineCall
 from proxy.engines.detect import detect_engine
 
 __all__ = ["Attempt", "CacheReset", "Dialect", "EngineCall", "EngineInfo", "detect_engine"]

@@ -10,18 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from proxy.engines.base import (
-    ACCEPTED_UNVERIFIED,
-    ACKNOWLEDGED,
-    ERROR,
-    REFUSED,
-    Attempt,
-    Reply,
-    failed_attempt,
-    outcome_for_status,
-    success_field,
-    unsupported,
-)
+from proxy.engines.base import Attempt, failed_attempt, outcome_for_status, success_field, unsupported
+from proxy.engines.call import Reply
+from proxy.vocabulary import ResetAnswer
 
 __all__ = ["AnswerRules", "read_answer"]
 
@@ -46,24 +37,28 @@ def read_answer(reply: Reply, rules: AnswerRules) -> Attempt:
         return failed_attempt(reply, url)
     if status in rules.busy:
         error = f"HTTP {status} ({rules.busy[status]})"
-        return Attempt(REFUSED, status=status, success=False, error=error, url=url, calls=calls)
+        return Attempt(ResetAnswer.REFUSED, status=status, success=False, error=error, url=url, calls=calls)
     if status in rules.unsupported:
         return unsupported(url, f"HTTP {status}: {rules.route} is not served", rules.hint, calls)
     if status in rules.rejected:
         error, hint = rules.rejected[status]
-        return Attempt(ERROR, status=status, error=error, url=url, calls=calls, hint=hint)
+        return Attempt(ResetAnswer.ERROR, status=status, error=error, url=url, calls=calls, hint=hint)
     if not 200 <= status < 300:
         outcome, error = outcome_for_status(status)
         return Attempt(outcome, status=status, error=error, url=url, calls=calls)
     if rules.success_field is None:
-        return Attempt(ACKNOWLEDGED, status=status, success=True, url=url, calls=calls)
+        return Attempt(ResetAnswer.ACKNOWLEDGED, status=status, success=True, url=url, calls=calls)
     # As the reference client does: only `true` is a yes, another value a refusal, no field unconfirmed.
     success = success_field(reply.json(), rules.success_field)
     if success is True:
-        return Attempt(ACKNOWLEDGED, status=status, success=True, url=url, calls=calls)
+        return Attempt(ResetAnswer.ACKNOWLEDGED, status=status, success=True, url=url, calls=calls)
     if success is False:
         error = f"{rules.success_field} false"
-        return Attempt(REFUSED, status=status, success=False, error=error, url=url, calls=calls)
+        return Attempt(ResetAnswer.REFUSED, status=status, success=False, error=error, url=url, calls=calls)
     return Attempt(
-        ACCEPTED_UNVERIFIED, status=status, url=url, calls=calls, warning=rules.unconfirmed_warning
+        ResetAnswer.ACCEPTED_UNVERIFIED,
+        status=status,
+        url=url,
+        calls=calls,
+        warning=rules.unconfirmed_warning,
     )

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.engines.base import EngineKind, bearer
+from proxy.engines.call import bearer
+from proxy.vocabulary import EngineKind
 
 __all__ = [
     "COUNTER_NAMES",

@@ -7,12 +7,13 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.base import UNREACHABLE, Attempt, AttemptPlan, Dialect, EngineInfo, EngineKind, engine_call
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineInfo
+from proxy.engines.call import engine_call
+from proxy.vocabulary import EngineKind, ResetAnswer
 
-__all__ = ["UNKNOWN", "UndetectedDialect", "detect_engine", "probe_version"]
+__all__ = ["UndetectedDialect", "detect_engine", "probe_version"]
 
 # The upstream did not answer: the kind is pending re-detection.
-UNKNOWN = EngineKind.UNKNOWN
 
 
 class _Unreachable(Exception):
@@ -105,12 +106,17 @@ async def detect_engine(
             if info is not None:
                 return info
     except _Unreachable:
-        return EngineInfo(UNKNOWN)
+        return EngineInfo(EngineKind.UNKNOWN)
     return EngineInfo(EngineKind.GENERIC)
 
 
 async def probe_version(
-    session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, *, api_key: str | None = None
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: EngineKind,
+    timeout_s: float,
+    *,
+    api_key: str | None = None,
 ) -> str | None:
     """Best effort: the version an engine of `kind` reports, None when it does not say. Never raises."""
     check = _PROBES.get(kind)
@@ -131,12 +137,12 @@ UNDETECTED_HINT = (
 class UndetectedDialect(Dialect):
     """The engine was never reached: no reset can be sent until detection succeeds."""
 
-    kind = UNKNOWN
+    kind = EngineKind.UNKNOWN
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
         """No call: the engine's kind, and so its reset route, is not known."""
         return Attempt(
-            UNREACHABLE,
+            ResetAnswer.UNREACHABLE,
             error="the upstream did not answer engine detection",
             url=plan.base_url,
             hint=UNDETECTED_HINT,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, bearer, engine_call, unsupported
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, unsupported
+from proxy.engines.call import bearer, engine_call
+from proxy.vocabulary import EngineKind
 
 __all__ = ["NO_PATH_HINT", "GenericDialect"]
 

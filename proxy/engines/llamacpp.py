@@ -9,24 +9,10 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.base import (
-    ACCEPTED_UNVERIFIED,
-    ACKNOWLEDGED,
-    ERROR,
-    REFUSED,
-    UNREACHABLE,
-    Attempt,
-    AttemptPlan,
-    Dialect,
-    EngineKind,
-    Reply,
-    bearer,
-    engine_call,
-    failed_attempt,
-    outcome_for_status,
-    unsupported,
-)
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, failed_attempt, outcome_for_status, unsupported
+from proxy.engines.call import Reply, bearer, engine_call
 from proxy.engines.routes import control, control_prefix
+from proxy.vocabulary import EngineKind, ResetAnswer
 
 __all__ = [
     "CONTROL_ROUTES",
@@ -66,9 +52,18 @@ RAM_CACHE_WARNING = (
 # the retry window is spent, so that the last attempt can still succeed.
 ERASE_FLOOR_SECONDS = 0.5
 # Worst first: the attempt's outcome is the worst of its slots'.
-_SEVERITY = (ACKNOWLEDGED, ACCEPTED_UNVERIFIED, REFUSED, ERROR, UNREACHABLE)
+_SEVERITY = (
+    ResetAnswer.ACKNOWLEDGED,
+    ResetAnswer.ACCEPTED_UNVERIFIED,
+    ResetAnswer.REFUSED,
+    ResetAnswer.ERROR,
+    ResetAnswer.UNREACHABLE,
+)
 # `success` of an erase round: acknowledged, unconfirmed (None), else refused.
-_SUCCESS: dict[str, bool | None] = {ACKNOWLEDGED: True, ACCEPTED_UNVERIFIED: None}
+_SUCCESS: dict[ResetAnswer, bool | None] = {
+    ResetAnswer.ACKNOWLEDGED: True,
+    ResetAnswer.ACCEPTED_UNVERIFIED: None,
+}
 
 
 class LlamacppDialect(Dialect):
@@ -99,7 +94,13 @@ class LlamacppDialect(Dialect):
         if slots is None:
             error = f"GET /props answered HTTP {props.status} without a usable total_slots"
             return _with_warning(
-                Attempt(ERROR, status=props.status, error=error, url=props.call.url, calls=(props.call,))
+                Attempt(
+                    ResetAnswer.ERROR,
+                    status=props.status,
+                    error=error,
+                    url=props.call.url,
+                    calls=(props.call,),
+                )
             )
         listing = await engine_call(
             session, "GET", f"{plan.base_url}/slots", timeout_s=plan.timeout_s, headers=self._headers
@@ -112,7 +113,9 @@ class LlamacppDialect(Dialect):
             error = f"{what}: a busy slot's erase would wait for its generation to end"
             calls = (props.call, listing.call)
             return _with_warning(
-                Attempt(REFUSED, status=listing.status, error=error, url=listing.call.url, calls=calls)
+                Attempt(
+                    ResetAnswer.REFUSED, status=listing.status, error=error, url=listing.call.url, calls=calls
+                )
             )
         spent = time.monotonic() - started
         left = max(0.001, min(plan.timeout_s - spent, max(plan.retry_seconds - spent, ERASE_FLOOR_SECONDS)))
@@ -154,18 +157,18 @@ def _busy_slots(listing: Reply) -> list[int]:
     ]
 
 
-def _slot_outcome(reply: Reply, left: float) -> tuple[str, str | None]:
+def _slot_outcome(reply: Reply, left: float) -> tuple[ResetAnswer, str | None]:
     """One erase call's outcome and what to say about it."""
     status = reply.status
     if status is None:
         if reply.timed_out:
-            return REFUSED, f"an erase still waited on a busy slot after {left:.3g} s"
-        return UNREACHABLE, reply.call.error
+            return ResetAnswer.REFUSED, f"an erase still waited on a busy slot after {left:.3g} s"
+        return ResetAnswer.UNREACHABLE, reply.call.error
     if status == 200:
         payload = reply.json()
         if isinstance(payload, dict) and "n_erased" in payload:
-            return ACKNOWLEDGED, None
-        return ACCEPTED_UNVERIFIED, None
+            return ResetAnswer.ACKNOWLEDGED, None
+        return ResetAnswer.ACCEPTED_UNVERIFIED, None
     return outcome_for_status(status)
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import aiohttp
 
 from proxy.engines.answer import AnswerRules, read_answer
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, bearer, engine_call
+from proxy.engines.base import Attempt, AttemptPlan, Dialect
+from proxy.engines.call import bearer, engine_call
 from proxy.engines.routes import NativeReset, control
+from proxy.vocabulary import EngineKind
 
 __all__ = ["CONTROL_ROUTES", "NATIVE_RESET", "MindnanoDialect"]
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineKind, unsupported
+from proxy.engines.base import Attempt, AttemptPlan, Dialect, unsupported
+from proxy.vocabulary import EngineKind
 
 __all__ = ["NoResetDialect"]
 

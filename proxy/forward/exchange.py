@@ -10,7 +10,8 @@ from proxy.body_budget import Reading
 from proxy.engines.base import EngineInfo
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.observe import JsonAnswer, Observation, StreamScanner, Usage
-from proxy.observe.record import Forwarded, Outcome
+from proxy.observe.record import Forwarded
+from proxy.vocabulary import Outcome
 
 __all__ = ["Exchange"]
 

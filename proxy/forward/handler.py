@@ -18,7 +18,7 @@ from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.forward.exchange import Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
-from proxy.forward.ids import stored_id
+from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.inbound import refusal
 from proxy.forward.relay import relay
 from proxy.forward.request_body import BodyStart, BodyTooLarge, ClientGone, limited_body, read_within_budget
@@ -31,10 +31,11 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
-from proxy.observe.record import Outcome
 from proxy.recorder import RECORDER
 from proxy.upstream import Answer, Body, UpstreamBadAnswer, UpstreamError, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
+from proxy.vocabulary import Outcome
+from proxy.witnesses.events_index import CACHE_INDEX
 
 __all__ = ["INJECTION_REFUSALS", "forward", "setup_forward"]
 
@@ -201,6 +202,13 @@ async def _observe_and_exchange(
             # Assigned after admission: a request held during a drain belongs to the new reset.
             begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
             exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
+            index = app.get(CACHE_INDEX)
+            if index is not None:  # a case's first request: what the engine's cache holds as it starts
+                headers = request.headers
+                index.request_started(
+                    stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+                    stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+                )
         elif _is_inference(request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))

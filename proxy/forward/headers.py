@@ -1,4 +1,4 @@
-"""Which headers cross the sidecar: end-to-end ones both ways, hop-by-hop ones never (README: "Headers the sidecar changes")."""
+"""Which headers cross the sidecar: end-to-end ones both ways, hop-by-hop ones never (docs/routes.md, "Headers the sidecar changes")."""
 
 from __future__ import annotations
 

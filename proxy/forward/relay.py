@@ -24,10 +24,10 @@ from proxy.forward.exchange import Exchange
 from proxy.forward.headers import add_response_headers
 from proxy.logs import log_event
 from proxy.observe import JsonAnswer, StreamScanner, rules_for
-from proxy.observe.record import Outcome
 from proxy.upstream import Answer, UpstreamBadAnswer, UpstreamError
 from proxy.upstream.answer import HIGH_WATER, Sink
 from proxy.upstream.head import framed
+from proxy.vocabulary import Outcome
 
 __all__ = ["relay"]
 

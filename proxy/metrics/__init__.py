@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import disable_created_metrics
 
 from proxy.config import SETTINGS
-from proxy.engine_state import ENGINE
+from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.metrics.families import Metrics
 from proxy.metrics.labels import (
     CODES,
@@ -27,10 +28,10 @@ from proxy.metrics.labels import (
     UPSTREAM_ERROR_KINDS,
     VERDICTS,
 )
-from proxy.metrics.merge import engine_exposition, fetch_engine_metrics
-from proxy.metrics.models import MODELS_RETRY_S, ModelLabels, fetch_model_ids
+from proxy.metrics.merge import engine_exposition
+from proxy.metrics.models import MODELS_RETRY_S, ModelLabels
 from proxy.metrics.shared_fetch import SharedFetch
-from proxy.metrics.state import StateCollector
+from proxy.metrics.state import SidecarState, StateCollector
 from proxy.upstream.pools import UPSTREAM_POOL
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "VERDICTS",
     "Metrics",
     "ModelLabels",
+    "SidecarState",
     "engine_exposition",
     "handle_metrics",
     "setup_metrics",
@@ -56,6 +58,17 @@ __all__ = [
 ENGINE_METRICS_MAX_AGE_S = 1.0
 ENGINE_TEXT = web.AppKey("engine_text", SharedFetch)
 METRICS = web.AppKey("metrics", Metrics)
+
+
+@dataclass(frozen=True)
+class _Readers:
+    """What metrics reads of the services above it, handed by build_app."""
+
+    state: Callable[[], SidecarState]
+    engine_kind: Callable[[], str]
+
+
+_READERS = web.AppKey("metrics_readers", _Readers)
 
 
 async def refresh_models(app: web.Application) -> None:
@@ -77,7 +90,7 @@ async def handle_metrics(request: web.Request) -> web.Response:
     """GET /metrics: the sidecar's exposition, then the engine's own when it has one."""
     app = request.app
     metrics = app[METRICS]
-    metrics.show_engine(app[ENGINE].info.kind)
+    metrics.show_engine(app[_READERS].engine_kind())
     session = app[UPSTREAM_POOL]
     engine_text: bytes | None = None
     if not session.closed:
@@ -90,21 +103,29 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def setup_metrics(app: web.Application) -> Metrics:
-    """Create the app's Metrics and learn the engine's model ids at start (`GET /metrics` is in the routes)."""
+def setup_metrics(
+    app: web.Application, *, state: Callable[[], SidecarState], engine_kind: Callable[[], str]
+) -> Metrics:
+    """Create the app's Metrics and learn the engine's model ids at start (`GET /metrics` is in the routes).
+
+    `state` reads the services' gauges and counters at each scrape, `engine_kind` the kind of
+    the engine fronted now: metrics stands below those services and imports none of them.
+    """
     # `*_created` series double every counter and histogram for nothing a dashboard uses
     # (vLLM turns them off the same way); process-wide, and the sidecar owns its process.
     disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus_client leaves it unannotated
     metrics = Metrics(app[SETTINGS])
-    metrics.registry.register(StateCollector(app))
+    metrics.registry.register(StateCollector(state))
     app[METRICS] = metrics
+    app[_READERS] = _Readers(state, engine_kind)
 
     async def fetch_engine_text() -> bytes | None:
         """The engine's /metrics through the app's upstream pool (None while it is closed)."""
         session, settings = app[UPSTREAM_POOL], app[SETTINGS]
         if session.closed:
             return None
-        return await fetch_engine_metrics(session, settings.upstream_base, settings.upstream_metrics_timeout)
+        text = await fetch_engine_metrics(session, settings.upstream_base, settings.upstream_metrics_timeout)
+        return engine_exposition(text) if text is not None else None
 
     shared_text: SharedFetch[bytes | None] = SharedFetch(fetch_engine_text, ENGINE_METRICS_MAX_AGE_S)
     app[ENGINE_TEXT] = shared_text

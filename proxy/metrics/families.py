@@ -13,7 +13,6 @@ from prometheus_client import (
 )
 
 from proxy.config import Settings
-from proxy.engines.base import EngineKind
 from proxy.metrics.hot import Alias, HotCollector, HotCounter, HotFamily, HotHistogram, Kind
 from proxy.metrics.labels import (
     _CLASS_OF,
@@ -33,8 +32,8 @@ from proxy.metrics.labels import (
 )
 from proxy.metrics.models import ModelLabels
 from proxy.observe import Observation
-from proxy.observe.record import Forwarded, Outcome
-from proxy.witnesses.verification import CanaryOutcome, Verified
+from proxy.observe.record import Forwarded
+from proxy.vocabulary import CanaryOutcome, EngineKind, Outcome, Verified
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from proxy.engines.base import OUTCOMES, EngineKind
 from proxy.observe import OBSERVED_PATHS
-from proxy.witnesses.traffic import Verdict
-from proxy.witnesses.verification import CONTRADICTED_ANSWER
+from proxy.vocabulary import EngineKind, EventType, ResetAnswer, Verdict
 
 PREFIX = "cachewitness_"
 OTHER = "other"
@@ -21,10 +19,13 @@ _CLASS_OF = {status: f"{status // 100}xx" for status in range(200, 600)}
 ENGINE_LABELS: tuple[str, ...] = tuple(EngineKind)
 # `answer` of cache_resets_total: the answer the caller got, so a reset the engine acknowledged
 # and a witness contradicted counts as `contradicted`, never as `acknowledged`.
-RESET_ANSWERS: tuple[str, ...] = (*(str(answer) for answer in OUTCOMES), CONTRADICTED_ANSWER)
+RESET_ANSWERS: tuple[str, ...] = tuple(
+    str(answer) for answer in ResetAnswer if answer is not ResetAnswer.PARTIAL
+)
 # The traffic verdicts a reset settles on (`pending` is no settlement).
 VERDICTS: tuple[str, ...] = tuple(verdict.value for verdict in Verdict if verdict is not Verdict.PENDING)
-EVENT_TYPES: tuple[str, ...] = ("infer.cache_state", "infer.cache_observation", "infer.cache_verification")
+# The records a pod writes (the cluster read's trailer is never written).
+EVENT_TYPES: tuple[str, ...] = tuple(str(kind) for kind in EventType if kind is not EventType.CLUSTER_READ)
 # connection: no answer head (refused, reset, DNS); broken_response: the engine broke a response
 # it had started; timeout: no byte within read_timeout; engine_5xx: the engine answered >= 500;
 # bad_answer: an answer that is not HTTP, past the leg's head limits, or not relayable unchanged.

@@ -6,15 +6,8 @@ import math
 import time
 from collections.abc import Iterable
 
-import aiohttp
-import orjson
-
-from proxy.engines.base import bearer
 from proxy.metrics.labels import OTHER
-from proxy.metrics.merge import _read_limited
 
-_MODELS_LIMIT = 1024 * 1024
-_MODEL_ID_MAX = 256
 # The engine's model list is learnt again this often (a LoRA adapter may have been loaded). While it
 # is not known yet (the engine was down when the sidecar started) every scrape retries, and the hot
 # path starts a background retry at most this often.
@@ -73,39 +66,3 @@ class ModelLabels:
         if not self.known:
             return now - self.tried_at >= retry_s
         return now - self.refreshed_at >= MODELS_REFRESH_S
-
-
-async def fetch_model_ids(
-    session: aiohttp.ClientSession, base: str, timeout_s: float, api_key: str | None = None
-) -> list[str] | None:
-    """The model ids the engine lists at `/v1/models` (OpenAI shape), or None when it cannot say.
-
-    `api_key`: the engine's own key (vLLM `--api-key` guards `/v1/*`), sent as a bearer token.
-    """
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    try:
-        async with session.get(
-            base + "/v1/models",
-            headers={"Accept": "application/json", **(bearer(api_key) or {})},
-            timeout=timeout,
-            allow_redirects=False,
-        ) as response:
-            if response.status != 200:
-                return None
-            body = await _read_limited(response, _MODELS_LIMIT)
-    except (TimeoutError, aiohttp.ClientError, OSError, RuntimeError):
-        return None
-    try:
-        data = orjson.loads(body) if body is not None else None
-    except orjson.JSONDecodeError:
-        return None
-    entries = data.get("data") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        return None
-    return [
-        entry["id"]
-        for entry in entries
-        if isinstance(entry, dict)
-        and isinstance(entry.get("id"), str)
-        and 0 < len(entry["id"]) <= _MODEL_ID_MAX
-    ]

@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-__all__ = ["Forwarded", "Observation", "Outcome"]
+from proxy.vocabulary import EventType, Outcome
 
-
-class Outcome(StrEnum):
-    """How a forwarded exchange ended (the `outcome` of observations and of the request metrics)."""
-
-    OK = "ok"  # the engine's answer reached the client whole
-    CLIENT_DISCONNECTED = "client_disconnected"
-    CLIENT_STALLED = "client_stalled"  # cut by client_write_timeout: it stopped reading the answer
-    UPSTREAM_ERROR = "upstream_error"
-    TIMEOUT = "timeout"
-    REJECTED = "rejected"  # answered by the sidecar itself (400, 413, 503), never by the engine
+__all__ = ["Forwarded", "Observation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +60,7 @@ class Observation:
         """The `infer.cache_observation` evidence record (SPEC §5.2)."""
         return {
             "schema_version": 1,
-            "event_type": "infer.cache_observation",
+            "event_type": str(EventType.CACHE_OBSERVATION),
             "at_ns": self.finished_ns,
             "request_id": self.request_id,
             "session_id": self.session_id,

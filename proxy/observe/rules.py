@@ -9,13 +9,15 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
-from proxy.engines.base import EngineInfo, EngineKind
 from proxy.observe.jsonscan import Buffer, find_members, skip_ws, trailing_members
+from proxy.vocabulary import EngineKind
 
 __all__ = [
     "INJECTION_REPROBE_S",
     "STREAM_RULES",
+    "EngineIdentity",
     "InjectionRefusals",
     "RuleEntry",
     "StreamRules",
@@ -25,6 +27,23 @@ __all__ = [
     "rules_for",
     "with_members",
 ]
+
+
+class EngineIdentity(Protocol):
+    """What the rules read of an engine: its kind and version (`proxy.engines.base.EngineInfo` has both).
+
+    A protocol, not the engines' class: observe and engines stand in one layer and import
+    neither the other.
+    """
+
+    @property
+    def kind(self) -> str:
+        """The engine kind (an `EngineKind` value)."""
+
+    @property
+    def version(self) -> str | None:
+        """The version the engine reports, None when it does not say."""
+
 
 _FINISH_KEY = b'"finish_reason"'
 
@@ -90,7 +109,7 @@ def _version(text: str | None) -> tuple[int, ...]:
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
 
 
-def rules_for(info: EngineInfo | None, table: tuple[RuleEntry, ...] = STREAM_RULES) -> StreamRules:
+def rules_for(info: EngineIdentity | None, table: tuple[RuleEntry, ...] = STREAM_RULES) -> StreamRules:
     """The stream rules of the engine the sidecar fronts (the default for one not yet known)."""
     if info is None:
         return DEFAULT_RULES
@@ -174,7 +193,7 @@ class InjectionRefusals:
         # Engine key -> time.monotonic() of its last confirmed refusal.
         self._refused: dict[tuple[str, str | None], float] = {}
 
-    def refused(self, info: EngineInfo | None) -> bool:
+    def refused(self, info: EngineIdentity | None) -> bool:
         """Whether this engine refused the injection less than `reprobe_s` ago."""
         key = _key(info)
         at = self._refused.get(key)
@@ -185,11 +204,11 @@ class InjectionRefusals:
         del self._refused[key]  # stale: the next stream probes the engine again
         return False
 
-    def remember(self, info: EngineInfo | None) -> None:
+    def remember(self, info: EngineIdentity | None) -> None:
         """This engine refused it, and the same request without it succeeded."""
         self._refused[_key(info)] = time.monotonic()
 
 
-def _key(info: EngineInfo | None) -> tuple[str, str | None]:
+def _key(info: EngineIdentity | None) -> tuple[str, str | None]:
     """An engine's identity; one not detected (no engine state) is one key of its own."""
     return (info.kind, info.version) if info is not None else ("", None)

@@ -12,8 +12,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Settings
-from proxy.engines.base import COLD, UNSPECIFIED, Via
-from proxy.witnesses.verification import VerifyMode
+from proxy.vocabulary import Requested, VerifyMode, Via
 
 __all__ = [
     "CLUSTER",
@@ -75,7 +74,7 @@ class ResetParams:
 
     session_id: str | None = None
     case_id: str | None = None
-    requested: str = COLD
+    requested: Requested = Requested.COLD
     warmup_requests: int = 0
     drain: bool = True
     retry_seconds: float = 10.0
@@ -120,16 +119,16 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
         return value
     if name == "verify":
         if value not in tuple(VerifyMode):
-            raise BadInput(name, 'verify must be "canary" or "none"')
+            raise BadInput(name, 'verify must be "none", "canary", "events" or "both"')
         return VerifyMode(value)
     if name == "scope":
         if value not in (POD, CLUSTER):
             raise BadInput(name, 'scope must be "pod" or "cluster"')
         return value
     if name == "requested":
-        if value not in (COLD, UNSPECIFIED):
+        if value not in (Requested.COLD, Requested.UNSPECIFIED):
             raise BadInput(name, 'requested must be "cold" or "unspecified"')
-        return value
+        return Requested(value)
     if name in ("drain", "force", "bind"):
         if from_query and isinstance(value, str):
             return _text_bool(name, value)
@@ -166,7 +165,7 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
     values: dict[str, Any] = {
         "drain": settings.drain,
         "retry_seconds": float(settings.retry_seconds),
-        "verify": VerifyMode(settings.verify),
+        "verify": settings.verify_default,
     }
     for source, from_query in ((query, True), (body, False)):
         for name, value in source.items():

@@ -4,8 +4,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["PrefixCache", "cacheable_prefix_len"]
+__all__ = ["CacheListener", "PrefixCache", "cacheable_prefix_len"]
+
+
+class CacheListener(Protocol):
+    """Told of every change to the cache's contents, in order (the KV events publisher)."""
+
+    def stored(self, hashes: list[int], parent: int | None, tokens: Sequence[str]) -> None:
+        """Consecutive new blocks: their hashes, the hash before the first, their tokens."""
+
+    def removed(self, hashes: list[int]) -> None:
+        """Blocks evicted."""
+
+    def cleared(self) -> None:
+        """Every block dropped."""
 
 
 def cacheable_prefix_len(n_tokens: int, block_size: int) -> int:
@@ -28,7 +42,7 @@ class PrefixCache:
     equal whole prefixes (as vLLM's `hash_block_tokens`). Only full blocks are cached.
     """
 
-    __slots__ = ("_blocks", "block_size", "capacity")
+    __slots__ = ("_blocks", "block_size", "capacity", "listener")
 
     def __init__(self, block_size: int = 16, capacity_blocks: int = 4096) -> None:
         """Make an empty cache of `capacity_blocks` blocks of `block_size` tokens."""
@@ -40,6 +54,7 @@ class PrefixCache:
         self.capacity = capacity_blocks
         # hash -> None; the OrderedDict's order is the LRU order (oldest first).
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.listener: CacheListener | None = None
 
     def __len__(self) -> int:
         """Number of cached blocks."""
@@ -79,18 +94,40 @@ class PrefixCache:
         if self.capacity == 0:
             return 0
         added = 0
-        for block_hash in self._block_hashes(tokens, len(tokens) // self.block_size):
+        run: list[int] = []  # consecutive new blocks not yet told to the listener
+        run_start, run_parent, prev = 0, None, None
+        for i, block_hash in enumerate(self._block_hashes(tokens, len(tokens) // self.block_size)):
             if block_hash in self._blocks:
                 self._blocks.move_to_end(block_hash)
-                continue
-            self._blocks[block_hash] = None
-            added += 1
-            while len(self._blocks) > self.capacity:
-                self._blocks.popitem(last=False)
+                self._tell_stored(run, run_parent, tokens, run_start)
+                run = []
+            else:
+                if not run:
+                    run_start, run_parent = i, prev
+                self._blocks[block_hash] = None
+                run.append(block_hash)
+                added += 1
+                while len(self._blocks) > self.capacity:
+                    evicted, _ = self._blocks.popitem(last=False)
+                    # The store is told before the eviction it caused, as an engine reports them.
+                    self._tell_stored(run, run_parent, tokens, run_start)
+                    run = []
+                    if self.listener is not None:
+                        self.listener.removed([evicted])
+            prev = block_hash
+        self._tell_stored(run, run_parent, tokens, run_start)
         return added
+
+    def _tell_stored(self, run: list[int], parent: int | None, tokens: Sequence[str], start: int) -> None:
+        """Tell the listener of a run of new blocks starting at block `start`."""
+        if run and self.listener is not None:
+            size = self.block_size
+            self.listener.stored(run, parent, tokens[start * size : (start + len(run)) * size])
 
     def clear(self) -> int:
         """Drop every block; return how many there were."""
         n = len(self._blocks)
         self._blocks.clear()
+        if self.listener is not None:
+            self.listener.cleared()
         return n

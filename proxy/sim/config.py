@@ -63,6 +63,13 @@ class SimConfig:
     slots: int = 2
     slot_save_path: str | None = None
     ram_cache: bool = False
+    # KV cache events (vllm, sglang): PUB to this address (connects; binds when it has `*`)
+    kv_events_endpoint: str | None = None
+    kv_events_replay: str | None = None  # the ROUTER that answers replays (bound)
+    kv_events_topic: str = "kv"
+    kv_events_rank: int = 0  # this engine's data-parallel rank: ports + rank, `dp_rank` in batches
+    kv_events_legacy: bool = False  # vllm: positional arrays (the msgspec array_like releases)
+    kv_events_drop_every: int = 0  # every Nth batch is not sent, only replayable (0: none)
 
     def __post_init__(self) -> None:
         """Reject values no engine would start with."""
@@ -84,6 +91,31 @@ class SimConfig:
             raise ValueError("keepalive_timeout must be > 0 seconds")
         if self.default_max_tokens < 0:
             raise ValueError("default_max_tokens must be >= 0")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        """KV events exist for vLLM and SGLang, over tcp, with a rank and a drop period >= 0."""
+        uses = self.kv_events_endpoint is not None or self.kv_events_replay is not None
+        if uses and self.dialect not in ("vllm", "sglang"):
+            raise ValueError("KV cache events are published by the vllm and sglang dialects only")
+        if self.kv_events_replay is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay needs --kv-events-endpoint")
+        for addr in (self.kv_events_endpoint, self.kv_events_replay):
+            if addr is not None and not (addr.startswith("tcp://") and addr.rpartition(":")[2].isdigit()):
+                raise ValueError(f"a KV events address is tcp://HOST:PORT, not {addr!r}")
+        if self.kv_events_legacy and self.dialect != "vllm":
+            raise ValueError("--kv-events-legacy is vLLM's older format")
+        if self.kv_events_rank < 0 or self.kv_events_drop_every < 0:
+            raise ValueError("--kv-events-rank and --kv-events-drop-every must be >= 0")
+
+    @property
+    def kv_events_format(self) -> str | None:
+        """The dialect of events published (proxy/sim/kv_events.py FORMATS), None when off."""
+        if self.kv_events_endpoint is None:
+            return None
+        if self.dialect == "vllm":
+            return "vllm-legacy" if self.kv_events_legacy else "vllm"
+        return "sglang"
 
     @property
     def served_model(self) -> str:
@@ -184,6 +216,34 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sglang = parser.add_argument_group("sglang dialect")
     sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
+    kv = parser.add_argument_group("KV cache events (vllm, sglang)")
+    kv.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ADDR",
+        help="publish KV cache events (PUB) to tcp://HOST:PORT: connects, binds when HOST is *",
+    )
+    kv.add_argument(
+        "--kv-events-replay", default=None, metavar="ADDR", help="bind the replay socket (ROUTER) here"
+    )
+    kv.add_argument("--kv-events-topic", default=d.kv_events_topic, help="topic frame (default kv)")
+    kv.add_argument(
+        "--kv-events-rank",
+        type=int,
+        default=d.kv_events_rank,
+        metavar="R",
+        help="this engine's data-parallel rank: both ports + R, and the batches' rank",
+    )
+    kv.add_argument(
+        "--kv-events-legacy", action="store_true", help="vllm: positional arrays (older vLLM releases)"
+    )
+    kv.add_argument(
+        "--kv-events-drop-every",
+        type=int,
+        default=d.kv_events_drop_every,
+        metavar="N",
+        help="do not send every Nth batch (it stays replayable): a gap to test",
+    )
     llama = parser.add_argument_group("llamacpp dialect")
     llama.add_argument("--slots", type=int, default=d.slots, help="number of slots (-np)")
     llama.add_argument(
@@ -219,4 +279,10 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         slots=ns.slots,
         slot_save_path=ns.slot_save_path,
         ram_cache=ns.ram_cache,
+        kv_events_endpoint=ns.kv_events_endpoint,
+        kv_events_replay=ns.kv_events_replay,
+        kv_events_topic=ns.kv_events_topic,
+        kv_events_rank=ns.kv_events_rank,
+        kv_events_legacy=ns.kv_events_legacy,
+        kv_events_drop_every=ns.kv_events_drop_every,
     )

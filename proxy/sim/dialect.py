@@ -11,6 +11,7 @@ from prometheus_client.core import Metric
 from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, Sequence
+from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.scheduler import Scheduler
 from proxy.sim.text import CHATML, ChatTemplate
 from proxy.sim.wire import error_response, json_body
@@ -42,17 +43,57 @@ class SimDialect:
     null_usage = NullUsage.WITH_INCLUDE_USAGE
     # How messages and prompts become tokens.
     template: ChatTemplate = CHATML
+    # SGLang's scheduler publishes its KV events when idle too; vLLM's only at the end of an
+    # engine step, so a reset's AllBlocksCleared waits for the next request.
+    publishes_when_idle = False
 
     def __init__(self, config: SimConfig) -> None:
         """Build this dialect's engine, with this dialect as its hooks, and the prefix cache."""
         self.config = config
         self.engine = Engine(config, self)
         self.cache = PrefixCache(self.config.block_size, self.config.cache_blocks)
+        self.kv_events = self._kv_publisher()
+        self.cache.listener = self.kv_events
         self._places: Scheduler | None = (
             Scheduler(self.config.max_concurrency, by_priority=self.config.scheduling_policy == "priority")
             if self.config.max_concurrency
             else None
         )
+
+    def _kv_publisher(self) -> KvEventPublisher | None:
+        """The KV events publisher that --kv-events-endpoint asks for."""
+        config, fmt = self.config, self.config.kv_events_format
+        if fmt is None or config.kv_events_endpoint is None:
+            return None
+        return KvEventPublisher(
+            fmt,
+            config.kv_events_endpoint,
+            config.kv_events_replay,
+            topic=config.kv_events_topic,
+            rank=config.kv_events_rank,
+            block_size=config.block_size,
+            drop_every=config.kv_events_drop_every,
+        )
+
+    def end_step(self) -> None:
+        """An engine step ended: publish its KV events as one batch."""
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    async def restart(self, reconnect: bool = False) -> None:
+        """What a restart of the engine process shows: an empty cache, counters and the events' seq at 0.
+
+        Nothing is published for it (a restarted engine says nothing); `reconnect` also reopens
+        the event sockets, as a new process has new ones.
+        """
+        self.engine.restart()
+        self.cache.listener = None
+        self.cache.clear()
+        self.cache.listener = self.kv_events
+        if self.kv_events is not None:
+            self.kv_events.forget()
+            if reconnect:
+                await self.kv_events.reconnect()
 
     # -- scheduling hooks ------------------------------------------------------------------
     async def admit(self, seq: Sequence) -> None:
@@ -74,6 +115,7 @@ class SimDialect:
             self._places.leave()
         if seq.cache_prompt:
             self.cache.insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt)
+        self.end_step()
 
     def lookup(self, seq: Sequence) -> int:
         """Cached prompt tokens for a sequence about to prefill."""
@@ -85,6 +127,7 @@ class SimDialect:
         """The prompt's KV exists now: its full blocks become hits for later requests."""
         if seq.cache_prompt:
             self.cache.insert(seq.kv_tokens())
+        self.end_step()
 
     def decoded(self, seq: Sequence, token: str) -> None:
         """One token was generated (llama.cpp's slot grows)."""
@@ -146,14 +189,15 @@ class SimDialect:
 
     def stats(self) -> dict[str, object]:
         """Dialect-specific members of `/sim/stats`."""
-        return {"cache_blocks": len(self.cache)}
-
-    def restart(self) -> None:
-        """The engine restarted: counters at 0, every cache tier empty."""
-        self.engine.restart()
-        self.cache.clear()
+        stats: dict[str, object] = {"cache_blocks": len(self.cache)}
+        if self.kv_events is not None:
+            stats.update(self.kv_events.stats())
+        return stats
 
     def clear_cache(self) -> int:
         """Drop the whole prefix cache and count a reset."""
         self.engine.resets_total += 1
-        return self.cache.clear()
+        dropped = self.cache.clear()
+        if self.publishes_when_idle:
+            self.end_step()
+        return dropped

@@ -183,9 +183,9 @@ class LlamacppDialect(SimDialect):
         """The slot's KV grows by each generated token."""
         self.slots[seq.slot].tokens.append(token.strip())
 
-    def restart(self) -> None:
+    async def restart(self, reconnect: bool = False) -> None:
         """A restart empties the slots and the RAM cache too."""
-        super().restart()
+        await super().restart(reconnect)
         self.clear_cache()
         self.engine.resets_total = 0
         self.ram.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
@@ -15,6 +16,7 @@ from prometheus_client.registry import Collector
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
+from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.llamacpp import LlamacppDialect
 from proxy.sim.mindnano import MindnanoDialect
 from proxy.sim.openai import OpenaiDialect
@@ -247,6 +249,24 @@ def _answers_middleware(dialect: SimDialect) -> Any:
     return not_found
 
 
+def _add_kv_events(app: web.Application, dialect: SimDialect, publisher: KvEventPublisher) -> None:
+    """Open the event sockets with the app, and the test hook that restarts the engine's seq."""
+
+    async def sockets(app: web.Application) -> AsyncIterator[None]:
+        """The PUB and ROUTER sockets live as long as the app."""
+        await publisher.start()
+        yield
+        await publisher.close()
+
+    async def restart(request: web.Request) -> web.Response:
+        """POST /sim/kv_events/restart[?reconnect=1]: the cache emptied, seq at 0, nothing said (sim-only)."""
+        await dialect.restart(reconnect=request.query.get("reconnect", "") in ("1", "true"))
+        return json_body({"restarted": True, "seq": publisher.seq})
+
+    app.cleanup_ctx.append(sockets)
+    app.router.add_post("/sim/kv_events/restart", restart)
+
+
 def build_sim_app(config: SimConfig) -> web.Application:
     """Build the simulator app for one dialect (serve it with handler_cancellation=True)."""
     dialect = _DIALECTS[config.dialect](config)
@@ -266,11 +286,13 @@ def build_sim_app(config: SimConfig) -> web.Application:
 
     async def sim_restart(request: web.Request) -> web.Response:
         """POST /sim/restart: as if the engine restarted (counters at 0, every cache tier empty; sim-only)."""
-        dialect.restart()
+        await dialect.restart()
         return json_body(engine.stats())
 
     app.router.add_post("/sim/restart", sim_restart)
     dialect.add_routes(app)
+    if dialect.kv_events is not None:
+        _add_kv_events(app, dialect, dialect.kv_events)
     if dialect.metric_families():
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_DialectCollector(dialect))

@@ -35,6 +35,8 @@ class SglangDialect(SimDialect):
     # every chunk, include_usage or not. Its msgspec encoder omits it: the sidecar strips
     # neither, as the null is never the injection's (observe/rules.py).
     null_usage = NullUsage.ALWAYS
+    # Its scheduler's on_idle publishes pending KV events: a flush's AllBlocksCleared goes out at once.
+    publishes_when_idle = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Add the single-flush guard."""

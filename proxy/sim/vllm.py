@@ -47,9 +47,9 @@ class VllmDialect(SimDialect):
         if self.host is not None and seq.cache_prompt:
             self.host.insert(seq.kv_tokens())
 
-    def restart(self) -> None:
+    async def restart(self, reconnect: bool = False) -> None:
         """Every tier empty, counters at 0."""
-        super().restart()
+        await super().restart(reconnect)
         self.cached_by_source = dict.fromkeys(self.sources, 0)
         self.sleeping = False
         if self.host is not None:

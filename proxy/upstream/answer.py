@@ -4,14 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from multidict import CIMultiDict
 
-if TYPE_CHECKING:
-    from proxy.upstream.connection import Connection
-
-__all__ = ["HIGH_WATER", "Answer", "Sink"]
+__all__ = ["HIGH_WATER", "Answer", "Carrier", "Sink"]
 
 # Takes one body piece as it arrives; True when its reader is behind (stop reading the engine).
 Sink = Callable[[bytes], bool]
@@ -20,6 +17,17 @@ Sink = Callable[[bytes], bool]
 # (aiohttp's client paused at 128 KiB; a few SSE events or one JSON answer fit either way).
 # The relay holds the client's unsent bytes to the same mark (proxy/forward/relay.py).
 HIGH_WATER = 256 * 1024
+
+
+class Carrier(Protocol):
+    """What an answer calls on the connection that carries it (proxy/upstream/connection.py's
+    `Connection`; a protocol, so that the two modules do not import each other)."""
+
+    def taken(self) -> None:
+        """The consumer took buffered body: reading from the engine may resume."""
+
+    def abandon(self, answer: Answer) -> None:
+        """The consumer gave `answer` up before its end: the connection must close."""
 
 
 class Answer:
@@ -48,13 +56,13 @@ class Answer:
         "writer",
     )
 
-    def __init__(self, connection: Connection, head: asyncio.Future[None]) -> None:
+    def __init__(self, connection: Carrier, head: asyncio.Future[None]) -> None:
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
         # The task writing a body that is not in one buffer, while the answer may already come.
         self.writer: asyncio.Task[None] | None = None
-        self._connection: Connection | None = connection
+        self._connection: Carrier | None = connection
         self.head_arrived = head  # resolved when the head is in, failed when the answer fails first
         self._chunks: list[bytes] = []
         self._buffered = 0

@@ -32,7 +32,7 @@ class HeadRefused(Exception):
 
 def reason_text(raw: bytes) -> str:
     """The reason phrase as the client will get it, or HeadRefused."""
-    if _REASON.fullmatch(raw) is None:
+    if not raw.isalnum() and _REASON.fullmatch(raw) is None:  # isalnum: "OK" without the regex
         raise HeadRefused("the engine's reason phrase holds control bytes")
     try:
         return raw.decode()
@@ -47,7 +47,7 @@ def answer_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
     token characters (ASCII).
     """
     try:
-        return CIMultiDict((name.decode(), value.decode()) for name, value in raw)
+        return CIMultiDict([(name.decode(), value.decode()) for name, value in raw])
     except UnicodeDecodeError:
         for name, value in raw:
             try:

@@ -1,1 +1,1 @@
-"""The witnesses of a reset: the traffic after it and the canary."""
+"""The witnesses of a reset: the traffic after it, the canary, the engine's own KV cache events."""

@@ -28,12 +28,13 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.engines.base import CacheReset, EngineCall, EngineKind, bearer, engine_call
-from proxy.metrics.merge import fetch_engine_metrics
-from proxy.metrics.models import fetch_model_ids
+from proxy.engines.base import CacheReset
+from proxy.engines.call import EngineCall, bearer, engine_call
+from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.observe import usage_from_json
+from proxy.vocabulary import CanaryOutcome, EngineKind, Verified, VerifyMode
 from proxy.witnesses.counters import Sums
-from proxy.witnesses.verification import CanaryOutcome, Reading, Verification, Verified, VerifyMode
+from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
     "DEFAULT_CANARY_TOKENS",

@@ -20,9 +20,9 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.base import EngineKind
 from proxy.engines.counters import Totals, fetch_sleeping, read_totals
 from proxy.observe import Observation
+from proxy.vocabulary import EngineKind
 from proxy.witnesses.counters import CaseVerdict, Reconciliation, Sums, reconcile
 
 __all__ = ["CaseWitness", "EngineEvent", "EventKind"]

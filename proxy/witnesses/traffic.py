@@ -18,26 +18,14 @@ import hmac
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from typing import Any
 
 from aiohttp import web
 
 from proxy.observe import Observation
-from proxy.observe.record import Outcome
-from proxy.witnesses.verification import Verified
+from proxy.vocabulary import EventType, Outcome, Verdict, Verified
 
-__all__ = ["WITNESS", "Verdict", "Witness"]
-
-
-class Verdict(StrEnum):
-    """The traffic verdict of an accepted reset (SPEC §5.3)."""
-
-    CONSISTENT = "consistent"
-    CONTRADICTED = "contradicted"
-    INCONCLUSIVE = "inconclusive"
-    UNOBSERVABLE = "unobservable"
-    PENDING = "pending"
+__all__ = ["WITNESS", "Witness"]
 
 
 # Start times are kept for the first ordinals only: a candidate further on always has an
@@ -85,7 +73,7 @@ class TrafficVerdict:
         """The evidence record (SPEC §5.3)."""
         return {
             "schema_version": 1,
-            "event_type": "infer.cache_verification",
+            "event_type": str(EventType.CACHE_VERIFICATION),
             "at_ns": self.at_ns,
             "reset_id": self.reset_id,
             "session_id": self.session_id,

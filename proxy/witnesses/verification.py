@@ -7,50 +7,23 @@ reference client's shape; its `verified` and `reason` carry the canary's result.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import StrEnum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.engines.base import UNSPECIFIED, CacheReset
+from proxy.engines.base import CacheReset
+from proxy.vocabulary import ResetAnswer, RunKind, Verified, VerifyMode
 
 __all__ = [
-    "CONTRADICTED_ANSWER",
-    "CanaryOutcome",
     "Reading",
     "Verification",
-    "Verified",
-    "VerifyMode",
     "answer_of",
     "not_run",
     "record_with",
 ]
 
-# The answer word (and `cachewitness reset` exit 7) of a reset the canary contradicts.
-CONTRADICTED_ANSWER = "contradicted"
+# The status of a reset the canary contradicts (its answer is ResetAnswer.CONTRADICTED).
 CONTRADICTED_STATUS = 409
-
-
-class Verified(StrEnum):
-    """What the canary proved about a reset (the record's `verified`)."""
-
-    VERIFIED = "verified"
-    CONTRADICTED = "contradicted"
-    UNVERIFIED = "unverified"
-
-
-class VerifyMode(StrEnum):
-    """How a reset is verified: input `verify`, config `verify`."""
-
-    CANARY = "canary"
-    NONE = "none"
-
-
-class CanaryOutcome(StrEnum):
-    """Label of `cachewitness_canary_requests_total`: how one canary request ended."""
-
-    OK = "ok"  # answered with a cached-token count
-    UNREPORTED = "unreported"  # answered 2xx without one
-    FAILED = "failed"  # no 2xx answer
 
 
 @dataclass(frozen=True)
@@ -81,11 +54,13 @@ class Verification:
     after: tuple[Reading, ...] = ()
     elapsed_s: float = 0.0
     hint: str | None = None
+    # Each witness that ran, by name: its JSON with `result` and its numbers (`canary`, `events`, ...).
+    witnesses: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     @property
     def ran(self) -> bool:
-        """Whether a canary was sent at all."""
-        return self.method == VerifyMode.CANARY
+        """Whether any witness ran at all."""
+        return self.method != VerifyMode.NONE
 
     def to_json(self) -> dict[str, Any]:
         """The `verification` block of answers and records."""
@@ -96,6 +71,7 @@ class Verification:
             "after": [reading.to_json() for reading in self.after],
             "elapsed_s": round(self.elapsed_s, 6),
             "reason": self.reason,
+            "witnesses": {name: dict(report) for name, report in self.witnesses.items()},
         }
 
 
@@ -104,10 +80,10 @@ def not_run(reason: str) -> Verification:
     return Verification(VerifyMode.NONE, Verified.UNVERIFIED, reason)
 
 
-def answer_of(reset: CacheReset, verification: Verification) -> tuple[str, int]:
+def answer_of(reset: CacheReset, verification: Verification) -> tuple[ResetAnswer, int]:
     """The answer word and HTTP status: the engine's, unless the canary contradicts an accepted reset."""
     if verification.verified == Verified.CONTRADICTED and reset.succeeded:
-        return CONTRADICTED_ANSWER, CONTRADICTED_STATUS
+        return ResetAnswer.CONTRADICTED, CONTRADICTED_STATUS
     return reset.outcome, reset.http_status
 
 
@@ -125,5 +101,5 @@ def record_with(record: dict[str, Any], reset: CacheReset, verification: Verific
         updated["reason"] = verification.reason
     if verification.verified == Verified.CONTRADICTED and record["run_kind"] == "cold_start":
         # As the reference says of a failed reset: a cold start that did not happen is unspecified.
-        updated["run_kind"] = UNSPECIFIED
+        updated["run_kind"] = str(RunKind.UNSPECIFIED)
     return updated

@@ -207,9 +207,19 @@ def start_llama_server(
     return proc
 
 
-def start_vllm(model_dir: Path, *, dev_mode: bool, served_name: str = "tiny") -> ManagedProcess:
-    """Start vLLM (CPU) with prefix caching and cached-token details; wait for /health."""
-    port = free_port()
+def start_vllm(
+    model_dir: Path,
+    *,
+    dev_mode: bool,
+    served_name: str = "tiny",
+    extra_args: list[str] | None = None,
+    port: int | None = None,
+) -> ManagedProcess:
+    """Start vLLM (CPU) with prefix caching and cached-token details; wait for /health.
+
+    `port`: a fixed one (a restarted engine found again where the sidecar looks), else a free one.
+    """
+    port = port or free_port()
     env = dict(os.environ)
     env.update(
         {
@@ -244,6 +254,7 @@ def start_vllm(model_dir: Path, *, dev_mode: bool, served_name: str = "tiny") ->
         "--enable-prompt-tokens-details",
         "--max-num-seqs",
         "8",
+        *(extra_args or []),
     ]
     proc = launch("vllm-dev" if dev_mode else "vllm", argv, port, env)
     wait_until_ok(proc, ["/health"], VLLM_START_TIMEOUT_S)

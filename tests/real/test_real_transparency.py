@@ -1,7 +1,7 @@
 """Differential: the same deterministic request, direct and through the sidecar, on real engines.
 
 Bodies and headers must be equal except where two direct calls also differ (ids, times,
-cache counts) and except the header changes the README table lists. Each case calls the
+cache counts) and except the header changes docs/routes.md lists. Each case calls the
 engine directly twice, before and after the call through the sidecar, to learn what varies on its own.
 """
 
@@ -20,7 +20,7 @@ from tests.real.conftest import Pair
 
 MODEL = "tiny"
 PROMPT = "Say the alphabet backwards, slowly, one letter at a time, and explain each step."
-# Header changes the README's table lists for an answer (hop-by-hop framing included).
+# Header changes docs/routes.md's table lists for an answer (hop-by-hop framing included).
 SIDECAR_HEADERS = HOP_BY_HOP | {"x-accel-buffering"}
 # ...and those aiohttp writes when the engine sent none (llama-server sends no Date).
 ADDED_IF_ABSENT = {"date", "server"}
@@ -142,7 +142,7 @@ async def test_through_the_sidecar_the_client_gets_the_engines_own_answer(
     }
     allowed = SIDECAR_HEADERS | varying | (ADDED_IF_ABSENT - first.headers.keys())
     if case == "stream":
-        allowed |= {"content-length"}  # an injected stream goes out chunked (README table)
+        allowed |= {"content-length"}  # an injected stream goes out chunked (docs/routes.md)
     direct = {k: v for k, v in first.headers.items() if k not in allowed}
     proxied = {k: v for k, v in through.headers.items() if k not in allowed}
     assert proxied == direct

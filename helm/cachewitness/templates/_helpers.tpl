@@ -80,6 +80,22 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
+The engine's --kv-events-config JSON: a concrete host in "endpoint" makes the engine connect to
+the sidecar's bound SUB socket; the replay socket is the engine's (it binds). SGLang takes the
+same JSON without the enable flag.
+*/}}
+{{- define "cachewitness.kvEventsConfig" -}}
+{{- $c := dict "publisher" "zmq" "endpoint" (printf "tcp://127.0.0.1:%v" .kv.publishPort) "replay_endpoint" (printf "tcp://127.0.0.1:%v" .kv.replayPort) "topic" .kv.topic }}
+{{- if .vllm }}{{- $_ := set $c "enable_kv_cache_events" true }}{{- end }}
+{{- toJson $c }}
+{{- end }}
+
+{{/* Whether the sidecar follows the engine's KV cache events (on for the vllm and sglang presets). */}}
+{{- define "cachewitness.kvEventsOn" -}}
+{{- if and .Values.engine.kvEvents.enabled (has .Values.engine.preset (list "vllm" "sglang")) }}true{{- end }}
+{{- end }}
+
+{{/*
 The engine's command, as a YAML list. Each preset binds the engine to 127.0.0.1 on the
 pod-local port and turns on what the sidecar needs:
 - vllm: --enable-prefix-caching, and --enable-prompt-tokens-details so that
@@ -103,6 +119,10 @@ pod-local port and turns on what the sidecar needs:
 - {{ $port | quote }}
 - --enable-prefix-caching
 - --enable-prompt-tokens-details
+{{- if .Values.engine.kvEvents.enabled }}
+- --kv-events-config
+- {{ include "cachewitness.kvEventsConfig" (dict "kv" .Values.engine.kvEvents "vllm" true) | quote }}
+{{- end }}
 {{- else if eq .Values.engine.preset "sglang" }}
 - python3
 - -m
@@ -115,6 +135,10 @@ pod-local port and turns on what the sidecar needs:
 - {{ $port | quote }}
 - --enable-cache-report
 - --enable-metrics
+{{- if .Values.engine.kvEvents.enabled }}
+- --kv-events-config
+- {{ include "cachewitness.kvEventsConfig" (dict "kv" .Values.engine.kvEvents "vllm" false) | quote }}
+{{- end }}
 {{- else if eq .Values.engine.preset "llamacpp" }}
 {{- $ll := .Values.engine.presets.llamacpp }}
 - /app/llama-server

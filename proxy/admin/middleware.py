@@ -1,0 +1,122 @@
+"""The route policy, applied to every request: admin routes, engine control routes, interception.
+
+The sidecar's own routes under /cache/ need admin auth (proxy/admin/auth.py decides who may);
+every other request is classified by the route policy (proxy/admin/policy.py) for the engine
+fronted now: forwarded as is, refused, guarded, or intercepted (the engine's own reset routes,
+proxy/admin/native.py). See docs/routes.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from multidict import CIMultiDict
+
+from proxy.admin.auth import (
+    ADMIN_PREFIX,
+    admin_denial,
+    engine_authorization,
+    holds_token,
+    peer_host,
+    without_token,
+)
+from proxy.admin.native import handle_native_reset, handle_slot_erase
+from proxy.admin.policy import RouteClass, RouteDecision, RoutePolicy
+from proxy.config import SETTINGS, EngineRoutes, NativeResetAuth, Settings
+from proxy.engine_state import ENGINE
+from proxy.forward.handler import forward
+from proxy.forward.inbound import PATH_REFUSAL
+from proxy.refusals import REFUSALS, RefusalReason, Refusals
+from proxy.upstream.pools import UPSTREAM_POOL
+
+__all__ = ["admin_middleware", "setup_admin"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _toward_engine(request: web.Request, settings: Settings, *, control: bool) -> web.Request:
+    """The request as the engine may see it: a clone only when a header must go or change."""
+    admin, engine_key = settings.admin_token, settings.engine_key if control else None
+    if engine_key is None and (
+        admin is None or not any(holds_token(name, value, admin) for name, value in request.headers.items())
+    ):
+        return request
+    headers = CIMultiDict(without_token(request.headers.items(), admin))
+    if engine_key is not None:
+        headers.popall("Authorization", None)
+        headers.add("Authorization", f"Bearer {engine_key}")
+    return request.clone(headers=headers)
+
+
+async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
+    """The route class for the engine fronted now; detection runs first if a control path meets an unknown kind."""
+    engine = request.app[ENGINE]
+    decision = policy.classify(request.method, request.rel_url.raw_path, request.query, engine.dialect)
+    if (
+        decision.route not in (RouteClass.FORWARDED, RouteClass.INVALID_TARGET)
+        and not policy.knows(engine.dialect)
+        and not engine.detected
+    ):
+        await engine.ensure_detected(request.app[UPSTREAM_POOL])
+        decision = policy.classify(request.method, request.rel_url.raw_path, request.query, engine.dialect)
+    return decision
+
+
+def admin_middleware(settings: Settings) -> Middleware:
+    """The middleware that applies the route policy to every request."""
+    policy = RoutePolicy(settings)
+    guarded = settings.engine_routes == EngineRoutes.ADMIN
+    reset_key = (
+        settings.engine_key if settings.native_reset_auth == NativeResetAuth.UPSTREAM_API_KEY else None
+    )
+
+    @web.middleware
+    async def route_policy(request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Sidecar routes under /cache/ and engine control routes need admin auth; the rest passes."""
+        refusals = request.app[REFUSALS]
+        match = request.match_info
+        if match.handler is not forward:
+            # The sidecar's own route, exactly as registered (method and path): under
+            # /cache/ it is an admin route. Any other /cache/* request is forwarded.
+            resource = match.route.resource
+            if resource is not None and resource.canonical.startswith(ADMIN_PREFIX):
+                denial = admin_denial(request, settings)
+                if denial is not None:
+                    return _refused(request, refusals, *denial, path=resource.canonical)
+            return await handler(request)
+        decision = await _classify(request, policy)
+        if decision.route is RouteClass.FORWARDED:
+            return await handler(_toward_engine(request, settings, control=False))
+        if decision.route is RouteClass.INVALID_TARGET:
+            reason = RefusalReason.INVALID_REQUEST_TARGET
+            return _refused(request, refusals, reason, PATH_REFUSAL.response(), path=decision.path)
+        if guarded:
+            key = reset_key if decision.route is RouteClass.NATIVE_RESET else None
+            denial = admin_denial(request, settings, engine_key=key)
+            if denial is not None:
+                return _refused(request, refusals, *denial, path=decision.path)
+        if decision.route is RouteClass.NATIVE_RESET and decision.native is not None:
+            return await handle_native_reset(request, decision.native)
+        if decision.route is RouteClass.SLOT_ERASE:
+            return await handle_slot_erase(
+                request, decision.path, engine_authorization(request, settings, control=True)
+            )
+        return await handler(_toward_engine(request, settings, control=True))
+
+    return route_policy
+
+
+def _refused(
+    request: web.Request, refusals: Refusals, reason: RefusalReason, answer: web.Response, *, path: str
+) -> web.Response:
+    """Count and (throttled) log one refused request; its answer."""
+    refusals.refused(reason, method=request.method, path=path, status=answer.status, peer=peer_host(request))
+    return answer
+
+
+def setup_admin(app: web.Application) -> None:
+    """Apply the route policy before every handler: admin auth, the engine's credentials, interception."""
+    app[REFUSALS] = Refusals()
+    app.middlewares.append(admin_middleware(app[SETTINGS]))

@@ -1,0 +1,192 @@
+"""Settings loaded from flag > env `CACHEWITNESS_*` > TOML file > default, and checked across fields.
+
+The option table (every key and its parser) is proxy/config.py; this module merges the layers,
+reads the secrets from their files, and refuses combinations that cannot work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import os
+import ssl
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from yarl import URL
+
+from proxy.config import OPTIONS, ConfigError, NativeResetAuth, Option, Settings, url_option
+from proxy.redact import redact_url
+
+__all__ = ["load_settings"]
+
+
+def _check_upstream_credentials(upstream: str) -> None:
+    """Refuse `user:password@` in the upstream URL (the value shown redacted).
+
+    aiohttp turns URL credentials into an Authorization header and refuses any request
+    that carries its own, which every OpenAI SDK request does: each one would fail.
+    """
+    url = URL(upstream)
+    if url.user is None and url.password is None:
+        return
+    raise ConfigError(
+        f"config: upstream = {redact_url(upstream)!r} carries credentials (user:password@), which "
+        "would break every request that brings its own Authorization; give the URL without them "
+        "and put the engine's key in upstream_api_key (env CACHEWITNESS_UPSTREAM_API_KEY, or upstream_api_key_file)"
+    )
+
+
+_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def _coerce(option: Option, raw: Any, origin: str) -> Any:
+    """Parse one raw value (text from flags/env, or a TOML value) or raise ConfigError."""
+    text = ",".join(str(item) for item in raw) if isinstance(raw, list) else raw
+    if isinstance(text, bool):
+        text = "true" if text else "false"
+    try:
+        return option.parse(str(text))
+    except ValueError:
+        shown = redact_url(str(raw)) if option.parse is url_option else raw  # no password in the message
+        raise ConfigError(
+            f"config: {option.name} = {shown!r} (from {origin}) is not valid: expected {option.fix}"
+        ) from None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as handle:
+            data = tomllib.load(handle)
+    except OSError as exc:
+        raise ConfigError(f"config: cannot read config file {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config: config file {path} is not valid TOML: {exc}") from None
+    table = data.get("cachewitness", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"config: [cachewitness] in {path} must be a table")
+    return {key.replace("-", "_"): value for key, value in table.items()}
+
+
+def load_settings(
+    flags: Mapping[str, Any], env: Mapping[str, str] | None = None, config_file: str | None = None
+) -> Settings:
+    """Merge flags (None = not given) over env over the TOML file over defaults."""
+    env = os.environ if env is None else env
+    config_file = config_file or env.get("CACHEWITNESS_CONFIG")
+    layers: list[tuple[str, Mapping[str, Any]]] = []
+    if config_file:
+        file_values = _read_toml(config_file)
+        unknown = sorted(set(file_values) - set(_BY_NAME))
+        if unknown:
+            raise ConfigError(
+                f"config: unknown key {unknown[0]!r} in {config_file}; known keys: {', '.join(_BY_NAME)}"
+            )
+        layers.append((f"file {config_file}", file_values))
+    env_values = {
+        name: env[f"CACHEWITNESS_{name.upper()}"]
+        for name in _BY_NAME
+        if f"CACHEWITNESS_{name.upper()}" in env
+    }
+    layers.append(("environment CACHEWITNESS_*", env_values))
+    layers.append(("command line", {k: v for k, v in flags.items() if v is not None and k in _BY_NAME}))
+    values: dict[str, Any] = {}
+    for origin, layer in layers:
+        for name, raw in layer.items():
+            values[name] = _coerce(_BY_NAME[name], raw, origin)
+    settings = Settings(**values)
+    return _finish(settings)
+
+
+def _secret(value: str | None, path: str | None, key: str, what: str) -> str | None:
+    """A secret given inline, or read (stripped) from the file named by `key` when one is set."""
+    if not path:
+        return value
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(
+            f"config: {key} {path} cannot be read ({exc.strerror}); point it at a file holding {what}"
+        ) from None
+
+
+def _check_peers_tls(settings: Settings) -> None:
+    """peers_ca_file only with https, and only a file that holds CA certificates."""
+    if settings.peers_ca_file is None:
+        return
+    if settings.peers_scheme != "https":
+        raise ConfigError(
+            "config: peers_ca_file is set but peers_scheme is http, so cluster calls would not use it; "
+            "set peers_scheme = https"
+        )
+    try:
+        ssl.create_default_context(cafile=settings.peers_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"config: peers_ca_file {settings.peers_ca_file} cannot be loaded ({exc}); "
+            "point it at a PEM file of the CA that signed the peers' certificates"
+        ) from None
+
+
+def _is_rotation(name: str, of: str) -> bool:
+    """Whether `name` is `of` or one of its rotations (`of.1`, `of.2`, …)."""
+    return name == of or (name.startswith(of + ".") and name[len(of) + 1 :].isdigit())
+
+
+def _check_resets_path(settings: Settings) -> None:
+    """The reset records' file is not the evidence file, nor any file either rotates into."""
+    evidence, resets = Path(settings.evidence).absolute(), Path(settings.resets_evidence).absolute()
+    if evidence.parent == resets.parent and (
+        _is_rotation(evidence.name, resets.name) or _is_rotation(resets.name, evidence.name)
+    ):
+        raise ConfigError(
+            f"config: evidence_resets_path {settings.resets_evidence} is the evidence file "
+            f"{settings.evidence} or one of its rotations; give the reset records a file of their own"
+        )
+
+
+def _finish(settings: Settings) -> Settings:
+    """Cross-field checks, and the admin token and engine key read from their files."""
+    _check_upstream_credentials(settings.upstream)
+    if settings.retry_seconds > 120:
+        raise ConfigError("config: retry_seconds must be between 0 and 120")
+    if settings.health_interval <= 0:
+        raise ConfigError("config: health_interval must be > 0 seconds")
+    if settings.reset_attempt_timeout <= 0:
+        raise ConfigError("config: reset_attempt_timeout must be > 0 seconds")
+    if settings.peers and settings.peers_dns:
+        raise ConfigError("config: set peers (a static list) or peers_dns (a headless Service), not both")
+    _check_peers_tls(settings)
+    _check_resets_path(settings)
+    token = _secret(settings.admin_token, settings.admin_token_file, "admin_token_file", "the token")
+    if token is not None and not token:
+        raise ConfigError("config: the admin token is empty; put a non-empty token in admin_token_file")
+    engine_key = _secret(
+        settings.upstream_api_key,
+        settings.upstream_api_key_file,
+        "upstream_api_key_file",
+        "the engine's API key",
+    )
+    if engine_key is not None and not engine_key:
+        raise ConfigError(
+            "config: upstream_api_key is empty; put the engine's API key in upstream_api_key_file"
+        )
+    settings = dataclasses.replace(settings, admin_token=token, upstream_api_key=engine_key or None)
+    if settings.native_reset_auth == NativeResetAuth.UPSTREAM_API_KEY and settings.engine_key is None:
+        raise ConfigError(
+            "config: native_reset_auth = upstream_api_key needs the engine's key: set upstream_api_key_file "
+            "(or CACHEWITNESS_UPSTREAM_API_KEY), or use native_reset_auth = admin"
+        )
+    engine_key = settings.engine_key
+    if (
+        token is not None
+        and engine_key is not None
+        and hmac.compare_digest(token.encode(), engine_key.encode())
+    ):
+        # The admin token is stripped from forwarded requests: an equal engine key would be too.
+        raise ConfigError(
+            "config: the admin token and upstream_api_key are the same: give the sidecar its own admin token"
+        )
+    return settings

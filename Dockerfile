@@ -3,7 +3,7 @@
 # wheels, so no compiler is needed) into a venv; the runtime stage copies only that venv.
 #
 #   docker build -t cachewitness:0.1.0 .
-#   docker run --rm -p 9000:9000 -e CACHEWITNESS_UPSTREAM=http://engine:8000 cachewitness:0.1.0
+#   docker run --rm -p 8000:8000 -e CACHEWITNESS_UPSTREAM=http://engine:8200 cachewitness:0.1.0
 #
 # Every `serve` option comes from an env var CACHEWITNESS_<NAME> (or a flag after the image name).
 ARG PYTHON_IMAGE=python:3.11-slim
@@ -32,13 +32,13 @@ COPY --from=builder /opt/cachewitness /opt/cachewitness
 ENV PATH=/opt/cachewitness/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    CACHEWITNESS_LISTEN=0.0.0.0:9000 \
+    CACHEWITNESS_LISTEN=0.0.0.0:8000 \
     CACHEWITNESS_EVIDENCE=/var/lib/cachewitness/evidence/cachewitness.jsonl
 WORKDIR /var/lib/cachewitness
 USER 10001:10001
-EXPOSE 9000
+EXPOSE 8000
 # python:3.11-slim has no curl: probe /-/healthy with the stdlib. urlopen raises on a
 # non-2xx answer or a refused connection, which exits non-zero.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=5s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('CACHEWITNESS_LISTEN', '0.0.0.0:9000').rpartition(':')[2]; urllib.request.urlopen('http://127.0.0.1:' + port + '/-/healthy', timeout=2)"]
+    CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('CACHEWITNESS_LISTEN', '0.0.0.0:8000').rpartition(':')[2]; urllib.request.urlopen('http://127.0.0.1:' + port + '/-/healthy', timeout=2)"]
 ENTRYPOINT ["cachewitness", "serve"]

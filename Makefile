@@ -26,11 +26,12 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 ## make test: everything CI runs — unit/integration suite, deployment checks (the alerts on promtool
-## and a real Prometheus included), real engines
+## and a real Prometheus included), real engines, the report in a headless Chromium
 test: lint
 	bash scripts/install-deploy-tools.sh
 	bash scripts/check-deploy.sh
 	bash scripts/setup-real-engines.sh
+	bash scripts/install-browser.sh
 	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci
 
 ## make test-fast: the suite without the real engines and deployment checks

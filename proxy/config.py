@@ -66,8 +66,9 @@ class ConfigError(Exception):
 class Settings:
     """Everything `cachewitness serve` is configured with."""
 
-    upstream: str = "http://127.0.0.1:8000"
-    listen: str = "0.0.0.0:9000"
+    # The documented ports (README, the TOML example, the chart): the sidecar on 8000, the engine beside it on 8200.
+    upstream: str = "http://127.0.0.1:8200"
+    listen: str = "0.0.0.0:8000"
     engine: str = "auto"
     evidence: str = "./evidence/cachewitness.jsonl"
     evidence_stdout: bool = False
@@ -84,6 +85,8 @@ class Settings:
     checkpoint_interval_s: float = 10.0
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
+    # A first start on a laptop: write a new random token into admin_token_file when it is absent.
+    admin_token_create: bool = False
     admin_open: bool = False
     # Who counts as local for admin routes while no admin token is set (proxy/admin/auth.py).
     trusted_peers: tuple[str, ...] = ("127.0.0.1", "::1")
@@ -338,8 +341,8 @@ def _http_path(text: str) -> str:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("upstream", url_option, "engine base URL", "an http(s) URL such as http://127.0.0.1:8000"),
-    Option("listen", _listen, "address to serve on", "HOST:PORT such as 0.0.0.0:9000"),
+    Option("upstream", url_option, "engine base URL", "an http(s) URL such as http://127.0.0.1:8200"),
+    Option("listen", _listen, "address to serve on", "HOST:PORT such as 0.0.0.0:8000"),
     Option("engine", _choice(ENGINE_KINDS), "engine dialect", "one of " + "|".join(ENGINE_KINDS)),
     Option("evidence", _path, "evidence JSONL path", "a file path such as ./evidence/cachewitness.jsonl"),
     Option("evidence_stdout", _bool, "also copy evidence lines to stdout", "true or false"),
@@ -386,6 +389,12 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),
+    Option(
+        "admin_token_create",
+        _bool,
+        "when admin_token_file does not exist, write a new random token into it (mode 0600)",
+        "true or false",
+    ),
     Option("admin_open", _bool, "let any client call /cache/* without a token", "true or false"),
     Option(
         "trusted_peers",

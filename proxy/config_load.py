@@ -7,8 +7,10 @@ reads the secrets from their files, and refuses combinations that cannot work.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hmac
 import os
+import secrets
 import ssl
 import tomllib
 from collections.abc import Mapping
@@ -20,7 +22,24 @@ from yarl import URL
 from proxy.config import OPTIONS, ConfigError, NativeResetAuth, Option, Settings, url_option
 from proxy.redact import redact_url
 
-__all__ = ["load_settings"]
+__all__ = ["load_settings", "unknown_env"]
+
+ENV_PREFIX = "CACHEWITNESS_"
+# CACHEWITNESS_* names that are no serve option: the config file, the client commands' URL, and
+# the project's own build and test switches (scripts/, tests/).
+_OTHER_ENV = frozenset(
+    {
+        "CONFIG",
+        "URL",
+        "REAL_CACHE",
+        "REAL_REQUIRED",
+        "HYPOTHESIS_DB",
+        "TOOLS_DIR",
+        "CHROMIUM",
+        "LLAMA_FROM_SOURCE",
+        "DISK_FULL_LOAD_S",
+    }
+)
 
 
 def _check_upstream_credentials(upstream: str) -> None:
@@ -40,6 +59,27 @@ def _check_upstream_credentials(upstream: str) -> None:
 
 
 _BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def _did_you_mean(word: str, known: list[str], prefix: str = "") -> str:
+    """`; did you mean 'retry_seconds'?` for a close known word, else a pointer to the list."""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {prefix + close[0]!r}?"
+    return "; every key: cachewitness serve --help, or docs/cli.md"
+
+
+def unknown_env(env: Mapping[str, str]) -> list[str]:
+    """One warning per CACHEWITNESS_* variable that names no option (a typo is otherwise silent)."""
+    known = [name.upper() for name in _BY_NAME]
+    warnings = []
+    for variable in sorted(env):
+        suffix = variable[len(ENV_PREFIX) :]
+        if not variable.startswith(ENV_PREFIX) or suffix in known or suffix in _OTHER_ENV:
+            continue
+        hint = _did_you_mean(suffix, known, ENV_PREFIX)
+        warnings.append(f"{variable} is not a cachewitness setting and is ignored{hint}")
+    return warnings
 
 
 def _coerce(option: Option, raw: Any, origin: str) -> Any:
@@ -70,6 +110,9 @@ def _read_toml(path: str) -> dict[str, Any]:
     return {key.replace("-", "_"): value for key, value in table.items()}
 
 
+_ENV_ORIGIN = "environment"
+
+
 def load_settings(
     flags: Mapping[str, Any], env: Mapping[str, str] | None = None, config_file: str | None = None
 ) -> Settings:
@@ -82,22 +125,37 @@ def load_settings(
         unknown = sorted(set(file_values) - set(_BY_NAME))
         if unknown:
             raise ConfigError(
-                f"config: unknown key {unknown[0]!r} in {config_file}; known keys: {', '.join(_BY_NAME)}"
+                f"config: unknown key {unknown[0]!r} in {config_file}{_did_you_mean(unknown[0], list(_BY_NAME))}"
             )
         layers.append((f"file {config_file}", file_values))
     env_values = {
-        name: env[f"CACHEWITNESS_{name.upper()}"]
-        for name in _BY_NAME
-        if f"CACHEWITNESS_{name.upper()}" in env
+        name: env[f"{ENV_PREFIX}{name.upper()}"] for name in _BY_NAME if f"{ENV_PREFIX}{name.upper()}" in env
     }
-    layers.append(("environment CACHEWITNESS_*", env_values))
+    layers.append((_ENV_ORIGIN, env_values))
     layers.append(("command line", {k: v for k, v in flags.items() if v is not None and k in _BY_NAME}))
     values: dict[str, Any] = {}
     for origin, layer in layers:
         for name, raw in layer.items():
-            values[name] = _coerce(_BY_NAME[name], raw, origin)
+            # A bad value from the environment names its variable: that is what the user set.
+            where = f"env {ENV_PREFIX}{name.upper()}" if origin == _ENV_ORIGIN else origin
+            values[name] = _coerce(_BY_NAME[name], raw, where)
     settings = Settings(**values)
     return _finish(settings)
+
+
+def _create_token_file(path: str) -> None:
+    """A new random admin token in `path`, readable by its owner only; an existing file is kept."""
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise ConfigError(
+            f"config: admin_token_create cannot write {path} ({exc.strerror}); "
+            "point admin_token_file at a writable path"
+        ) from None
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(secrets.token_urlsafe(32) + "\n")
 
 
 def _secret(value: str | None, path: str | None, key: str, what: str) -> str | None:
@@ -160,6 +218,12 @@ def _finish(settings: Settings) -> Settings:
         raise ConfigError("config: set peers (a static list) or peers_dns (a headless Service), not both")
     _check_peers_tls(settings)
     _check_resets_path(settings)
+    if settings.admin_token_create:
+        if not settings.admin_token_file:
+            raise ConfigError(
+                "config: admin_token_create needs admin_token_file: the file to write the token into"
+            )
+        _create_token_file(settings.admin_token_file)
     token = _secret(settings.admin_token, settings.admin_token_file, "admin_token_file", "the token")
     if token is not None and not token:
         raise ConfigError("config: the admin token is empty; put a non-empty token in admin_token_file")

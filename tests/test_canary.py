@@ -100,7 +100,7 @@ async def test_llamacpp_ram_cache_contradicts_the_reset(tmp_path: Path) -> None:
     async with stack(config, tmp_path, **settings) as s:
         status, body = await s.reset({"session_id": "s", "case_id": "c"})
         state = await (await s.http.get(f"{s.url}/cache/state")).json()
-    assert status == 409 and body["answer"] == "contradicted" and body["success"] is False, body
+    assert status == 502 and body["answer"] == "contradicted" and body["success"] is False, body
     assert body["verified"] == "contradicted" and "--cache-ram 0" in body["hint"]
     record = body["cache_state"]
     # The engine did acknowledge the erase; the canary shows it did not clear the cache.

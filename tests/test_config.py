@@ -20,8 +20,8 @@ def write_toml(tmp_path: Path, text: str) -> str:
 
 def test_defaults_match_the_spec() -> None:
     settings = load_settings({}, env={})
-    assert settings.upstream == "http://127.0.0.1:8000"
-    assert settings.listen == "0.0.0.0:9000"
+    assert settings.upstream == "http://127.0.0.1:8200"
+    assert settings.listen == "0.0.0.0:8000"
     assert settings.engine == "auto"
     assert settings.max_body_bytes == 64 * 1024 * 1024
     assert settings.grace_period == 30 and settings.shutdown_delay == 0
@@ -184,8 +184,8 @@ def test_serve_help_shows_every_options_default(
     assert len(entries) > 30
     assert [flag for flag, text in entries.items() if "default: " not in text] == []
     for flag, default in {
-        "--upstream": "http://127.0.0.1:8000",
-        "--listen": "0.0.0.0:9000",
+        "--upstream": "http://127.0.0.1:8200",
+        "--listen": "0.0.0.0:8000",
         "--engine": "auto",
         "--grace-period": "30",
         "--drain": "true",

@@ -128,3 +128,79 @@ async def test_readme_commands_and_client_snippet_run_as_printed(tmp_path: Path)
         code, out, err = await run([sys.executable, str(script)], env)
         assert code == 0, (out, err)
         assert out.strip() == "consistent"
+
+
+def quickstart_blocks() -> list[str]:
+    """The Quickstart's three terminals, one sh block each."""
+    return fenced_blocks("## Quickstart", "sh")
+
+
+async def test_quickstart_runs_as_printed(tmp_path: Path) -> None:
+    """Terminals 1 and 2 start as printed; terminal 3 runs whole in bash, stopping at a failure.
+
+    The documented ports (8000, 8200) may be taken here: the sim's --listen and the snippet's URL
+    get free ports, and serve and the client commands get theirs from CACHEWITNESS_LISTEN /
+    CACHEWITNESS_UPSTREAM / CACHEWITNESS_URL (the commands themselves use the defaults).
+    """
+    sim_block, serve_block, client_block = quickstart_blocks()
+    sidecar_port, sim_port = free_port(), free_port()
+    sidecar = f"http://127.0.0.1:{sidecar_port}"
+    venv_bin = str(Path(sys.executable).parent)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEWITNESS_")}
+    env.update(
+        {
+            "PATH": f"{venv_bin}:{env.get('PATH', '')}",
+            "CACHEWITNESS_LISTEN": f"127.0.0.1:{sidecar_port}",
+            "CACHEWITNESS_UPSTREAM": f"http://127.0.0.1:{sim_port}",
+            "CACHEWITNESS_URL": sidecar,
+        }
+    )
+    [sim_command] = [
+        c for c in command_lines(sim_block.replace("127.0.0.1:8200", f"127.0.0.1:{sim_port}")) if c
+    ]
+    [serve_command] = [c for c in command_lines(serve_block) if c]
+    assert sim_command[:3] == ["cachewitness", "sim", "--dialect"]
+    assert serve_command == [
+        "cachewitness",
+        "serve",
+        "--admin-token-file",
+        "cw-token",
+        "--admin-token-create",
+    ]
+    assert not (tmp_path / "cw-token").exists()
+    async with AsyncExitStack() as stack:
+        for command in (sim_command, serve_command):
+            argv = [sys.executable, "-m", "proxy", *command[1:]]
+            await stack.enter_async_context(background_in(argv, env, tmp_path))
+        await wait_ready(sidecar)
+        script = client_block.replace("http://127.0.0.1:8000", sidecar)
+        process = await asyncio.create_subprocess_exec(
+            "bash", "-e", "-c", script, cwd=tmp_path, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out_bytes, err_bytes = await asyncio.wait_for(process.communicate(), timeout=300)
+    out, err = out_bytes.decode(), err_bytes.decode()
+    assert process.returncode == 0, (out, err)
+    token = (tmp_path / "cw-token").read_text().strip()
+    assert len(token) >= 32 and oct((tmp_path / "cw-token").stat().st_mode & 0o777) == "0o600"
+    assert out.startswith("acknowledged: engine vllm")
+    assert "cached tokens: 0" in out
+    summary = [line.split() for line in out.splitlines() if line.startswith("run1")]
+    assert summary == [["run1", "c1", "acknowledged", "verified", "consistent", "1", *summary[0][6:]]]
+    assert "cachewitness report: report.html: 1 cases, 1 requests, 1 resets" in out
+    assert '<table id="cases">' in (tmp_path / "report.html").read_text()
+
+
+@asynccontextmanager
+async def background_in(argv: list[str], env: dict[str, str], cwd: Path) -> AsyncIterator[None]:
+    """`background`, in another working directory (the quickstart's files land there)."""
+    process = await asyncio.create_subprocess_exec(
+        *argv, cwd=cwd, env={**env, "PYTHONPATH": str(REPO)},
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        await asyncio.wait_for(process.wait(), timeout=60)

@@ -3,9 +3,13 @@
 vLLM `POST /reset_prefix_cache`, SGLang `GET|POST /flush_cache` and mindnano
 `POST /v1/cache/clear` go through the reset service (proxy/reset/service.py) like `/cache/reset`,
 with `via: "native"`: `native_resets = "engine"` makes one attempt without drain (the
-engine's own semantics), `"uniform"` the whole uniform reset. The caller gets what its
-engine's tools expect: the engine's status and body. llama.cpp `POST /slots/{id}?action=erase`
-is passed on as it is and recorded.
+engine's own semantics), `"uniform"` the whole uniform reset. In engine mode the caller gets
+the engine's status and body. In uniform mode the status says the uniform reset's answer, so
+that tools which read only the status (aiperf, SGLang's bench_serving, `vllm bench sweep`)
+fail loudly: 2xx only for a reset the engine accepted and no witness contradicted, 409 refused
+after the retries, 501 unsupported, 502 contradicted or the engine unreachable; the body stays
+in the engine's shape (docs/routes.md). llama.cpp `POST /slots/{id}?action=erase` is passed on
+as it is and recorded.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from proxy.engines.routes import NativeReset
 from proxy.errors import error_response
 from proxy.evidence.records import cache_state_record
 from proxy.recorder import RECORDER
-from proxy.reset.params import MAX_RETRY_SECONDS, BadInput, ResetParams, is_valid_id
+from proxy.reset.params import MAX_RETRY_SECONDS, BadInput, ResetParams, tag_header
 from proxy.reset.service import RESETS
 from proxy.upstream.pools import UPSTREAM_POOL
-from proxy.vocabulary import Requested, VerifyMode, Via
+from proxy.vocabulary import Requested, ResetAnswer, VerifyMode, Via
 
 __all__ = ["handle_native_reset", "handle_slot_erase", "native_params"]
 
@@ -67,16 +71,6 @@ def _seconds(name: str, text: str) -> float:
     return value
 
 
-def _tag(request: web.Request, header: str) -> str | None:
-    """A session or case id from its header; raises BadInput for one outside the id rule."""
-    value = request.headers.get(header)
-    if value is None:
-        return None
-    if not is_valid_id(value):
-        raise BadInput(header, f"{header} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
-    return value
-
-
 def native_params(request: web.Request, native: NativeReset, settings: Settings) -> ResetParams:
     """The reset a native call asks for: its own parameters mapped, the mode's drain and retries."""
     engine_mode = settings.native_resets == NativeResets.ENGINE
@@ -88,8 +82,8 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
         wait = _seconds(native.wait_param, text)
     default_wait = 0.0 if engine_mode else float(settings.retry_seconds)
     return ResetParams(
-        session_id=_tag(request, "X-Session-Id"),
-        case_id=_tag(request, "X-Case-Id"),
+        session_id=tag_header(request, "X-Session-Id"),
+        case_id=tag_header(request, "X-Case-Id"),
         drain=settings.drain and not engine_mode,
         retry_seconds=default_wait if wait is None else wait,
         force=force,
@@ -100,8 +94,29 @@ def native_params(request: web.Request, native: NativeReset, settings: Settings)
     )
 
 
+# Uniform mode: the status of each failed answer (the accepted ones keep the engine's 2xx).
+_UNIFORM_STATUS: dict[str, int] = {
+    ResetAnswer.REFUSED: 409,
+    ResetAnswer.UNSUPPORTED: 501,
+    ResetAnswer.CONTRADICTED: 502,
+    ResetAnswer.UNREACHABLE: 502,
+    ResetAnswer.ERROR: 502,
+}
+
+
+def _uniform_answer(native: NativeReset, word: str, status: int, body: bytes) -> tuple[int, bytes]:
+    """The status that says the uniform reset's answer, and a body in the engine's shape."""
+    if word in (ResetAnswer.ACKNOWLEDGED, ResetAnswer.ACCEPTED_UNVERIFIED) and 200 <= status < 300:
+        return status, body
+    failed = _UNIFORM_STATUS.get(word, 502)
+    if 200 <= status < 300:
+        # The engine's last words were a yes (vLLM's refusal too is a 200): its own "not reset".
+        return failed, native.refusal_body
+    return failed, body
+
+
 def _engine_shaped(native: NativeReset, answer: dict[str, Any], mode: NativeResets) -> web.Response:
-    """The caller's answer as its engine gives it: the engine's last answer, or its refusal words."""
+    """The caller's answer in its engine's shape, with the X-Cachewitness-* headers saying ours."""
     calls = answer.get("calls") or []
     last: dict[str, Any] = calls[-1] if calls and isinstance(calls[-1], dict) else {}
     status = last.get("status")
@@ -109,13 +124,12 @@ def _engine_shaped(native: NativeReset, answer: dict[str, Any], mode: NativeRese
         message = answer.get("detail") or "the engine did not answer the reset"
         return error_response(502, str(message), type_="upstream_error", code="upstream_unreachable")
     body = str(last.get("body_excerpt", "")).encode("utf-8")
-    if mode == NativeResets.UNIFORM and answer.get("success") is False and 200 <= status < 300:
-        # The engine said yes but the uniform reset's verdict is no (e.g. a canary found
-        # cached tokens): the caller gets its engine's own words for "not reset".
-        status, body = native.refusal_status, native.refusal_body
+    if mode == NativeResets.UNIFORM:
+        status, body = _uniform_answer(native, str(answer.get("answer", "")), status, body)
     response = web.Response(status=status, body=body, headers={"Content-Type": native.content_type})
     response.headers["X-Cachewitness-Reset-Id"] = str(answer.get("reset_id", ""))
     response.headers["X-Cachewitness-Answer"] = str(answer.get("answer", ""))
+    response.headers["X-Cachewitness-Verified"] = str(answer.get("verified", ""))
     return response
 
 
@@ -137,7 +151,7 @@ async def handle_slot_erase(request: web.Request, path: str, authorization: list
     app = request.app
     settings = app[SETTINGS]
     try:
-        session_id, case_id = _tag(request, "X-Session-Id"), _tag(request, "X-Case-Id")
+        session_id, case_id = tag_header(request, "X-Session-Id"), tag_header(request, "X-Case-Id")
     except BadInput as bad:
         return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
     headers = {"Authorization": authorization[0]} if authorization else bearer(None)

@@ -1,4 +1,4 @@
-"""Command line: `cachewitness serve|reset|evidence|sim|demo`."""
+"""Command line: `cachewitness serve|reset|evidence|report|sim|demo`."""
 
 from __future__ import annotations
 
@@ -15,7 +15,15 @@ __all__ = ["build_parser", "main"]
 
 # Options whose value is a bool get --name/--no-name; the rest take a value.
 _BOOL_OPTIONS = frozenset(
-    {"evidence_stdout", "admin_open", "drain", "inject_usage", "observe", "request_id_header"}
+    {
+        "evidence_stdout",
+        "admin_open",
+        "admin_token_create",
+        "drain",
+        "inject_usage",
+        "observe",
+        "request_id_header",
+    }
 )
 # Secrets are never taken as flags (they would show in `ps`): env or file only.
 _NOT_FLAGS = frozenset({"admin_token", "engine_api_key", "upstream_api_key"})
@@ -82,10 +90,18 @@ def _run_serve(ns: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"cachewitness: {exc}", file=sys.stderr)
         return 2
-    from proxy.logs import setup_logging
+    import logging
+    import os
+
+    from proxy.config_load import unknown_env
+    from proxy.logs import log_event, setup_logging
     from proxy.serve import run
 
     setup_logging(settings.log_level)
+    for warning in unknown_env(os.environ):
+        log_event(
+            logging.getLogger("cachewitness.config"), logging.WARNING, warning, event="config_unknown_env"
+        )
     return run(settings)
 
 
@@ -122,6 +138,11 @@ def _add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     add_evidence_arguments(evidence)
     evidence.set_defaults(run=run_evidence)
     add_proof_commands(sub, evidence)
+    from proxy.cli.report import add_report_arguments, run_report
+
+    report = sub.add_parser("report", help="one session's evidence as a self-contained HTML page")
+    add_report_arguments(report)
+    report.set_defaults(run=run_report)
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -142,7 +142,13 @@ async def _script(s: Session) -> None:
     )
 
 
-async def _ram_cache_scene(tmp: Path) -> None:
+async def _session_records(http: aiohttp.ClientSession, base: str) -> list[bytes]:
+    """The demo session's evidence lines from one sidecar."""
+    async with http.get(base + "/cache/evidence", params={"session_id": SESSION}) as response:
+        return (await response.read()).splitlines()
+
+
+async def _ram_cache_scene(tmp: Path) -> list[bytes]:
     """The witness at work: llama.cpp acknowledges an erase its RAM prompt cache survives."""
     print(
         "\n5. llama.cpp with its host-RAM prompt cache on (the default --cache-ram): erase is not a full reset"
@@ -166,9 +172,10 @@ async def _ram_cache_scene(tmp: Path) -> None:
                 f"   /cache/state verified: {state.get('verified')}, verdict: {state.get('verdict')}"
                 "  <- both witnesses: the reset did not clear what it claimed"
             )
+            return await _session_records(http, base)
 
 
-async def _mindnano_scene(tmp: Path) -> None:
+async def _mindnano_scene(tmp: Path) -> list[bytes]:
     """mindnano: one cache entry for everyone, tagged with its user; a reset retried past its 429s."""
     print("\n6. mindnano: one cache entry for everyone, tagged with its `user`; 429 while busy")
     sim = SimConfig(dialect="mindnano", decode_rate=40, prefill_rate=0)
@@ -188,7 +195,7 @@ async def _mindnano_scene(tmp: Path) -> None:
             )
             # cache_prompt false: the busy request leaves alice's entry for the reset to clear.
             long_stream = asyncio.create_task(
-                session.chat("background", max_tokens=60, stream=True, cache_prompt=False)
+                session.chat("mn-background", max_tokens=60, stream=True, cache_prompt=False)
             )
             await asyncio.sleep(0.3)  # let the stream start decoding
             answer = await session.reset("mn-cold", drain=False, retry_seconds=10)
@@ -198,6 +205,7 @@ async def _mindnano_scene(tmp: Path) -> None:
             async with http.get(base + "/cache/state") as response:
                 state = await response.json()
             session.say(f"   /cache/state verdict: {state.get('verdict')}")
+            return await _session_records(http, base)
 
 
 async def _demo() -> int:
@@ -210,13 +218,13 @@ async def _demo() -> int:
                 session = Session(http, base)
                 await session.wait_ready()
                 await _script(session)
-                async with http.get(base + "/cache/evidence", params={"session_id": SESSION}) as response:
-                    lines = (await response.read()).splitlines()
-            await _ram_cache_scene(Path(tmp))
-            await _mindnano_scene(Path(tmp))
+                lines = await _session_records(http, base)
+            # Every scene's sidecar: the summary covers the whole session.
+            lines += await _ram_cache_scene(Path(tmp))
+            lines += await _mindnano_scene(Path(tmp))
         records = [orjson.loads(line) for line in lines if line.strip()]
         cases: list[CaseSummary] = summarize(records)
-        print("\nevidence summary (from GET /cache/evidence):")
+        print("\nevidence summary (from GET /cache/evidence of the three sidecars):")
         print(summary_table(cases))
         counts: dict[str, int] = {}
         for record in records:

@@ -17,6 +17,7 @@ from proxy.cli.http import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     OPENER,
+    BadUrl,
     admin_request,
     base_url,
     common_arguments,
@@ -81,7 +82,11 @@ def run_evidence(
 ) -> int:
     """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0, or 2/6/8/9 (EXIT_*)."""
     env = os.environ if env is None else env
-    base = base_url(ns, env)
+    try:
+        base = base_url(ns, env)
+    except BadUrl as bad:
+        print(f"cachewitness evidence: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         token = read_token(ns, env)
     except OSError as exc:

@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_SIDECAR_UNREACHABLE",
     "OPENER",
+    "BadUrl",
     "admin_request",
     "base_url",
     "common_arguments",
@@ -33,7 +34,7 @@ __all__ = [
     "unreachable",
 ]
 
-DEFAULT_URL = "http://127.0.0.1:9000"
+DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 # The exit code says the answer (docs/cli.md).
@@ -119,9 +120,20 @@ def common_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class BadUrl(ValueError):
+    """A sidecar URL that is not http(s)://HOST[:PORT][/PATH]: bad input (exit 2), with the fix."""
+
+
 def base_url(ns: argparse.Namespace, env: Mapping[str, str]) -> str:
-    """--url, else CACHEWITNESS_URL, else the default; without a trailing slash."""
-    return (ns.url or env.get("CACHEWITNESS_URL") or DEFAULT_URL).rstrip("/")
+    """--url, else CACHEWITNESS_URL, else the default; without a trailing slash. Raises BadUrl."""
+    url = (ns.url or env.get("CACHEWITNESS_URL") or DEFAULT_URL).rstrip("/")
+    given = "--url" if ns.url else "CACHEWITNESS_URL"
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        # `127.0.0.1:18000` parses as scheme "127.0.0.1": name the URL the user meant.
+        shown = redact_url(url)
+        raise BadUrl(f"{given} {shown} is not an http(s) URL; did you mean http://{shown.split('://')[-1]}?")
+    return url
 
 
 def read_token(ns: argparse.Namespace, env: Mapping[str, str]) -> str | None:

@@ -26,6 +26,7 @@ from proxy.cli.cluster_report import unreadable_pods
 from proxy.cli.http import (
     EXIT_BAD_INPUT,
     OPENER,
+    BadUrl,
     admin_request,
     base_url,
     common_arguments,
@@ -255,7 +256,11 @@ def _keys(pods: Mapping[str, Mapping[str, list[bytes]]]) -> list[PublicKey]:
 def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     """Fetch the session's proof, write the bundle, check it."""
     env = os.environ if env is None else env
-    base = base_url(ns, env)
+    try:
+        base = base_url(ns, env)
+    except BadUrl as bad:
+        print(f"cachewitness evidence bundle: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         token = read_token(ns, env)
     except OSError as exc:

@@ -20,6 +20,7 @@ from proxy.cli.http import (
     EXIT_FAILED,
     EXIT_SIDECAR_UNREACHABLE,
     OPENER,
+    BadUrl,
     admin_request,
     base_url,
     common_arguments,
@@ -92,6 +93,10 @@ def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
     return body
 
 
+# The answers a witness speaks to (the others are failures the detail explains).
+_PROVABLE = frozenset({"acknowledged", "accepted_unverified", "contradicted"})
+
+
 def _human_line(answer: dict[str, Any]) -> str:
     """One readable line: answer, attempts, engine, and the hint or warning."""
     engine = answer.get("engine") or {}
@@ -108,7 +113,8 @@ def _human_line(answer: dict[str, Any]) -> str:
         parts.append(
             f"drained {drain.get('inflight_at_start', 0)} in flight in {drain.get('waited_s', 0):.2f}s"
         )
-    if answer.get("verified"):
+    if answer.get("verified") and answer.get("answer") in _PROVABLE:
+        # A reset that failed has nothing to prove: its detail says why, once.
         parts.append(f"{answer['verified']} ({(answer.get('verification') or {}).get('reason')})")
     if answer.get("bind") and answer.get("case_token"):
         # The caller asked to bind: its benchmark must send this token, so it is shown.
@@ -123,7 +129,11 @@ def _human_line(answer: dict[str, Any]) -> str:
 def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
     """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and docs/cli.md)."""
     env = os.environ if env is None else env
-    base = base_url(ns, env)
+    try:
+        base = base_url(ns, env)
+    except BadUrl as bad:
+        print(f"cachewitness reset: {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         token = read_token(ns, env)
     except OSError as exc:

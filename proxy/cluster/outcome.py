@@ -99,11 +99,11 @@ class ClusterReset:
 
     @property
     def http_status(self) -> int:
-        """200 all accepted, 409 refused or contradicted, 501 unsupported, 502 partial or no peers."""
+        """200 all accepted, 409 refused, 501 unsupported, 502 contradicted, partial or no peers."""
         return {
             ResetAnswer.ACKNOWLEDGED: 200,
             ResetAnswer.ACCEPTED_UNVERIFIED: 200,
-            ResetAnswer.CONTRADICTED: 409,
+            ResetAnswer.CONTRADICTED: 502,
             ResetAnswer.REFUSED: 409,
             ResetAnswer.UNSUPPORTED: 501,
         }.get(self.answer, 502)

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 
 from proxy.redact import redact_url
+from proxy.upstream.errors import host_port, os_reason
 from proxy.upstream.resend import send_upstream
 
 __all__ = [
@@ -128,14 +129,17 @@ async def engine_call(
         return Reply(call, timed_out=not connect)
     except (aiohttp.ClientError, OSError) as exc:
         call = EngineCall(
-            method,
-            recorded,
-            None,
-            "",
-            time.monotonic() - started,
-            f"{type(exc).__name__}: {_redacted_error(exc, url, recorded)}",
+            method, recorded, None, "", time.monotonic() - started, _call_error(exc, url, recorded)
         )
         return Reply(call)
+
+
+def _call_error(exc: BaseException, url: str, recorded: str) -> str:
+    """Why a call got no answer: a connect failure names the address and the OS error."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        dns = isinstance(exc, aiohttp.ClientConnectorDNSError)
+        return f"cannot connect to the engine at {host_port(exc.host, exc.port)}: {os_reason(exc.os_error, dns=dns)}"
+    return f"{type(exc).__name__}: {_redacted_error(exc, url, recorded)}"
 
 
 def _redacted_error(exc: BaseException, url: str, recorded: str) -> str:

@@ -9,6 +9,7 @@ import aiohttp
 
 from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineInfo
 from proxy.engines.call import engine_call
+from proxy.redact import redact_url
 from proxy.vocabulary import EngineKind, ResetAnswer
 
 __all__ = ["UndetectedDialect", "detect_engine", "probe_version"]
@@ -129,9 +130,7 @@ async def probe_version(
     return info.version if info is not None else None
 
 
-UNDETECTED_HINT = (
-    "the upstream did not answer engine detection; check --upstream, or name the engine with --engine"
-)
+UNDETECTED_HINT = "start the engine, or fix --upstream; --engine names its kind when it cannot be detected"
 
 
 class UndetectedDialect(Dialect):
@@ -140,10 +139,9 @@ class UndetectedDialect(Dialect):
     kind = EngineKind.UNKNOWN
 
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:
-        """No call: the engine's kind, and so its reset route, is not known."""
+        """No reset call (its route depends on the kind): one call to say why the engine is not reached."""
+        reply = await engine_call(session, "GET", plan.base_url + "/", timeout_s=min(plan.timeout_s, 5.0))
+        why = reply.call.error or f"the engine at {redact_url(plan.base_url)} did not answer engine detection"
         return Attempt(
-            ResetAnswer.UNREACHABLE,
-            error="the upstream did not answer engine detection",
-            url=plan.base_url,
-            hint=UNDETECTED_HINT,
+            ResetAnswer.UNREACHABLE, error=why, url=plan.base_url, hint=UNDETECTED_HINT, calls=(reply.call,)
         )

@@ -49,6 +49,17 @@ def _reset_word(record: dict[str, Any]) -> str | None:
     return error.split(":", 1)[0] or None
 
 
+def _case_verdict(tally: _Tally) -> str | None:
+    """The traffic verdict as the case's own: `pending` while none of its requests ran.
+
+    A reset's verdict is decided by the first request after it, whoever sent it: a case that
+    sent none (a reset the next case's traffic followed) has not shown anything itself.
+    """
+    if tally.reset_answer is not None and tally.requests == 0 and tally.verdict is not None:
+        return "pending"
+    return tally.verdict
+
+
 def summarize(records: Iterable[dict[str, Any]]) -> list[CaseSummary]:
     """Group records by (session_id, case_id), in the order cases first appear."""
     tallies: dict[tuple[str | None, str | None], _Tally] = {}
@@ -77,7 +88,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[CaseSummary]:
             case,
             t.reset_answer,
             t.verified,
-            t.verdict,
+            _case_verdict(t),
             t.requests,
             t.prompt_tokens,
             t.cached_tokens,

@@ -77,10 +77,8 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     else:
         exchange.outcome = Outcome.UPSTREAM_ERROR
         status, code = 502, "upstream_unreachable"
-        if isinstance(exc, UpstreamUnreachable):
-            what = "the upstream refused the connection or cannot be reached"
-        else:
-            what = "the upstream broke the connection"
+        # An unreachable engine: the leg's words (the address and the OS error, no engine bytes).
+        what = str(exc) if isinstance(exc, UpstreamUnreachable) else "the upstream broke the connection"
     log_event(
         log,
         logging.WARNING,

@@ -22,6 +22,7 @@ __all__ = [
     "is_valid_id",
     "parse_params",
     "read_params",
+    "tag_header",
     "worst_case_seconds",
 ]
 
@@ -196,13 +197,31 @@ async def _read_bounded(request: web.Request) -> bytes:
             raise BadInput(None, f"the request body is over {_BODY_LIMIT} bytes", "body_too_large")
 
 
+def tag_header(request: web.Request, header: str) -> str | None:
+    """A session or case id from its header; raises BadInput for one outside the id rule."""
+    value = request.headers.get(header)
+    if value is None:
+        return None
+    if not is_valid_id(value):
+        raise BadInput(header, f"{header} must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    return value
+
+
+# The headers benchmark tools tag their requests with (aiperf -H, vllm bench --header).
+_TAG_HEADERS = (("session_id", "X-Session-Id"), ("case_id", "X-Case-Id"))
+
+
 async def read_params(request: web.Request, settings: Settings) -> ResetParams:
-    """The request's parameters from its query string and optional JSON body; raises BadInput."""
+    """The request's parameters from its body, query string and tag headers, in that precedence; raises BadInput."""
     query: dict[str, str] = {}
     for name, value in request.query.items():
         if name in query:
             raise BadInput(name, f"{name} is given twice in the query string", "duplicate_field")
         query[name] = value
+    for name, header in _TAG_HEADERS:
+        tag = tag_header(request, header)
+        if tag is not None and name not in query:
+            query[name] = tag  # the lowest precedence: the query, then the body, win over it
     if request.content_length is not None and request.content_length > _BODY_LIMIT:
         raise BadInput(None, f"the request body is over {_BODY_LIMIT} bytes", "body_too_large")
     raw = await _read_bounded(request) if request.body_exists else b""

@@ -225,9 +225,9 @@ class ResetService:
             return f"verify {params.verify.value}: no canary was sent"
         if not params.drain:
             return "the canary runs inside the drain window only, and this reset had drain false"
-        if engine.kind in (EngineKind.NONE, EngineKind.UNKNOWN) or (
-            engine.kind == EngineKind.GENERIC and not settings.reset_path
-        ):
+        if engine.kind == EngineKind.UNKNOWN:
+            return "the engine was not reached: no canary was sent"
+        if engine.kind == EngineKind.NONE or (engine.kind == EngineKind.GENERIC and not settings.reset_path):
             return "the engine has no reset to verify"
         return Canary(
             self._app[UPSTREAM_POOL],

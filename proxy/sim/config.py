@@ -50,6 +50,9 @@ class SimConfig:
     # Strict validation (an OpenAI-compatible server that forbids unknown fields): any
     # `stream_options` is a 400, so an injected one is refused.
     reject_stream_options: bool = False
+    # A reset that answers success but clears nothing (vllm, sglang): as an engine whose
+    # cache sits in a tier its reset does not reach, for tests of a contradicted reset.
+    reset_leaves_warm: bool = False
     # vllm
     legacy_empty_body: bool = False
     dev_mode: bool = True
@@ -91,6 +94,8 @@ class SimConfig:
             raise ValueError("keepalive_timeout must be > 0 seconds")
         if self.default_max_tokens < 0:
             raise ValueError("default_max_tokens must be >= 0")
+        if self.reset_leaves_warm and self.dialect not in ("vllm", "sglang"):
+            raise ValueError("reset_leaves_warm is for the vllm and sglang dialects (llamacpp: ram_cache)")
         self._check_kv_events()
 
     def _check_kv_events(self) -> None:
@@ -192,6 +197,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="strict validation: any stream_options is an unknown field (400)",
     )
+    parser.add_argument(
+        "--reset-leaves-warm",
+        action="store_true",
+        help="vllm, sglang: the reset answers success but the cache stays warm",
+    )
     vllm = parser.add_argument_group("vllm dialect")
     vllm.add_argument(
         "--legacy-empty-body",
@@ -269,6 +279,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         max_concurrency=ns.max_concurrency,
         keepalive_timeout=ns.keepalive_timeout,
         reject_stream_options=ns.reject_stream_options,
+        reset_leaves_warm=ns.reset_leaves_warm,
         scheduling_policy=ns.scheduling_policy,
         legacy_empty_body=ns.legacy_empty_body,
         dev_mode=not ns.no_dev_mode,

@@ -195,8 +195,10 @@ class SimDialect:
         return stats
 
     def clear_cache(self) -> int:
-        """Drop the whole prefix cache and count a reset."""
+        """Drop the whole prefix cache and count a reset (with --reset-leaves-warm: count it only)."""
         self.engine.resets_total += 1
+        if self.config.reset_leaves_warm:
+            return 0  # the blocks stay, so no event says they went
         dropped = self.cache.clear()
         if self.publishes_when_idle:
             self.end_step()

@@ -96,6 +96,10 @@ class VllmDialect(SimDialect):
             app.router.add_post("/sleep", self.handle_sleep)
             app.router.add_post("/wake_up", self.handle_wake)
             app.router.add_get("/is_sleeping", self.handle_is_sleeping)
+            # The multi-modal and encoder caches (a text-only model has neither): 200, empty
+            # body; `vllm bench sweep` posts all three after each run.
+            app.router.add_post("/reset_mm_cache", self.handle_other_reset)
+            app.router.add_post("/reset_encoder_cache", self.handle_other_reset)
 
     async def handle_sleep(self, request: web.Request) -> web.Response:
         """POST /sleep: the KV cache is discarded."""
@@ -111,6 +115,10 @@ class VllmDialect(SimDialect):
     async def handle_is_sleeping(self, request: web.Request) -> web.Response:
         """GET /is_sleeping."""
         return web.json_response({"is_sleeping": self.sleeping})
+
+    async def handle_other_reset(self, request: web.Request) -> web.Response:
+        """POST /reset_mm_cache, /reset_encoder_cache: nothing to clear, 200 with no body."""
+        return web.Response(status=200)
 
     async def handle_version(self, request: web.Request) -> web.Response:
         """GET /version."""

@@ -2,7 +2,37 @@
 
 from __future__ import annotations
 
-__all__ = ["UpstreamBadResponse", "UpstreamBroke", "UpstreamError", "UpstreamTimeout", "UpstreamUnreachable"]
+import os
+import socket
+
+__all__ = [
+    "UpstreamBadResponse",
+    "UpstreamBroke",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "UpstreamUnreachable",
+    "host_port",
+    "os_reason",
+]
+
+
+def os_reason(exc: OSError, *, dns: bool = False) -> str:
+    """Why a connection failed, in words a person tells apart: `connection refused`, `no such host (…)`.
+
+    asyncio's text for a refused connect ("Connect call failed (…)") does not say which it was;
+    the errno does. `dns` marks a lookup failure that came without a gaierror (aiohttp's).
+    """
+    if dns or isinstance(exc, socket.gaierror):
+        return f"no such host ({exc.strerror or exc})"
+    if exc.errno is not None and exc.errno > 0:
+        return os.strerror(exc.errno).lower()
+    return str(exc.strerror or exc)
+
+
+def host_port(host: str | None, port: int | None) -> str:
+    """`host:port` as a person would type it (`[::1]:8200` for IPv6)."""
+    shown = f"[{host}]" if host and ":" in host else str(host)
+    return f"{shown}:{port}"
 
 
 class UpstreamError(Exception):

@@ -18,7 +18,7 @@ from yarl import URL
 
 from proxy.logs import log_event
 from proxy.upstream.connection import Connection
-from proxy.upstream.errors import UpstreamBroke, UpstreamTimeout, UpstreamUnreachable
+from proxy.upstream.errors import UpstreamBroke, UpstreamTimeout, UpstreamUnreachable, host_port, os_reason
 from proxy.upstream.head import Body, request_head
 from proxy.upstream.resend import MOST_STALE_IN_A_ROW
 from proxy.upstream.response import UpstreamResponse
@@ -133,7 +133,8 @@ class UpstreamLeg:
             raise UpstreamTimeout(f"no connection to the engine within {self._connect_timeout:g} s") from None
         except OSError as exc:
             self._wake_one()
-            raise UpstreamUnreachable(f"cannot connect to the engine ({exc.strerror or exc})") from exc
+            where = host_port(self._host, self._port)
+            raise UpstreamUnreachable(f"cannot connect to the engine at {where}: {os_reason(exc)}") from exc
         except BaseException:
             self._wake_one()
             raise

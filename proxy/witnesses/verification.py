@@ -1,7 +1,7 @@
 """What a reset's canary proved, and how the answer and the `infer.cache_state` record say it (docs/reset.md).
 
 A reset the engine acknowledged but the canary contradicts did not clear the cache: its
-answer is `contradicted` (HTTP 409, `success: false`, a `hint`). The record keeps the
+answer is `contradicted` (HTTP 502, `success: false`, a `hint`). The record keeps the
 reference client's shape; its `verified` and `reason` carry the canary's result.
 """
 
@@ -22,8 +22,11 @@ __all__ = [
     "record_with",
 ]
 
-# The status of a reset the canary contradicts (its answer is ResetAnswer.CONTRADICTED).
-CONTRADICTED_STATUS = 409
+# The status of a reset the canary contradicts (its answer is ResetAnswer.CONTRADICTED): the
+# engine's answer was proven invalid (RFC 9110 502, "an invalid response from an inbound
+# server"). Not 409: benchmark tools retry a 409 as a busy engine (aiperf for 60 s), and a reset
+# a witness proved false is not worth retrying.
+CONTRADICTED_STATUS = 502
 
 
 @dataclass(frozen=True)

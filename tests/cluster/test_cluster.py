@@ -379,13 +379,13 @@ async def test_every_pod_verified_by_its_canary_is_a_verified_success(tmp_path: 
         assert body["cache_state"]["verified"] == "verified"
 
 
-async def test_a_pod_contradicted_by_its_canary_is_a_409_contradicted(tmp_path: Path) -> None:
-    """llama.cpp keeping its RAM prompt cache: that pod contradicted, the cluster 409 contradicted."""
+async def test_a_pod_contradicted_by_its_canary_is_a_502_contradicted(tmp_path: Path) -> None:
+    """llama.cpp keeping its RAM prompt cache: that pod contradicted, the cluster 502 contradicted."""
     async with cluster(
         tmp_path, [fast("vllm"), fast("llamacpp", slot_save_path=str(tmp_path), ram_cache=True)]
     ) as c:
         status, body = await c.reset()
-        assert status == 409, body
+        assert status == 502, body
         assert (body["answer"], body["success"]) == ("contradicted", False)
         by_pod = {p["pod"]: p for p in body["pods"]}
         assert by_pod[c.pods[1].address]["verified"] == "contradicted"

@@ -45,7 +45,7 @@ async def test_llamacpp_default_ram_cache_after_traffic_is_contradicted(llama_ra
         await _earlier_traffic(s, pair)
         status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
         state = await cache_state(s, pair.url)
-    assert status == 409, answer
+    assert status == 502, answer
     assert answer["answer"] == "contradicted" and answer["success"] is False
     assert answer["verified"] == "contradicted" and "--cache-ram 0" in answer["hint"]
     assert any(reading["cached"] > 0 for reading in answer["verification"]["after"]), answer["verification"]

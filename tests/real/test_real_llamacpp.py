@@ -118,7 +118,7 @@ async def test_erase_with_default_ram_cache_is_contradicted(llama_ram_cache: Pai
         await complete(s, pair.url, body)  # the prompt now lives in a slot...
         # ...and a different prompt on the same slot moves it into the RAM cache.
         await complete(s, pair.url, {**body, "prompt": long_prompt()})
-        # No canary (it would answer 409 contradicted): the traffic is the witness here.
+        # No canary (it would answer 502 contradicted): the traffic is the witness here.
         status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id, verify="none")
         assert status == 200 and answer["answer"] == "acknowledged", answer
         await complete(s, pair.url, body, tags(session_id, case_id))

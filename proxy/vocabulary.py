@@ -136,5 +136,7 @@ class EventType(StrEnum):
     CACHE_OBSERVATION = "infer.cache_observation"
     CACHE_VERIFICATION = "infer.cache_verification"
     CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
+    CACHE_RECONCILIATION = "infer.cache_reconciliation"  # engine counters vs what the sidecar saw
+    ENGINE_EVENT = "infer.engine_event"  # restarted, slept, woke, unreachable, back
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"

@@ -22,7 +22,7 @@ import aiohttp
 
 from proxy.engines.counters import Totals, fetch_sleeping, read_totals
 from proxy.observe import Observation
-from proxy.vocabulary import EngineKind
+from proxy.vocabulary import EngineKind, EventType
 from proxy.witnesses.counters import CaseVerdict, Reconciliation, Sums, reconcile
 
 __all__ = ["CaseWitness", "EngineEvent", "EventKind"]
@@ -57,7 +57,7 @@ class EngineEvent:
         """The `infer.engine_event` record."""
         return {
             "schema_version": 1,
-            "event_type": "infer.engine_event",
+            "event_type": EventType.ENGINE_EVENT.value,
             "at_ns": self.at_ns,
             "kind": self.kind.value,
             "seen_by": self.seen_by,

@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any
 
 from proxy.engines.counters import Totals
+from proxy.vocabulary import EventType
 
 __all__ = ["CaseVerdict", "Reconciliation", "Sums", "reconcile"]
 
@@ -83,7 +84,7 @@ class Reconciliation:
         """The evidence record (docs/evidence.md)."""
         return {
             "schema_version": 1,
-            "event_type": "infer.cache_reconciliation",
+            "event_type": EventType.CACHE_RECONCILIATION.value,
             "at_ns": self.at_ns,
             "from_ns": self.from_ns,
             "reset_id": self.reset_id,

@@ -97,7 +97,7 @@ def timed(urls: list[str], rounds: int, want: str) -> list[list[float]]:
 
 async def dns_lookup_ms(rounds: int, n: int) -> list[float]:
     """Milliseconds of `discover_peers` against a dnslib server answering n A records."""
-    from tests.dns_server import dns_server
+    from tests.support.dns_server import dns_server
 
     async with dns_server() as server:
         server.set("cw-peers.bench.test", [f"127.0.0.{i + 1}" for i in range(n)])

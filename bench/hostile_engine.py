@@ -141,7 +141,7 @@ async def main() -> None:
     python = str(checkout / ".venv" / "bin" / "python") if args.checkout else sys.executable
     serve = [python, "-m", "proxy", "serve", "--upstream", f"http://127.0.0.1:{engine_port}"]
     serve += ["--listen", f"127.0.0.1:{port}", "--engine", "vllm", "--evidence", str(evidence)]
-    process = subprocess.Popen(serve, stderr=subprocess.DEVNULL, cwd=checkout)
+    process = subprocess.Popen(serve, stderr=subprocess.DEVNULL, cwd=checkout)  # noqa: ASYNC220  # started once, before any load
     url = f"http://127.0.0.1:{port}"
     print(f"sidecar: {checkout}; block {args.mib} MiB, endless header up to {4 * args.mib} MiB")
     print("| attack | answer | seconds | slowest /-/healthy (s) | sidecar peak RSS (MiB) |")

@@ -141,10 +141,9 @@ class Disk:
         """Write the ballast until the disk refuses; the bytes written."""
         written = 0
         chunk = b"\0" * (1024 * 1024)
-        with open(self._ballast, "wb", buffering=0) as handle:
-            with contextlib.suppress(OSError):
-                while True:
-                    written += handle.write(chunk)
+        with open(self._ballast, "wb", buffering=0) as handle, contextlib.suppress(OSError):
+            while True:
+                written += handle.write(chunk)
         return written
 
     def free(self) -> None:

@@ -242,8 +242,8 @@ async def hold_open(url: str, concurrency: int, max_tokens: int, ready_timeout: 
             *(_open(host, port, request, totals, False) for _ in range(first, min(concurrency, first + 100)))
         )
     deadline = time.monotonic() + ready_timeout
-    while totals.first_event + totals.errors < concurrency and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    while totals.first_event + totals.errors < concurrency and time.monotonic() < deadline:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)  # a bench's poll of counters, bounded by the deadline
     print(json.dumps({"ready": totals.first_event, "errors": totals.errors}), flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     return {"open": totals.first_event, "errors": totals.errors}

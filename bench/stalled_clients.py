@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import free_port, start_service, start_simulator
 
-HELD_PER_CLIENT = 256 * 1024  # the relay's mark (proxy/upstream/answer.py HIGH_WATER)
+HELD_PER_CLIENT = 256 * 1024  # the relay's mark (proxy/upstream/response.py HIGH_WATER)
 STREAM = orjson.dumps(
     {
         "model": "sim-model",

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proxy.config import Settings
 from proxy.serve import serving
 from proxy.sim import SimConfig, running_sim
-from tests.kv_events_helpers import Ports
+from tests.support.kv_events import Ports
 
 MODES = ("none", "events", "canary", "both")
 

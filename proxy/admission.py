@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -135,10 +136,8 @@ class Admission:
         start = time.monotonic()
         at_start = self._inflight
         if at_start:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout=timeout_s)
-            except TimeoutError:
-                pass
         return DrainResult(
             waited_s=time.monotonic() - start,
             inflight_at_start=at_start,

@@ -38,19 +38,21 @@ def build_app(settings: Settings) -> web.Application:
       1. evidence        — started first, closed last: every record written at shutdown lands;
       2. upstream pool   — open before anything calls the engine, closed after all of them;
       3. engine state    — detects the engine through the pool;
-      4. health          — probes the health path the detected dialect names;
+      4. health          — probes the health path the detected dialect names (handed the
+                           engine state's readers: health stands below it);
       5. admission       — the drain gate, and the request-body budget (no lifetime);
-      6. metrics         — learns model ids at start; its background fetches stop first;
+      6. metrics         — learns model ids at start; its background fetches stop first
+                           (handed `sidecar_state`: metrics stands below what it reports);
       6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only);
       7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
                            finishes within the grace period (`serve` starts it for requests
                            and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. auth, routes    — the admin middleware, forwarding's memory, then the routes.
+     10. admin, routes   — the route-policy middleware, forwarding's memory, then the routes.
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
-    of these stop: the runner runs cleanup_ctx after the handlers (SPEC §11).
+    of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
 
     TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
     (`aiohttp/base_protocol.py`).

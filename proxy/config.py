@@ -79,6 +79,9 @@ class Settings:
     evidence_resets_max_bytes: int = 16 * 1024 * 1024
     evidence_resets_keep: int = 5
     evidence_rejected_per_s: float = 100.0
+    # The evidence's hash chain (proxy/evidence/chain.py): checkpoints, signed with this key when set.
+    evidence_signing_key_file: str | None = None
+    checkpoint_interval_s: float = 10.0
     admin_token: str | None = field(default=None, repr=False)
     admin_token_file: str | None = None
     admin_open: bool = False
@@ -216,6 +219,13 @@ def _positive_int(text: str) -> int:
 def _head_bytes(text: str) -> int:
     value = int(text)
     if value < 1024:
+        raise ValueError(text)
+    return value
+
+
+def _interval(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
         raise ValueError(text)
     return value
 
@@ -360,6 +370,19 @@ OPTIONS: tuple[Option, ...] = (
         _positive_float,
         "records per second of requests the sidecar refused itself; the rest are counted as dropped (rate)",
         "a rate ≥ 0 (0 = no limit)",
+    ),
+    Option(
+        "evidence_signing_key_file",
+        _path,
+        "Ed25519 private key (PEM) that signs the evidence checkpoints (cachewitness keygen makes one); "
+        "unset: checkpoints are unsigned",
+        "a readable PEM file path",
+    ),
+    Option(
+        "checkpoint_interval_s",
+        _interval,
+        "seconds between evidence checkpoints (one in each file while records come, and one at shutdown)",
+        "seconds > 0",
     ),
     Option("admin_token", str, "admin bearer token (prefer admin_token_file)", "a non-empty string"),
     Option("admin_token_file", _path, "file holding the admin bearer token", "a readable file path"),

@@ -18,6 +18,7 @@ from yarl import URL
 from proxy.app import build_app
 from proxy.config import Settings
 from proxy.connections import CONNECTIONS, PROBE_SLOTS, GuardedSite
+from proxy.evidence.keys import KeyFileError, load_signing_key
 from proxy.health import HEALTH
 from proxy.logs import log_event
 from proxy.probe_listener import PROBE_CONNECTIONS, ProbeListener
@@ -174,7 +175,7 @@ async def serve(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT (or `stop`), then shut down gracefully.
 
     We own the signals rather than use `web.run_app`: it exits 1 on a second SIGTERM
-    and runs on_shutdown before in-flight handlers finish (SPEC §11).
+    and runs on_shutdown before in-flight handlers finish (docs/architecture.md).
     """
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -264,8 +265,13 @@ def run(settings: Settings) -> int:
     """Blocking entry point of `cachewitness serve`; exit code 0 after a clean shutdown."""
     try:
         _check_not_itself(settings)
+        if settings.evidence_signing_key_file:
+            load_signing_key(settings.evidence_signing_key_file)
     except ListenError as exc:
         print(f"cachewitness: {exc}", file=sys.stderr)
+        return 2
+    except KeyFileError as exc:
+        print(f"cachewitness: config: evidence_signing_key_file {exc}", file=sys.stderr)
         return 2
     loop_kind = _install_uvloop()
     log_event(log, logging.INFO, "starting", event_loop=loop_kind)

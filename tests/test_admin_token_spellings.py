@@ -18,9 +18,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.capture import Capture, Seen, capturing
-from tests.conftest import serve_sidecar
-from tests.sim_helpers import chat, fast, sim
+from tests.support.capture import Capture, Seen, capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import chat, fast, sim
 
 TOKEN = "admin-t0ken-for-spelling-tests"
 ENGINE_KEY = "engine-key-for-spelling-tests"
@@ -70,7 +71,7 @@ async def engine_view(
         sim(fast("llamacpp", slot_save_path=str(tmp_path / "slots"))) as engine,
         capturing(engine.url) as capture,
         serve_sidecar(capture.url, tmp_path, engine="llamacpp", admin_token=TOKEN, **overrides) as sidecar,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         yield sidecar.url, capture, http
 

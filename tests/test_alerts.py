@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.prometheus import PROMTOOL, alerts, require, rule_groups, write_rules
-from tests.test_helm import TOOLS_PYTHON
+from tests.support.helm import TOOLS_PYTHON
+from tests.support.prometheus import PROMTOOL, alerts, require, rule_groups, write_rules
 
 CASES = Path(__file__).resolve().parent / "alerts.test.yaml"
 YAML_TO_JSON = "import json, sys, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"

@@ -1,4 +1,4 @@
-"""Admin auth on `/cache/*` (SPEC §3): bearer token, loopback-only without one, `--admin-open`."""
+"""Admin auth on `/cache/*` (docs/routes.md): bearer token, loopback-only without one, `--admin-open`."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import pytest
 
 from proxy.admin.auth import is_trusted
 from proxy.config import Settings
-from tests.conftest import stack
-from tests.sim_helpers import fast
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import stack
+from tests.support.sim import fast
 
 TOKEN = "t0k3n-for-tests"
 
@@ -27,7 +28,7 @@ async def sidecar(tmp_path: Path, host: str = "127.0.0.1", **overrides: Any) -> 
 
 async def post_reset(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     async with (
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
         http.post(f"{url}/cache/reset", headers=headers or {}) as resp,
     ):
         return resp.status, await resp.json()
@@ -65,14 +66,20 @@ async def test_right_token_is_let_in(tmp_path) -> None:
 
 
 async def test_every_cache_route_needs_the_token(tmp_path) -> None:
-    async with sidecar(tmp_path, admin_token=TOKEN) as url, aiohttp.ClientSession() as http:
+    async with (
+        sidecar(tmp_path, admin_token=TOKEN) as url,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
         for path in ("/cache/state", "/cache/evidence"):
             async with http.get(url + path) as resp:
                 assert resp.status == 401, path
 
 
 async def test_forwarded_traffic_is_not_subject_to_admin_auth(tmp_path) -> None:
-    async with sidecar(tmp_path, admin_token=TOKEN) as url, aiohttp.ClientSession() as http:
+    async with (
+        sidecar(tmp_path, admin_token=TOKEN) as url,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
         async with http.get(f"{url}/v1/models", headers={"Authorization": "Bearer client-key"}) as resp:
             assert resp.status == 200
 
@@ -153,7 +160,7 @@ async def post_reset_from(source: str, url: str) -> tuple[int, dict[str, Any]]:
     """POST /cache/reset from a connection whose source address is `source` (all of 127/8 is on lo)."""
     connector = aiohttp.TCPConnector(local_addr=(source, 0))
     async with (
-        aiohttp.ClientSession(connector=connector) as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, connector=connector) as http,
         http.post(f"{url}/cache/reset") as resp,
     ):
         return resp.status, await resp.json()

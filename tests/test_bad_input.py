@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from proxy.sim import running_sim
-from tests.conftest import SidecarFactory
-from tests.sim_helpers import chat, fast, words
-from tests.upstream import STATE
+from tests.support.sidecar import SidecarFactory
+from tests.support.sim import chat, fast, words
+from tests.support.upstream import STATE
 
 BODY = orjson.dumps(chat(words(40)))
 

@@ -1,4 +1,4 @@
-"""Verified resets: the canary inside the drain window, against each dialect of the simulator (SPEC §12.1)."""
+"""Verified resets: the canary inside the drain window, against each dialect of the simulator (docs/reset.md)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import orjson
 import pytest
 
 from proxy.sim import SimConfig
-from tests.sim_helpers import chat, fast, words
-from tests.test_client import cli
-from tests.test_client import sidecar as client_sidecar
-from tests.test_reset import Stack, stack
+from tests.support.cli import cli
+from tests.support.cli import sidecar as client_sidecar
+from tests.support.sidecar import Stack, stack
+from tests.support.sim import chat, fast, words
 
 # Each dialect as a sidecar meets it: the simulator's options and the sidecar's.
 DIALECTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {

@@ -1,6 +1,6 @@
 """A reset's case token and `bind` (issue 27, M6): other clients' requests cannot forge its verdict.
 
-The simulator runs behind a capturing hop (tests/capture.py), so a test sees every header that
+The simulator runs behind a capturing hop (tests/support/capture.py), so a test sees every header that
 reached the engine; the sidecar is the production one, served by serve.py's runner.
 """
 
@@ -19,9 +19,10 @@ import orjson
 import pytest
 
 from proxy.sim import SimConfig
-from tests.capture import Capture, capturing
-from tests.conftest import serve_sidecar
-from tests.sim_helpers import Sim, chat, fast, sim, slow, words
+from tests.support.capture import Capture, capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import Sim, chat, fast, sim, slow, words
 
 CHAT = "/v1/chat/completions"
 CASE = "X-Cachewitness-Case"
@@ -71,7 +72,7 @@ async def rig(tmp_path: Path, config: SimConfig | None = None, **overrides: Any)
         sim(config or fast("vllm")) as engine,
         capturing(engine.url) as hop,
         serve_sidecar(hop.url, tmp_path, **overrides) as sidecar,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         yield Rig(sidecar.url, hop, http, engine)
 

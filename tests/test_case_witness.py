@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from tests.conftest import Stack, stack
-from tests.sim_helpers import POLL_S, WAIT_S, chat, fast, words
+from tests.support.sidecar import Stack, stack
+from tests.support.sim import POLL_S, WAIT_S, chat, fast, words
 
 
 async def _through(s: Stack, content: str) -> dict[str, Any]:

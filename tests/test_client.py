@@ -3,58 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
-from proxy.sim import SimConfig
-from tests.conftest import closed_port_url, serve_sidecar, stack
-from tests.sim_helpers import Sim, chat, fast, sim, slow, words
+from tests.support.cli import REPO, cli, sidecar
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import closed_port_url, serve_sidecar
+from tests.support.sim import chat, fast, sim, slow, words
 
-REPO = Path(__file__).resolve().parents[1]
 TOKEN = "client-test-token"
-
-
-@dataclass(frozen=True)
-class Run:
-    """A finished client command."""
-
-    code: int
-    stdout: str
-    stderr: str
-
-
-async def cli(*args: str, env: dict[str, str] | None = None) -> Run:
-    """Run `python -m proxy ARGS` without blocking the event loop that serves the sidecar."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHEWITNESS_")}
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "proxy",
-        *args,
-        cwd=REPO,
-        env={**clean, **(env or {})},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), timeout=60)
-    assert process.returncode is not None
-    return Run(process.returncode, out.decode(), err.decode())
-
-
-@asynccontextmanager
-async def sidecar(config: SimConfig, tmp_path: Path, **overrides: Any) -> AsyncIterator[tuple[Sim, str]]:
-    """A simulator and a sidecar in front of it; yields both."""
-    async with stack(config, tmp_path, **overrides) as s:
-        yield s.engine, s.url
 
 
 async def test_acknowledged_exits_0_with_one_readable_line(tmp_path) -> None:
@@ -76,7 +36,10 @@ async def test_json_prints_the_answer_body(tmp_path) -> None:
 
 async def test_bind_asks_to_bind_and_prints_the_case_token(tmp_path) -> None:
     """`--bind`: the sidecar binds the verdict, and the one line shows the token to send."""
-    async with sidecar(fast("vllm"), tmp_path) as (_, url), aiohttp.ClientSession() as http:
+    async with (
+        sidecar(fast("vllm"), tmp_path) as (_, url),
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
         run = await cli("reset", "--url", url, "--bind", "--verify", "none")
         async with http.get(url + "/cache/state") as response:
             state = await response.json()
@@ -95,15 +58,16 @@ async def test_accepted_unverified_exits_3(tmp_path) -> None:
 
 
 async def test_refused_exits_4(tmp_path) -> None:
-    async with sidecar(slow("vllm"), tmp_path) as (engine, url), aiohttp.ClientSession() as http:
+    async with (
+        sidecar(slow("vllm"), tmp_path) as (engine, url),
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
         request = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=chat(words(8), 5000)))
         await engine.wait_stats(lambda s: s["running"] == 1)
         run = await cli("reset", "--url", url, "--no-drain", "--retry-seconds", "0")
         request.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await request
-        except asyncio.CancelledError:
-            pass
     assert run.code == 4 and run.stdout.startswith("refused")
 
 
@@ -165,7 +129,7 @@ async def test_evidence_filter_the_sidecar_rejects_exits_2(tmp_path) -> None:
 
 
 def test_cli_doc_exit_code_table_matches_the_client() -> None:
-    from proxy.cli import reset as client
+    from proxy.cli import http as client
 
     doc = (REPO / "docs" / "cli.md").read_text()
     section = doc.split("\n## Exit codes", 1)[1].split("\n#", 1)[0]
@@ -218,7 +182,10 @@ async def test_evidence_streams_the_records(tmp_path) -> None:
 
 
 async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
-    async with sidecar(fast("vllm"), tmp_path) as (_, url), aiohttp.ClientSession() as http:
+    async with (
+        sidecar(fast("vllm"), tmp_path) as (_, url),
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
         assert (await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")).code == 0
         headers = {"X-Session-Id": "s1", "X-Case-Id": "c1"}
         for _ in range(2):
@@ -246,8 +213,8 @@ async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
 
 @pytest.mark.parametrize("command", ["reset", "evidence"])
 def test_help_lists_every_exit_code(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    from proxy.cli import http as client
     from proxy.cli import main
-    from proxy.cli import reset as client
 
     with pytest.raises(SystemExit):
         main([command, "--help"])

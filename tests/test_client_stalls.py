@@ -11,11 +11,10 @@ import aiohttp
 import orjson
 from yarl import URL
 
-from proxy.upstream.answer import HIGH_WATER
-from tests.sim_helpers import WAIT_S, Sim, fast, sim
-from tests.test_connections import stop
-from tests.test_metrics import Scrape
-from tests.test_shutdown import start_sidecar
+from proxy.upstream.response import HIGH_WATER
+from tests.support.metrics import Scrape
+from tests.support.process import start_sidecar, stop
+from tests.support.sim import WAIT_S, Sim, fast, sim
 
 # Far more than the kernel's buffers and the relay's hold: the sidecar ends up waiting on the client.
 LONG_STREAM = {

@@ -7,47 +7,12 @@ from pathlib import Path
 
 import aiohttp
 import orjson
-from yarl import URL
 
 from proxy.connections import PROBE_SLOTS
 from proxy.sim import running_sim
-from tests.sim_helpers import chat, fast
-from tests.test_metrics import Scrape
-from tests.test_shutdown import start_sidecar
-
-BOUND_S = 20.0  # far above every limit used here; only reached when a connection is never closed
-
-
-async def open_raw(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A raw TCP connection to the sidecar that has sent `payload` and then goes silent."""
-    parsed = URL(url)
-    reader, writer = await asyncio.open_connection(parsed.host, parsed.port)
-    if payload:
-        writer.write(payload)
-        await writer.drain()
-    return reader, writer
-
-
-async def read_until_closed(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bytes:
-    """Everything the sidecar sends before it closes the connection (bounded); then our end closes."""
-    reader, writer = connection
-    try:
-        return await asyncio.wait_for(reader.read(), timeout=BOUND_S)
-    finally:
-        writer.close()
-
-
-async def scrape(url: str) -> Scrape:
-    """GET /metrics on a fresh connection."""
-    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
-        return Scrape(await response.text())
-
-
-async def stop(process: asyncio.subprocess.Process) -> None:
-    """SIGTERM the sidecar and wait for it."""
-    process.terminate()
-    await asyncio.wait_for(process.wait(), timeout=BOUND_S)
-
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.process import open_raw, read_until_closed, scrape_fresh, start_sidecar, stop
+from tests.support.sim import chat, fast
 
 HALF_OPEN = {
     "nothing": b"",
@@ -71,7 +36,7 @@ async def test_idle_half_open_connections_are_closed(tmp_path: Path) -> None:
             )
             answers = [await read_until_closed(connection) for connection in heads]
             assert await read_until_closed(stopped_body) == b""
-            result = await scrape(proxy)
+            result = await scrape_fresh(proxy)
         finally:
             await stop(process)
     assert all(answer.startswith(b"HTTP/1.1 408 ") for answer in answers), answers
@@ -120,7 +85,7 @@ async def test_normal_requests_keep_working_under_the_fd_limit(tmp_path: Path) -
         )
         try:
             connector = aiohttp.TCPConnector(limit=1)
-            async with aiohttp.ClientSession(connector=connector) as client:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, connector=connector) as client:
                 # A client with a keep-alive connection open before the flood.
                 async with client.post(proxy + "/v1/chat/completions", json=chat("before")) as response:
                     assert response.status == 200
@@ -139,13 +104,13 @@ async def test_normal_requests_keep_working_under_the_fd_limit(tmp_path: Path) -
             timed_out = [answer for answer in answers if answer.startswith(b"HTTP/1.1 408 ")]
             assert b'"code":"too_many_connections"' in refused[0]
             # The idle ones are gone: new clients on new connections are served.
-            async with aiohttp.ClientSession() as fresh:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as fresh:
                 for index in range(10):
                     async with fresh.post(
                         proxy + "/v1/chat/completions", json=chat(f"after {index}")
                     ) as response:
                         assert response.status == 200
-            result = await scrape(proxy)
+            result = await scrape_fresh(proxy)
         finally:
             await stop(process)
     # 64 slots: one was the client's, 63 went to the flood, and so did the probe slots past them

@@ -15,9 +15,10 @@ import pytest
 from yarl import URL
 
 from proxy.admin.policy import normalise_path
-from tests.capture import Capture, capturing
-from tests.conftest import free_port, serve_sidecar
-from tests.sim_helpers import chat, fast, sim
+from tests.support.capture import Capture, capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import free_port, serve_sidecar
+from tests.support.sim import chat, fast, sim
 
 TOKEN = "admin-t0ken-for-route-tests"
 ENGINE_KEY = "engine-key-for-route-tests"
@@ -54,7 +55,7 @@ async def stack(
         sim(fast(dialect, **options)) as engine,
         capturing(engine.url) as capture,
         serve_sidecar(capture.url, tmp_path, host=host, **{"engine": dialect, **overrides}) as sidecar,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         yield Stack(sidecar.url, capture, http)
 
@@ -270,7 +271,7 @@ async def test_an_engine_not_yet_detected_is_detected_before_its_reset_route_is_
         ) as side,
         sim(fast("vllm")) as engine,
         capturing(engine.url, port=port) as capture,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         async with http.post(f"{side.url}/collective_rpc") as resp:
             assert resp.status == 401

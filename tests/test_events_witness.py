@@ -10,9 +10,9 @@ from typing import Any
 import orjson
 
 from proxy.witnesses.events_index import CACHE_INDEX
-from tests.conftest import Stack, stack
-from tests.kv_events_helpers import Ports, engine, until
-from tests.sim_helpers import chat, words
+from tests.support.kv_events import Ports, engine, until
+from tests.support.sidecar import Stack, stack
+from tests.support.sim import chat, words
 
 
 @asynccontextmanager

@@ -12,10 +12,11 @@ import orjson
 import pytest
 
 from proxy.sim import running_sim
-from tests.sim_helpers import chat, fast
-from tests.test_metrics import Scrape
-from tests.test_shutdown import start_sidecar
-from tests.tmpfs import resize, tmpfs
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.metrics import Scrape
+from tests.support.process import start_sidecar
+from tests.support.sim import chat, fast
+from tests.support.tmpfs import resize, tmpfs
 
 MIB = 1024 * 1024
 # Seconds of load in each run. The figure is 60 s; `make soak` holds the disk full
@@ -39,7 +40,7 @@ async def load(proxy: str, seconds: float) -> tuple[int, int]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + seconds
     answered = failed = 0
-    async with aiohttp.ClientSession() as client:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client:
 
         async def worker(index: int) -> None:
             nonlocal answered, failed
@@ -59,7 +60,10 @@ async def load(proxy: str, seconds: float) -> tuple[int, int]:
 
 
 async def scrape(proxy: str) -> Scrape:
-    async with aiohttp.ClientSession() as client, client.get(proxy + "/metrics") as response:
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client,
+        client.get(proxy + "/metrics") as response,
+    ):
         return Scrape(await response.text())
 
 

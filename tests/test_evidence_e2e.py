@@ -12,8 +12,10 @@ import orjson
 import pytest
 
 from proxy.sim import running_sim
-from tests.conftest import SidecarFactory
-from tests.sim_helpers import chat, fast, slow, words
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.evidence_files import CHAIN_EVENTS
+from tests.support.sidecar import SidecarFactory
+from tests.support.sim import chat, fast, slow, words
 
 PROMPT = words(80)
 
@@ -137,7 +139,7 @@ async def test_stream_cut_before_usage_is_recorded_and_proxy_keeps_serving(
 ) -> None:
     async with running_sim(slow("vllm")) as engine:
         proxy = await sidecar(engine)
-        async with aiohttp.ClientSession() as leaving:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as leaving:
             response = await leaving.post(
                 proxy + "/v1/chat/completions", json=chat(PROMPT, max_tokens=200, stream=True)
             )
@@ -262,7 +264,10 @@ async def test_evidence_larger_than_one_write_comes_back_whole(sidecar: SidecarF
             raw = await response.read()
     assert len(raw) > 64 * 1024
     records = [orjson.loads(line) for line in raw.splitlines()]
-    assert [r["case_id"] for r in records] == [f"case-{i}" for i in range(300)]
+    # Each file's writer opened its chain first (docs/evidence.md); then the records, in order.
+    assert [r["event_type"] for r in records[:2]] == ["infer.evidence_opened"] * 2
+    observed = [r for r in records if r["event_type"] not in CHAIN_EVENTS]
+    assert [r["case_id"] for r in observed] == [f"case-{i}" for i in range(300)]
 
 
 async def test_evidence_filter_with_a_trailing_newline_is_400(sidecar: SidecarFactory, http) -> None:
@@ -295,7 +300,9 @@ async def test_evidence_since_ns_other_than_ascii_digits_is_400(
         async with http.get(proxy + "/cache/evidence", params={"since_ns": since_ns}) as response:
             assert response.status == 400
             assert (await response.json())["error"]["param"] == "since_ns"
-        assert await evidence(http, proxy, since_ns="0012") == []  # digits, leading zeros included
+        # Digits, leading zeros included: only the writers' openings are there (no request was made).
+        opened = await evidence(http, proxy, since_ns="0012")
+        assert [r["event_type"] for r in opened] == ["infer.evidence_opened"] * 2
 
 
 @pytest.mark.parametrize("name", ["session_id", "case_id", "event_type", "since_ns", "scope"])

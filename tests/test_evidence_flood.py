@@ -19,10 +19,10 @@ import pytest
 from proxy.config import ConfigError
 from proxy.config_load import load_settings
 from proxy.forward.ids import ID_CHARS
-from tests.conftest import stack
-from tests.evidence_files import resets_file
-from tests.sim_helpers import chat, fast, words
-from tests.test_metrics import scrape
+from tests.support.evidence_files import CHAIN_EVENTS, resets_file, unchained
+from tests.support.metrics import scrape
+from tests.support.sidecar import stack
+from tests.support.sim import chat, fast, words
 
 KIB = 1024
 # An 8 KB id, as in the issue's flood (aiohttp takes header lines up to 8,190 bytes).
@@ -41,12 +41,12 @@ async def evidence(http: aiohttp.ClientSession, url: str, **filters: str) -> lis
 
 
 def on_disk(base: Path, keep: int) -> list[dict[str, Any]]:
-    """Every record of one evidence file and its rotations, oldest first."""
-    records: list[dict[str, Any]] = []
-    for path in [base.with_name(f"{base.name}.{i}") for i in range(keep, 0, -1)] + [base]:
-        if path.exists():
-            records += [orjson.loads(line) for line in path.read_bytes().splitlines() if line]
-    return records
+    """Every record of one evidence file and its rotations, oldest first, as stored (their chain
+    checked link by link: tests/evidence_files.py)."""
+    paths = [base.with_name(f"{base.name}.{i}") for i in range(keep, 0, -1)] + [base]
+    data = b"".join(path.read_bytes() for path in paths if path.exists())
+    unchained(data)
+    return [orjson.loads(line) for line in data.splitlines() if line]
 
 
 async def flood(http: aiohttp.ClientSession, url: str, count: int) -> list[str]:
@@ -92,14 +92,19 @@ async def test_a_flood_of_long_ids_rotates_the_observations_but_never_the_reset_
     assert evidence_file.with_name("cachewitness.jsonl.1").exists()
     # ...and the reset's own records are still served, as the reset answered them.
     (cache_state,) = [r for r in served if r["event_type"] == "infer.cache_state"]
-    assert cache_state == answer["cache_state"]
+    # As answered, plus its place in the resets file's chain (the first line after the opening).
+    assert cache_state == {**answer["cache_state"], "seq": 2, "prev": cache_state["prev"]}
     (verification,) = [r for r in served if r["event_type"] == "infer.cache_verification"]
     assert (verification["reset_id"], verification["request_id"]) == (answer["reset_id"], first["request_id"])
     assert state["sidecar"]["evidence_resets_path"] == str(resets_file(evidence_file))
     resets = on_disk(resets_file(evidence_file), keep=5)
-    assert [r["event_type"] for r in resets] == list(RESET_EVENTS)
+    assert [r["event_type"] for r in resets if r["event_type"] not in CHAIN_EVENTS] == list(RESET_EVENTS)
     # One stream, as before the split: both files' records, each once, in time order.
     stored = on_disk(evidence_file, keep=1) + resets
+    # Less the final checkpoint of each file, which shutdown wrote after the read.
+    final = [r for r in stored if r["event_type"] == "infer.evidence_checkpoint" and r["final"]]
+    assert len(final) == 2
+    stored = [r for r in stored if r not in final]
     assert sorted(map(orjson.dumps, served)) == sorted(map(orjson.dumps, stored))
     assert [r["at_ns"] for r in served] == sorted(r["at_ns"] for r in served)
     # Every stored request id is the client's, cut at 128 characters.

@@ -18,7 +18,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.evidence.log import read_merged
+from proxy.evidence.merge import read_merged
 
 # Lines of ~3 KB: a file of 100 spans two 256 KiB chunk reads.
 PAD = "p" * 3000

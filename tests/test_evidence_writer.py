@@ -9,8 +9,11 @@ from pathlib import Path
 import orjson
 import pytest
 
-from proxy.evidence.writer import MAX_LINE_BYTES, DropReason, EvidenceWriter, read_evidence
-from tests.tmpfs import resize, tmpfs
+from proxy.evidence.lines import CHAIN_SUFFIX_MAX, MAX_LINE_BYTES
+from proxy.evidence.reader import read_evidence
+from proxy.evidence.writer import DropReason, EvidenceWriter
+from tests.support.evidence_files import CHAIN_EVENTS, unchained
+from tests.support.tmpfs import resize, tmpfs
 
 
 def record(n: int, **extra: object) -> dict[str, object]:
@@ -25,8 +28,8 @@ def record(n: int, **extra: object) -> dict[str, object]:
 
 
 def lines(path: Path) -> list[dict[str, object]]:
-    """Every record in one file."""
-    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    """Every record given to the writer in one file, the chain checked line by line (tests/evidence_files.py)."""
+    return unchained(path.read_bytes())
 
 
 async def collect(path: Path, keep: int, **filters: object) -> list[bytes]:
@@ -40,7 +43,8 @@ async def test_flush_writes_queued_records_as_jsonl(tmp_path: Path) -> None:
     writer.write(record(2, note="é"))
     await writer.flush()
     assert lines(writer.path) == [record(1), record(2, note="é")]
-    assert writer.records_total == {"infer.cache_observation": 2}
+    # The writer's life starts with its own record (tests/test_evidence_chain.py has its fields).
+    assert writer.records_total == {"infer.evidence_opened": 1, "infer.cache_observation": 2}
     await writer.close()
 
 
@@ -63,7 +67,10 @@ async def test_rotation_keeps_n_files_each_under_the_limit(tmp_path: Path) -> No
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["cachewitness.jsonl", "cachewitness.jsonl.1", "cachewitness.jsonl.2"]
     assert all(p.stat().st_size <= 1000 for p in tmp_path.iterdir())
-    kept = [orjson.loads(line)["at_ns"] for line in await collect(path, keep=2)]
+    kept = [
+        orjson.loads(line)["at_ns"]
+        for line in await collect(path, keep=2, event_type="infer.cache_observation")
+    ]
     assert kept == list(range(100 - len(kept), 100)) and len(kept) > 10
 
 
@@ -74,7 +81,13 @@ async def test_close_loses_nothing(tmp_path: Path) -> None:
         writer.write(record(n))
     await writer.close()
     assert [r["at_ns"] for r in lines(writer.path)] == list(range(10_000))
-    assert writer.records_total == {"infer.cache_observation": 10_000} and writer.dropped_total == 0
+    assert writer.dropped_total == 0
+    # One opening, and the final checkpoint close writes.
+    assert writer.records_total == {
+        "infer.evidence_opened": 1,
+        "infer.cache_observation": 10_000,
+        "infer.evidence_checkpoint": 1,
+    }
 
 
 async def test_write_after_close_is_dropped_and_counted(tmp_path: Path) -> None:
@@ -85,7 +98,8 @@ async def test_write_after_close_is_dropped_and_counted(tmp_path: Path) -> None:
 
 
 async def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
-    line_bytes = len(orjson.dumps(record(0))) + 1
+    # What one waiting record counts for: its line, and room for the chain fields it will get.
+    line_bytes = len(orjson.dumps(record(0))) + 1 + CHAIN_SUFFIX_MAX
     writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", max_queue_bytes=3 * line_bytes)
     for n in range(5):
         writer.write(record(n))
@@ -119,8 +133,10 @@ async def test_disk_full_is_counted_and_logged_once(caplog: pytest.LogCaptureFix
             await writer.flush()
         await writer.close()
     failures = [r for r in caplog.records if "evidence_write_failed" in r.getMessage()]
-    # Three flushes and the final one at close each failed; the records are lost and counted.
-    assert writer.write_errors_total == 4 and len(failures) == 1 and writer.dropped_total == 3
+    # Three flushes and the final one at close each failed; the records are lost and counted:
+    # the three, the writer's opening and its final checkpoint.
+    assert writer.write_errors_total == 4 and len(failures) == 1
+    assert writer.dropped == {**dict.fromkeys(DropReason, 0), DropReason.UNWRITABLE_AT_CLOSE: 5}
     assert orjson.loads(failures[0].getMessage())["error"] == "ENOSPC"
 
 
@@ -163,7 +179,10 @@ async def test_reader_filters_by_session_case_type_and_time(tmp_path: Path) -> N
     assert len(await collect(path, keep=5, session_id="a")) == 2
     assert len(await collect(path, keep=5, case_id="1")) == 2
     assert len(await collect(path, keep=5, event_type="infer.cache_state")) == 1
-    assert [orjson.loads(x)["at_ns"] for x in await collect(path, keep=5, since_ns=2)] == [2, 3]
+    since = [orjson.loads(x) for x in await collect(path, keep=5, since_ns=2)]
+    # The writer's opening and final checkpoint carry the time they were written: after 2 too.
+    assert [r["at_ns"] for r in since if r["event_type"] not in CHAIN_EVENTS] == [2, 3]
+    assert sorted(r["event_type"] for r in since if r["event_type"] in CHAIN_EVENTS) == sorted(CHAIN_EVENTS)
 
 
 async def test_reader_skips_an_unfinished_last_line(tmp_path: Path) -> None:
@@ -243,20 +262,25 @@ async def test_a_full_disk_takes_what_fits_and_the_rest_when_space_returns(tmp_p
             writer.write(record(n, pad="p" * 150))
         await writer.flush()
         written = lines(writer.path)
-        assert 200 < len(written) < 1000 and writer.path.read_bytes().endswith(b"\n")
+        assert 150 < len(written) < 1000 and writer.path.read_bytes().endswith(b"\n")
         assert [r["at_ns"] for r in written] == list(range(len(written)))
-        assert writer.records_total == {"infer.cache_observation": len(written)}
+        assert writer.records_total == {"infer.evidence_opened": 1, "infer.cache_observation": len(written)}
         assert writer.write_errors_total >= 1 and writer.dropped_total == 0
         resize(disk, "1m")
         await writer.close()
         assert [r["at_ns"] for r in lines(writer.path)] == list(range(1000))
-        assert writer.records_total == {"infer.cache_observation": 1000} and writer.pending_bytes == 0
+        assert writer.pending_bytes == 0
+        assert writer.records_total == {
+            "infer.evidence_opened": 1,
+            "infer.cache_observation": 1000,
+            "infer.evidence_checkpoint": 1,
+        }
 
 
 async def test_on_a_full_disk_every_record_is_written_or_counted_lost(tmp_path: Path) -> None:
     """The queue is bounded in bytes: past it records are dropped, and written + dropped = produced."""
     with tmpfs(tmp_path / "disk", "64k") as disk:
-        line_bytes = len(orjson.dumps(record(0, pad="p" * 150))) + 1
+        line_bytes = len(orjson.dumps(record(0, pad="p" * 150))) + 1 + CHAIN_SUFFIX_MAX
         writer = EvidenceWriter(disk / "cachewitness.jsonl", max_queue_bytes=200 * line_bytes)
         for n in range(5000):
             writer.write(record(n, pad="p" * 150))
@@ -265,9 +289,16 @@ async def test_on_a_full_disk_every_record_is_written_or_counted_lost(tmp_path: 
                 assert writer.pending_bytes <= 200 * line_bytes
         await writer.close()
         on_disk = len(lines(writer.path))
+        declared = [
+            orjson.loads(line).get("dropped_before", 0) for line in writer.path.read_bytes().splitlines()
+        ]
     assert writer.dropped[DropReason.QUEUE_FULL] > 0
     assert on_disk == writer.records_total["infer.cache_observation"]
-    assert on_disk + writer.dropped_total == 5000
+    # The disk is still full at close: its final checkpoint is lost with the records still waiting.
+    assert on_disk + writer.dropped_total == 5000 + 1
+    # The disk never took a line after the first drop: no line on it declares one (the lines that
+    # did are lost with the disk; tests/test_evidence_chain_disk.py has space return, and counts).
+    assert sum(declared) == 0
 
 
 def _rss_bytes() -> int:

@@ -9,8 +9,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import SidecarFactory, free_port
-from tests.upstream import STATE
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import SidecarFactory, free_port
+from tests.support.upstream import STATE
 
 
 async def still_serves(http: aiohttp.ClientSession, proxy: str) -> None:
@@ -108,7 +109,7 @@ async def test_client_leaving_mid_stream_closes_the_upstream_request(
 ) -> None:
     proxy = await sidecar(upstream)
     state = upstream_app[STATE]
-    session = aiohttp.ClientSession()
+    session = aiohttp.ClientSession(timeout=CLIENT_TIMEOUT)
     response = await session.get(proxy + "/sse/endless")
     assert await response.content.readuntil(b"\n\n") == b"data: first\n\n"
     await asyncio.wait_for(state.started.wait(), timeout=5)
@@ -123,7 +124,7 @@ async def test_client_leaving_before_the_answer_closes_the_upstream_request(
 ) -> None:
     proxy = await sidecar(upstream)
     state = upstream_app[STATE]
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
         task = asyncio.create_task(session.get(proxy + "/slow"))
         await asyncio.wait_for(state.started.wait(), timeout=5)
         task.cancel()

@@ -10,14 +10,11 @@ import pytest
 
 from proxy.config_load import load_settings
 from proxy.sim import running_sim
-from tests.conftest import serve_sidecar
-from tests.prometheus import PENDING_METRICS
-from tests.sim_helpers import fast
-from tests.test_helm import (  # the chart helpers, and the fixture that insists on the pinned tools
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.helm import (
     KUBE_VERSIONS,
     Manifest,
     client_service,
-    deploy_tools,  # noqa: F401
     env_values,
     helm_template,
     kinds,
@@ -29,6 +26,9 @@ from tests.test_helm import (  # the chart helpers, and the fixture that insists
     sidecar,
     validate,
 )
+from tests.support.prometheus import PENDING_METRICS
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import fast
 
 REPLICAS_3 = ("--set", "replicaCount=3")
 ALERTS = ("--set", "prometheusRule.enabled=true")
@@ -271,7 +271,10 @@ async def test_every_alert_selects_series_the_sidecar_exports(tmp_path: Path) ->
     """Each metric an alert reads exists in a live sidecar's /metrics, with the label values it matches
     (a metric renamed on one side only fails here); the wave-3 witnesses' metrics once they exist."""
     async with running_sim(fast("vllm")) as engine, serve_sidecar(engine, tmp_path) as sidecar:
-        async with aiohttp.ClientSession() as http, http.get(f"{sidecar.url}/metrics") as response:
+        async with (
+            aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+            http.get(f"{sidecar.url}/metrics") as response,
+        ):
             exported = _series_labels(await response.text())
     for rule in rules():
         selectors = SELECTOR.findall(rule["expr"])

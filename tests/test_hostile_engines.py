@@ -16,9 +16,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import SidecarFactory
-from tests.hostile_engine import OK_JSON, hostile_engine, path_of, query_of
-from tests.test_shutdown import start_sidecar
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.hostile_engine import OK_JSON, hostile_engine, path_of, query_of
+from tests.support.process import start_sidecar
+from tests.support.sidecar import SidecarFactory
 
 PIECE = 64 * 1024
 ENDLESS = 256 * 1024 * 1024  # "endless": past anything the sidecar could hold; the engine stops when cut
@@ -83,7 +84,7 @@ async def test_answer_heads_past_the_leg_limits_are_502_while_the_sidecar_keeps_
 ) -> None:
     """An endless header, a 100 MB header block, 101 headers: each a 502 `upstream_bad_answer`, its
     connection closed and counted, /-/healthy answering all along (they froze the sidecar 7-13 s)."""
-    async with hostile_engine(_head_attack) as engine, aiohttp.ClientSession() as http:
+    async with hostile_engine(_head_attack) as engine, aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
         process, proxy = await start_sidecar(engine.url, tmp_path, "--engine", "vllm")
         try:
             for count, path in enumerate(("/endless", "/block", "/many"), start=1):

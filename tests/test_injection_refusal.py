@@ -1,6 +1,6 @@
 """An engine's refusal of the injected include_usage, decided from the client's own request (issue 27, M5).
 
-The simulator runs behind a capturing hop (tests/capture.py), so each test counts the chat
+The simulator runs behind a capturing hop (tests/support/capture.py), so each test counts the chat
 requests that reached the engine; the sidecar is the production one, served by serve.py's runner.
 """
 
@@ -16,9 +16,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from tests.capture import Capture, capturing
-from tests.conftest import serve_sidecar
-from tests.sim_helpers import chat, fast, sim, words
+from tests.support.capture import Capture, capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import chat, fast, sim, words
 
 CHAT = "/v1/chat/completions"
 # The poisoned request of the security test: its error quotes `stream_options` back.
@@ -61,7 +62,7 @@ async def rig(tmp_path: Path, *, reject_stream_options: bool = False, **override
         sim(fast("vllm", reject_stream_options=reject_stream_options)) as engine,
         capturing(engine.url) as hop,
         serve_sidecar(hop.url, tmp_path, **overrides) as sidecar,
-        aiohttp.ClientSession() as http,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         yield Rig(sidecar.url, hop, http)
 

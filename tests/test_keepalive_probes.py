@@ -9,10 +9,9 @@ import aiohttp
 
 from proxy.connections import PROBE_SLOTS
 from proxy.sim import running_sim
-from tests.conftest import free_port
-from tests.sim_helpers import fast
-from tests.test_connections import BOUND_S, open_raw, read_until_closed, stop
-from tests.test_shutdown import start_sidecar
+from tests.support.process import BOUND_S, open_raw, read_until_closed, start_sidecar, stop
+from tests.support.sidecar import free_port
+from tests.support.sim import fast
 
 PROBE = b"GET /-/healthy HTTP/1.1\r\nHost: sidecar\r\n\r\n"
 MAX_CONNECTIONS = 4

@@ -9,8 +9,8 @@ import pytest
 
 from proxy.sim import SimConfig, add_sim_arguments, sim_config_from_args
 from proxy.witnesses.events import KvEvents
-from tests.kv_events_helpers import Ports, caught_up, core, engine, request, stack, until
-from tests.sim_helpers import sim
+from tests.support.kv_events import Ports, caught_up, core, engine, request, stack, until
+from tests.support.sim import sim
 
 # Long enough for a published clear to arrive on a loaded machine; only ever waited out when
 # the test expects nothing to come.
@@ -207,8 +207,19 @@ def test_the_simulators_kv_events_flags() -> None:
     parser = argparse.ArgumentParser()
     add_sim_arguments(parser)
     ns = parser.parse_args(
-        "--kv-events-endpoint tcp://127.0.0.1:5557 --kv-events-replay tcp://127.0.0.1:5558 "
-        "--kv-events-legacy --kv-events-drop-every 3 --kv-events-rank 1 --kv-events-topic t".split()
+        [
+            "--kv-events-endpoint",
+            "tcp://127.0.0.1:5557",
+            "--kv-events-replay",
+            "tcp://127.0.0.1:5558",
+            "--kv-events-legacy",
+            "--kv-events-drop-every",
+            "3",
+            "--kv-events-rank",
+            "1",
+            "--kv-events-topic",
+            "t",
+        ]
     )
     config = sim_config_from_args(ns)
     assert config == SimConfig(

@@ -15,8 +15,8 @@ import zmq.asyncio
 
 from proxy.witnesses.events_state import RankState
 from proxy.witnesses.events_wire import CLEARED, STORED, decode_batch, replay_item
-from tests.kv_events_helpers import Ports, engine, request
-from tests.sim_helpers import WAIT_S, sim
+from tests.support.kv_events import Ports, engine, request
+from tests.support.sim import WAIT_S, sim
 
 FIXTURE = json.loads((Path(__file__).parent / "data" / "vllm-kv-events.json").read_text())
 

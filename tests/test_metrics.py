@@ -13,13 +13,14 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.evidence.log import EVIDENCE
 from proxy.metrics import ENGINE_METRICS_MAX_AGE_S, METRICS
 from proxy.sim import SimConfig, build_sim_app, running_sim
-from tests.conftest import SidecarFactory, closed_port_url, serve_app, serve_sidecar
-from tests.sim_helpers import sim as sim_client
+from tests.support.metrics import scrape
+from tests.support.sidecar import SidecarFactory, closed_port_url, serve_app, serve_sidecar
+from tests.support.sim import sim as sim_client
+from tests.support.sim import slow
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "config" / "grafana-dashboard.json"
@@ -73,43 +74,6 @@ def chat(content: str, model: str = "sim-model") -> dict[str, Any]:
 
 
 PROMPT = " ".join(f"word{i}" for i in range(60))
-
-
-class Scrape:
-    """One parsed `/metrics` answer: samples by (name, labels)."""
-
-    def __init__(self, text: str) -> None:
-        """Parse the text as Prometheus does (text format 0.0.4)."""
-        self.text = text
-        self.families = {family.name: family for family in text_string_to_metric_families(text)}
-        self.samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-        for family in self.families.values():
-            for sample in family.samples:
-                self.samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-
-    def value(self, name: str, **labels: str) -> float:
-        """The value of one sample; KeyError when absent."""
-        return self.samples[(name, frozenset(labels.items()))]
-
-    def label_values(self, name: str, label: str) -> set[str]:
-        """Every value `label` takes among a sample name's series."""
-        return {dict(key)[label] for (sample, key) in self.samples if sample == name and label in dict(key)}
-
-    def names(self) -> set[str]:
-        """Every sample name in the scrape."""
-        return {sample for (sample, _labels) in self.samples}
-
-    def type_lines(self) -> list[str]:
-        """The family name of every `# TYPE` line, in order (a repeat makes Prometheus reject the scrape)."""
-        return [line.split()[2] for line in self.text.splitlines() if line.startswith("# TYPE ")]
-
-
-async def scrape(http: aiohttp.ClientSession, url: str) -> Scrape:
-    """GET /metrics and parse it."""
-    async with http.get(url + "/metrics") as resp:
-        assert resp.status == 200
-        assert resp.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
-        return Scrape(await resp.text())
 
 
 async def post_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -306,6 +270,42 @@ async def test_responses_without_cached_tokens_move_when_the_engine_reports_no_c
     assert "Deprecated" in result.families["cachewitness_cached_tokens_unknown"].documentation
     assert result.value("cachewitness_cached_tokens_total", model="sim-model") == 0
     assert result.value("cachewitness_prompt_tokens_total", model="sim-model") == 2 * usage["prompt_tokens"]
+
+
+async def test_failed_and_non_2xx_requests_are_not_responses_without_cached_tokens(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """The since-reset counters of /cache/state count, as the metric does, only 2xx responses
+    without a cached field as `cached_tokens_unknown`: a rejected (400) request and one the
+    client left mid-stream are requests, never "cached tokens unknown"."""
+    async with running_sim(slow("vllm", prompt_tokens_details=False)) as engine:
+        url = await sidecar(engine)
+        async with http.post(url + "/cache/reset", json={"verify": "none"}) as resp:
+            assert resp.status == 200
+        await post_chat(http, url, chat(PROMPT))  # 2xx without a cached field: the one unknown
+        async with http.post(url + "/v1/chat/completions", json={**chat(PROMPT), "max_tokens": -1}) as resp:
+            assert resp.status == 400  # the engine rejects it: non-2xx
+        stream = {**chat(PROMPT), "max_tokens": 2000, "stream": True}
+        async with http.post(url + "/v1/chat/completions", json=stream) as resp:
+            assert resp.status == 200
+            await resp.content.readline()  # the first event; then the client leaves: a failed exchange
+        since = await _since_reset(http, url, requests=3)
+        result = await scrape(http, url)
+    assert since["cached_tokens_unknown"] == 1
+    assert result.value("cachewitness_responses_without_cached_tokens_total", model="sim-model") == 1
+
+
+async def _since_reset(http: aiohttp.ClientSession, url: str, *, requests: int) -> dict[str, Any]:
+    """/cache/state's since_reset once it has counted `requests` (bounded: a request left by its
+    client is counted when the sidecar sees it go)."""
+    deadline = asyncio.get_running_loop().time() + 20
+    while True:
+        async with http.get(url + "/cache/state") as resp:
+            since: dict[str, Any] = (await resp.json())["since_reset"]
+        if since["requests"] >= requests:
+            return since
+        assert asyncio.get_running_loop().time() < deadline, since
+        await asyncio.sleep(0.05)
 
 
 async def test_model_label_stays_within_the_engines_models_and_other(
@@ -513,12 +513,11 @@ async def test_reset_answered_counts_and_bounds_its_labels(
     tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """reset_answered: counted under its engine and answer; unknown words land on "other"."""
-    async with running_sim(fast("vllm")) as engine:
-        async with serve_sidecar(engine, tmp_path) as sidecar:
-            app, url = sidecar.app, sidecar.url
-            app[METRICS].reset_answered("vllm", "refused", 1.5, 3)
-            app[METRICS].reset_answered("some-new-engine", "maybe", 0.2, 1)
-            result = await scrape(http, url)
+    async with running_sim(fast("vllm")) as engine, serve_sidecar(engine, tmp_path) as sidecar:
+        app, url = sidecar.app, sidecar.url
+        app[METRICS].reset_answered("vllm", "refused", 1.5, 3)
+        app[METRICS].reset_answered("some-new-engine", "maybe", 0.2, 1)
+        result = await scrape(http, url)
     assert result.value("cachewitness_cache_resets_total", engine="vllm", answer="refused") == 1
     assert result.value("cachewitness_cache_resets_total", engine="other", answer="other") == 1
     assert result.value("cachewitness_cache_reset_duration_seconds_count") == 2
@@ -545,12 +544,11 @@ async def test_evidence_records_are_counted_as_the_writer_wrote_them(
     tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     """After the writer flushed one observation, evidence_records_total says 1 for its event type."""
-    async with running_sim(fast("vllm")) as engine:
-        async with serve_sidecar(engine, tmp_path) as sidecar:
-            app, url = sidecar.app, sidecar.url
-            await post_chat(http, url, chat(PROMPT))
-            await app[EVIDENCE].flush()
-            result = await scrape(http, url)
+    async with running_sim(fast("vllm")) as engine, serve_sidecar(engine, tmp_path) as sidecar:
+        app, url = sidecar.app, sidecar.url
+        await post_chat(http, url, chat(PROMPT))
+        await app[EVIDENCE].flush()
+        result = await scrape(http, url)
     assert result.value("cachewitness_evidence_records_total", event_type="infer.cache_observation") == 1
     assert result.value("cachewitness_evidence_write_errors_total") == 0
 

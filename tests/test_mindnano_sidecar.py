@@ -16,8 +16,8 @@ import orjson
 import pytest
 
 from proxy.sim import running_sim
-from tests.conftest import SidecarFactory
-from tests.sim_helpers import POLL_S, WAIT_S, event_json, fast, slow
+from tests.support.sidecar import SidecarFactory
+from tests.support.sim import POLL_S, WAIT_S, event_json, fast, slow
 
 LONG_PROMPT = "1" * 1003  # 1,024 prompt tokens
 

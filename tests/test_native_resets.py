@@ -13,9 +13,9 @@ import pytest
 from multidict import CIMultiDictProxy
 
 from proxy.sim import SimConfig
-from tests.conftest import Stack, running_request, stack
-from tests.evidence_files import evidence_records
-from tests.sim_helpers import fast, slow
+from tests.support.evidence_files import evidence_records
+from tests.support.sidecar import Stack, running_request, stack
+from tests.support.sim import fast, slow
 
 TOKEN = "admin-t0ken-for-native-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -104,11 +104,10 @@ async def test_uniform_sglang_flush_answers_in_sglangs_words(tmp_path) -> None:
 async def test_engine_mode_gives_a_busy_engines_answer_exactly(dialect: str, tmp_path) -> None:
     # A long drain_timeout: were the native call drained, it would wait for the stream to end
     # and then succeed, which the engine's own answer did not.
-    async with sidecar(slow(dialect), tmp_path, drain_timeout=600.0) as s:
-        async with running_request(s) as running:
-            expected = await direct(s, dialect)
-            status, body, _ = await native(s, dialect)
-            assert not running.done()  # no drain: the stream runs on
+    async with sidecar(slow(dialect), tmp_path, drain_timeout=600.0) as s, running_request(s) as running:
+        expected = await direct(s, dialect)
+        status, body, _ = await native(s, dialect)
+        assert not running.done()  # no drain: the stream runs on
     assert expected[0] != 200 or b"false" in expected[1]  # the engine did refuse
     assert (status, body) == expected
     (state,) = records(tmp_path, "infer.cache_state")
@@ -128,9 +127,8 @@ async def test_engine_mode_on_an_idle_engine_is_acknowledged_and_recorded(dialec
 
 
 async def test_reset_running_requests_maps_to_force(tmp_path) -> None:
-    async with sidecar(slow("vllm"), tmp_path) as s:
-        async with running_request(s):
-            status, body, _ = await native(s, "vllm", query="?reset_running_requests=true")
+    async with sidecar(slow("vllm"), tmp_path) as s, running_request(s):
+        status, body, _ = await native(s, "vllm", query="?reset_running_requests=true")
     assert (status, orjson.loads(body)) == (200, {"success": True})
     (state,) = records(tmp_path, "infer.cache_state")
     assert "reset_running_requests=true" in state["reset"]["url"]
@@ -186,11 +184,11 @@ async def test_native_reset_auth_accepts_the_engine_key_on_reset_routes_only(tmp
 
 async def test_the_engine_key_is_refused_without_native_reset_auth(tmp_path) -> None:
     key = "engine-key-for-bench-tools"
-    async with sidecar(fast("vllm"), tmp_path, upstream_api_key=key) as s:
-        async with s.http.post(
-            f"{s.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {key}"}
-        ) as resp:
-            assert resp.status == 401
+    async with (
+        sidecar(fast("vllm"), tmp_path, upstream_api_key=key) as s,
+        s.http.post(f"{s.url}/reset_prefix_cache", headers={"Authorization": f"Bearer {key}"}) as resp,
+    ):
+        assert resp.status == 401
 
 
 # -- llama.cpp slot erase -------------------------------------------------------------------------

@@ -17,7 +17,9 @@ import orjson
 import pytest
 
 from proxy.sim import running_sim
-from tests.prometheus import (
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.process import start_sidecar
+from tests.support.prometheus import (
     PROMETHEUS,
     Prometheus,
     QueryError,
@@ -29,8 +31,7 @@ from tests.prometheus import (
     running_prometheus,
     write_rules,
 )
-from tests.sim_helpers import chat, fast, words
-from tests.test_shutdown import start_sidecar
+from tests.support.sim import chat, fast, words
 
 CONTRADICTED = 'cachewitness_cache_resets_total{answer="contradicted"}'
 
@@ -61,7 +62,7 @@ async def _reset(http: aiohttp.ClientSession, url: str, **body: Any) -> str:
 async def _session(url: str) -> list[str]:
     """Requests and streams around two resets: one without a canary, one the canary contradicts."""
     prompt = words(80)
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
         for index in range(3):
             await _chat(http, url, prompt, stream=index % 2 == 1)
         answers = [await _reset(http, url, verify="none", session_id="s", case_id="c1")]

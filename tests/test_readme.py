@@ -16,8 +16,9 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.conftest import free_port
-from tests.sim_helpers import POLL_S, WAIT_S
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import free_port
+from tests.support.sim import POLL_S, WAIT_S
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -65,7 +66,7 @@ async def wait_ready(url: str) -> None:
     """Poll the sidecar's readiness (the engine behind it answered) until it says so."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + WAIT_S * 3  # two fresh interpreters start first
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
         while True:
             try:
                 async with http.get(url + "/-/ready") as response:

@@ -15,9 +15,9 @@ import orjson
 from yarl import URL
 
 from proxy.sim import running_sim
-from tests.sim_helpers import fast
-from tests.test_connections import scrape, stop
-from tests.test_shutdown import start_sidecar
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.process import scrape_fresh, start_sidecar, stop
+from tests.support.sim import fast
 
 REFUSALS = 200  # per kind
 THROTTLE_S = 10.0  # one line per reason per this many seconds (proxy/refusals.py)
@@ -38,7 +38,7 @@ async def test_refusals_are_counted_and_their_log_lines_throttled(tmp_path: Path
         )
         try:
             started = time.monotonic()
-            async with aiohttp.ClientSession() as http:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
 
                 async def status(method: str, target: str) -> int:
                     async with http.request(method, URL(url + target, encoded=True)) as resp:
@@ -48,7 +48,7 @@ async def test_refusals_are_counted_and_their_log_lines_throttled(tmp_path: Path
                     assert await status("GET", "/slots") == 401
                     assert await status("POST", "/%u0073lots/0?action=erase") == 400
             elapsed = time.monotonic() - started
-            result = await scrape(url)
+            result = await scrape_fresh(url)
         finally:
             await stop(process)
     assert result.value("cachewitness_route_refusals_total", reason="missing_admin_token") == REFUSALS
@@ -69,7 +69,7 @@ async def test_a_refusal_line_says_what_was_refused_and_from_where(tmp_path: Pat
         process, url = await start_sidecar(engine, tmp_path, "--engine", "vllm")
         try:
             connector = aiohttp.TCPConnector(local_addr=("127.0.0.6", 0))
-            async with aiohttp.ClientSession(connector=connector) as http:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, connector=connector) as http:
                 async with http.post(url + "/collective_rpc") as resp:
                     assert resp.status == 403
         finally:

@@ -14,11 +14,10 @@ import orjson
 from aiohttp import web
 
 from proxy.sim import running_sim
-from tests.conftest import SidecarFactory, serve_app
-from tests.sim_helpers import chat, fast
-from tests.test_connections import open_raw, read_until_closed, stop
-from tests.test_metrics import Scrape
-from tests.test_shutdown import start_sidecar
+from tests.support.metrics import Scrape
+from tests.support.process import open_raw, read_until_closed, start_sidecar, stop
+from tests.support.sidecar import SidecarFactory, serve_app
+from tests.support.sim import chat, fast
 
 MIB = 1024 * 1024
 BODY_BYTES = 63 * MIB

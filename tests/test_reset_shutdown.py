@@ -10,9 +10,10 @@ import aiohttp
 from aiohttp import web
 
 from proxy.serve import serve
-from tests.conftest import free_port, make_settings, serve_app
-from tests.evidence_files import evidence_records
-from tests.sim_helpers import WAIT_S
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.evidence_files import evidence_records
+from tests.support.sidecar import free_port, make_settings, serve_app
+from tests.support.sim import WAIT_S
 
 
 def engine_that_resets_when_told(answer_after: asyncio.Event, called: asyncio.Event) -> web.Application:
@@ -58,7 +59,7 @@ async def shut_down_during_a_reset(
         )
         stop = asyncio.Event()
         sidecar = asyncio.create_task(serve(settings, stop))
-        async with aiohttp.ClientSession() as http:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
             caller = asyncio.create_task(
                 post_when_up(http, f"http://{listen}/cache/reset", {"case_id": "at-shutdown", "drain": False})
             )

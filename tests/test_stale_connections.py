@@ -16,8 +16,8 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.upstream import UpstreamLeg
-from tests.conftest import SidecarFactory, serve_app
-from tests.hostile_engine import OK_JSON
+from tests.support.hostile_engine import OK_JSON
+from tests.support.sidecar import SidecarFactory, serve_app
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 ROUNDS = 6
@@ -196,7 +196,7 @@ async def test_a_pooled_connection_the_engine_closed_is_not_written_to() -> None
             answer.close()
             if round_ == 0:
                 engine.close_connections()
-                time.sleep(0.05)  # holds the loop: the engine's FIN is in the kernel, unseen by the pool
+                time.sleep(0.05)  # noqa: ASYNC251  # holds the loop: the engine's FIN is in the kernel, unseen by the pool
     finally:
         leg.close()
         engine.close()

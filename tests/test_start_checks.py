@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from proxy.serve import points_at_itself
-from tests.conftest import free_port
+from tests.support.sidecar import free_port
 
 
 def serve(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

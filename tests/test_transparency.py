@@ -13,7 +13,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from tests.conftest import SidecarFactory, serve_app
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import SidecarFactory, serve_app
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}
 
@@ -95,7 +96,7 @@ async def engine(engine_app: web.Application) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(auto_decompress=False) as session:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, auto_decompress=False) as session:
         yield session
 
 

@@ -5,7 +5,7 @@ so `/%u0073lots` reached llama-server's `/slots` with no admin check. M2: decodi
 nothing changed cost quadratic time. Now a path is decoded twice at most, and one that still
 holds `%`, or holds `%u`, bytes that are not UTF-8 or control characters, gets 400
 `invalid_request_target`. The property test spells every engine's control routes in every
-way that engine's own decoder accepts (tests/path_spellings.py) and checks that none reaches it.
+way that engine's own decoder accepts (tests/support/path_spellings.py) and checks that none reaches it.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from yarl import URL
 
 from proxy.engines import llamacpp, mindnano, sglang, vllm
 from proxy.engines.routes import RouteRule
-from tests.capture import Capture, capturing
-from tests.conftest import serve_sidecar
-from tests.path_spellings import CPP_HTTPLIB, DECODERS, STARLETTE, decode, spellings
-from tests.sim_helpers import fast, sim
+from tests.support.capture import Capture, capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.path_spellings import CPP_HTTPLIB, DECODERS, STARLETTE, decode, spellings
+from tests.support.sidecar import serve_sidecar
+from tests.support.sim import fast, sim
 
 TOKEN = "admin-t0ken-for-path-tests"
 # All of 127/8 is on lo (Linux): a client bound here is loopback, but not a trusted peer.
@@ -67,7 +68,9 @@ async def stack(
         sim(fast(dialect, **options)) as engine,
         capturing(engine.url) as capture,
         serve_sidecar(capture.url, tmp_path, **{"engine": dialect, **overrides}) as sidecar,
-        aiohttp.ClientSession(connector=aiohttp.TCPConnector(local_addr=(source, 0))) as http,
+        aiohttp.ClientSession(
+            timeout=CLIENT_TIMEOUT, connector=aiohttp.TCPConnector(local_addr=(source, 0))
+        ) as http,
     ):
         yield Stack(sidecar.url, capture, http)
 

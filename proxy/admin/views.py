@@ -7,12 +7,13 @@ stands above both reset and cluster, so the dispatch lives here.
 from __future__ import annotations
 
 import re
+from contextlib import aclosing
 
 import orjson
 from aiohttp import web
 
 from proxy.admission import ADMISSION
-from proxy.cluster.evidence import cluster_evidence
+from proxy.cluster.evidence import cluster_evidence, cluster_proof
 from proxy.cluster.fanout import cluster_reset
 from proxy.cluster.state import cluster_state
 from proxy.config import SETTINGS
@@ -21,17 +22,16 @@ from proxy.errors import error_response
 from proxy.evidence.log import EVIDENCE
 from proxy.forward.ids import is_stored_id
 from proxy.health import HEALTH
-from proxy.reset.params import CLUSTER, BadInput, read_params
+from proxy.reset.params import BadInput, read_params
 from proxy.reset.service import RESETS
-from proxy.vocabulary import EventType
+from proxy.vocabulary import EventType, Scope
 from proxy.witnesses.traffic import WITNESS
 
 __all__ = ["handle_evidence", "handle_reset", "handle_state"]
 
-# The records a pod serves (the cluster trailer is the cluster read's own, never stored).
-_EVENT_TYPES = frozenset(str(kind) for kind in EventType if kind is not EventType.CLUSTER_READ)
-_FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope")
-_SCOPES = ("pod", "cluster")
+# The records a pod stores (the cachewitness.* lines are a read's own: the cluster trailer, a proof's markers).
+_EVENT_TYPES = frozenset(str(kind) for kind in EventType if not kind.startswith("cachewitness."))
+_FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope", "proof")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024
 _ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
@@ -43,18 +43,18 @@ async def handle_reset(request: web.Request) -> web.Response:
         params = await read_params(request, request.app[SETTINGS])
     except BadInput as bad:
         return error_response(400, bad.message, type_="invalid_request_error", code=bad.code, param=bad.param)
-    if params.scope == CLUSTER:
+    if params.scope == Scope.CLUSTER:
         return await cluster_reset(request, params)
     status, body = await request.app[RESETS].reset(params)
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-def _scope(request: web.Request) -> str | web.Response:
+def _scope(request: web.Request) -> Scope | web.Response:
     """`?scope=pod` (default) or `?scope=cluster`; a 400 for anything else."""
-    scope = request.query.get("scope", "pod")
-    if scope not in _SCOPES:
+    scope = request.query.get("scope", Scope.POD)
+    if scope not in tuple(Scope):
         return _bad_filter("scope", 'scope must be "pod" or "cluster"')
-    return scope
+    return Scope(scope)
 
 
 async def handle_state(request: web.Request) -> web.Response:
@@ -62,7 +62,7 @@ async def handle_state(request: web.Request) -> web.Response:
     scope = _scope(request)
     if isinstance(scope, web.Response):
         return scope
-    if scope == "cluster":
+    if scope == Scope.CLUSTER:
         return await cluster_state(request)
     app = request.app
     state = app[WITNESS].state()
@@ -78,6 +78,8 @@ async def handle_state(request: web.Request) -> web.Response:
         "evidence_resets_path": app[SETTINGS].resets_evidence,
         "evidence_write_errors_total": evidence.write_errors_total,
         "evidence_dropped_total": evidence.dropped_total,
+        # The key that signs the evidence checkpoints (None: unsigned), see docs/evidence.md.
+        "evidence_key_fingerprint": evidence.observations.key_fingerprint,
     }
     return web.json_response(state)
 
@@ -117,10 +119,18 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     scope = _scope(request)
     if isinstance(scope, web.Response):
         return scope
-    if scope == "cluster":
-        return await cluster_evidence(request, {k: v for k, v in query.items() if k != "scope"})
+    proof = query.get("proof", "0")
+    if proof not in ("0", "1"):
+        return _bad_filter("proof", "proof must be 1 (the chain segments that prove the records) or 0")
+    filters = {k: v for k, v in query.items() if k not in ("scope", "proof")}
+    if scope == Scope.CLUSTER:
+        if proof == "1":
+            return await cluster_proof(request, filters)
+        return await cluster_evidence(request, filters)
     app = request.app
     evidence = app[EVIDENCE]
+    if proof == "1":
+        return await _stream_proof(request, event_type=event_type, since_ns=since_ns)
     # Records of requests that just finished may still sit in the batch: write them first.
     # Both files are read, merged by at_ns (proxy/evidence/log.py).
     await evidence.flush()
@@ -141,5 +151,25 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
             batch, size = [], 0
     if batch:
         await response.write(b"".join(batch))
+    await response.write_eof()
+    return response
+
+
+async def _stream_proof(
+    request: web.Request, *, event_type: str | None, since_ns: int | None
+) -> web.StreamResponse:
+    """`?proof=1`: the chain segments that prove the matching records (docs/evidence.md)."""
+    query = request.query
+    response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    await response.prepare(request)
+    proof = request.app[EVIDENCE].proof(
+        session_id=query.get("session_id"),
+        case_id=query.get("case_id"),
+        event_type=event_type,
+        since_ns=since_ns,
+    )
+    async with aclosing(proof) as stream:
+        async for data in stream:
+            await response.write(data)
     await response.write_eof()
     return response

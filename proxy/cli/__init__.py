@@ -111,19 +111,17 @@ def _run_sim(ns: argparse.Namespace) -> int:
 
 
 def _add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from proxy.cli.reset import (
-        add_evidence_arguments,
-        add_reset_arguments,
-        run_evidence,
-        run_reset,
-    )
+    from proxy.cli.evidence import add_evidence_arguments, run_evidence
+    from proxy.cli.proof import add_proof_commands
+    from proxy.cli.reset import add_reset_arguments, run_reset
 
     reset = sub.add_parser("reset", help="ask a sidecar for a prefix-cache reset (exit code = answer)")
     add_reset_arguments(reset)
     reset.set_defaults(run=run_reset)
-    evidence = sub.add_parser("evidence", help="read a sidecar's evidence records")
+    evidence = sub.add_parser("evidence", help="read a sidecar's evidence records; verify or bundle them")
     add_evidence_arguments(evidence)
     evidence.set_defaults(run=run_evidence)
+    add_proof_commands(sub, evidence)
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

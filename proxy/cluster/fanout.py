@@ -26,8 +26,8 @@ from proxy.cluster.peers import Peer, discover_peers
 from proxy.config import SETTINGS, Settings
 from proxy.logs import log_event
 from proxy.recorder import RECORDER
-from proxy.reset.params import INPUT_FIELDS, POD, ResetParams, worst_case_seconds
-from proxy.vocabulary import VerifyMode
+from proxy.reset.params import INPUT_FIELDS, ResetParams, worst_case_seconds
+from proxy.vocabulary import Scope, VerifyMode
 
 __all__ = [
     "PEER_CLIENT",
@@ -70,7 +70,7 @@ def _pod_body(params: ResetParams, reset_id: str) -> bytes:
     """The caller's parameters for one pod: scope pod, this cluster reset as parent."""
     # `bind` is refused with scope cluster; left out, a peer of an older version still takes the body.
     values = {name: getattr(params, name) for name in INPUT_FIELDS if name != "bind"}
-    values.update(scope=POD, parent_reset_id=reset_id)
+    values.update(scope=Scope.POD, parent_reset_id=reset_id)
     return orjson.dumps({name: value for name, value in values.items() if value is not None})
 
 

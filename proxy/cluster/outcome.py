@@ -14,8 +14,8 @@ import orjson
 from proxy.cluster.peers import Peer, PeerSet
 from proxy.engines.base import CacheReset
 from proxy.evidence.records import cache_state_record
-from proxy.reset.params import CLUSTER, ResetParams
-from proxy.vocabulary import ResetAnswer, Verified, VerifyMode, Via
+from proxy.reset.params import ResetParams
+from proxy.vocabulary import ResetAnswer, Scope, Verified, VerifyMode, Via
 
 __all__ = ["ClusterReset", "PodReset", "pod_answer", "unreached"]
 
@@ -178,7 +178,7 @@ class ClusterReset:
         )
         record["reset"]["url"] = None  # many URLs: each pod's is in `pods`
         record["verified"] = self.verified.value
-        record["scope"] = CLUSTER
+        record["scope"] = str(Scope.CLUSTER)
         record["peers_source"] = self.peers.source
         record["pods"] = [pod.to_json() for pod in self.pods]
         return record
@@ -193,7 +193,7 @@ class ClusterReset:
         body.update(
             {
                 "answer": answer,
-                "scope": "cluster",
+                "scope": str(Scope.CLUSTER),
                 "reset_id": self.reset_id,
                 "pods": [pod.to_json() for pod in self.pods],
                 "peers_source": self.peers.source,

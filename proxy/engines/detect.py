@@ -1,4 +1,4 @@
-"""`--engine auto`: which engine answers at the upstream, probed in SPEC §6 order."""
+"""`--engine auto`: which engine answers at the upstream, probed in the order of docs/engines.md."""
 
 from __future__ import annotations
 

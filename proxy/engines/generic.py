@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.answer import AnswerRules, read_answer
 from proxy.engines.base import Attempt, AttemptPlan, Dialect, unsupported
 from proxy.engines.call import bearer, engine_call
+from proxy.engines.response import ResponseRules, read_response
 from proxy.vocabulary import EngineKind
 
 __all__ = ["NO_PATH_HINT", "GenericDialect"]
@@ -35,7 +35,7 @@ class GenericDialect(Dialect):
         """The configured reset call and how to read its answer."""
         self._method = reset_method.upper()
         self._path = reset_path
-        self._rules = AnswerRules(
+        self._rules = ResponseRules(
             route=f"{self._method} {reset_path}",
             hint=f"the engine does not serve {self._method} {reset_path}: check reset_path and reset_method",
             busy=dict.fromkeys(busy_statuses, "busy"),
@@ -50,7 +50,7 @@ class GenericDialect(Dialect):
         if not self._path:
             return unsupported(plan.base_url, "no reset route is known for this engine", NO_PATH_HINT)
         url = f"{plan.base_url}{self._path}"
-        return read_answer(
+        return read_response(
             await engine_call(session, self._method, url, timeout_s=plan.timeout_s, headers=self._headers),
             self._rules,
         )

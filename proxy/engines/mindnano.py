@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.answer import AnswerRules, read_answer
 from proxy.engines.base import Attempt, AttemptPlan, Dialect
 from proxy.engines.call import bearer, engine_call
+from proxy.engines.response import ResponseRules, read_response
 from proxy.engines.routes import NativeReset, control
 from proxy.vocabulary import EngineKind
 
@@ -21,7 +21,7 @@ NATIVE_RESET = NativeReset(
     refusal_body=b'{"error":{"message":"the cache was not cleared","type":"busy","code":429}}',
 )
 
-RULES = AnswerRules(
+RULES = ResponseRules(
     route="/v1/cache/clear",
     hint="this engine has no /v1/cache/clear; check --engine and the upstream URL",
     busy={429: "a request is running"},
@@ -48,4 +48,4 @@ class MindnanoDialect(Dialect):
             timeout_s=plan.timeout_s,
             headers=self._headers,
         )
-        return read_answer(reply, RULES)
+        return read_response(reply, RULES)

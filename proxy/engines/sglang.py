@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import aiohttp
 
-from proxy.engines.answer import AnswerRules, read_answer
 from proxy.engines.base import Attempt, AttemptPlan, Dialect
 from proxy.engines.call import bearer, engine_call
+from proxy.engines.response import ResponseRules, read_response
 from proxy.engines.routes import NativeReset, control, control_prefix
 from proxy.vocabulary import EngineKind
 
@@ -17,7 +17,7 @@ AUTH_HINT = (
     "sidecar the same key with upstream_api_key_file (or CACHEWITNESS_UPSTREAM_API_KEY)"
 )
 # 0.4.6–0.5.9 say "Cache flushed" even on a 400: the status decides, the body is evidence.
-RULES = AnswerRules(
+RULES = ResponseRules(
     route="/flush_cache",
     hint="this SGLang has no /flush_cache; check --engine and the upstream URL",
     busy={400: "engine busy"},
@@ -96,4 +96,4 @@ class SglangDialect(Dialect):
         headers = bearer(self._api_key)
         # 0.5.10+ waits up to `timeout` for idle before answering, so the call may take that long.
         reply = await engine_call(session, "POST", url, timeout_s=plan.timeout_s + wait_s, headers=headers)
-        return read_answer(reply, RULES)
+        return read_response(reply, RULES)

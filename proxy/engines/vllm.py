@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import aiohttp
 
-from proxy.engines.answer import AnswerRules, read_answer
 from proxy.engines.base import Attempt, AttemptPlan, Dialect
 from proxy.engines.call import bearer, engine_call
+from proxy.engines.response import ResponseRules, read_response
 from proxy.engines.routes import NativeReset, control, control_prefix
 from proxy.vocabulary import EngineKind
 
@@ -23,7 +23,7 @@ LEGACY_WARNING = (
     "was accepted but the engine did not say it cleared the cache"
 )
 # 0.26+ answers `{"success": false}` "while blocks are still held ... callers may retry".
-RULES = AnswerRules(
+RULES = ResponseRules(
     route="/reset_prefix_cache",
     hint=DEV_MODE_HINT,
     success_field="success",
@@ -112,4 +112,4 @@ class VllmDialect(Dialect):
         query = "reset_external=true" + ("&reset_running_requests=true" if plan.force else "")
         url = f"{plan.base_url}/reset_prefix_cache?{query}"
         reply = await engine_call(session, "POST", url, timeout_s=plan.timeout_s, headers=self._headers)
-        return read_answer(reply, FORCED_RULES if plan.force else RULES)
+        return read_response(reply, FORCED_RULES if plan.force else RULES)

@@ -14,18 +14,21 @@ to send) are also bounded in rate, `evidence_rejected_per_s`; those past it are 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from proxy.config import SETTINGS
-from proxy.evidence.writer import DropReason, EvidenceWriter, read_evidence_blocks
+from proxy.evidence.keys import load_signing_key
+from proxy.evidence.merge import read_merged
+from proxy.evidence.proof import proof_stream
+from proxy.evidence.reader import evidence_files
+from proxy.evidence.writer import DropReason, EvidenceWriter
 
-__all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "read_merged", "setup_evidence"]
+__all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "setup_evidence"]
 
 # Records a flood of observations must not rotate away: resets, verdicts, the index at case starts,
 # the counter witness's reconciliations and the engine's events.
@@ -136,105 +139,26 @@ class EvidenceLog:
         """Bytes written to no file yet, both files."""
         return sum(w.pending_bytes for w in self._writers)
 
+    def chain_names(self) -> list[str]:
+        """Each file's name in a proof: its file name (both in one folder by default), told apart if equal."""
+        names = [w.path.name for w in self._writers]
+        return names if len(set(names)) == len(names) else [f"{i}-{n}" for i, n in enumerate(names)]
+
+    async def proof(self, **filters: Any) -> AsyncGenerator[bytes, None]:
+        """The chain segments that prove the matching records, checkpointed now (proxy/evidence/proof.py)."""
+        marks = [await writer.checkpoint_now() for writer in self._writers]
+        chains = [
+            (name, evidence_files(w.path, w.keep), mark)
+            for name, w, mark in zip(self.chain_names(), self._writers, marks, strict=True)
+        ]
+        async with aclosing(proof_stream(chains, filters)) as stream:
+            async for data in stream:
+                yield data
+
     def read(self, **filters: Any) -> AsyncIterator[list[bytes]]:
         """The matching lines of both files, in blocks (see `read_merged`)."""
         sources = [(w.path, w.keep) for w in self._writers]
         return read_merged(sources, **filters)
-
-
-def _at_ns(line: bytes) -> int | None:
-    """A line's `at_ns`, None when it has none (another shape, or not JSON)."""
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return None
-    value = record.get("at_ns") if isinstance(record, dict) else None
-    return value if isinstance(value, int) else None
-
-
-def _key(line: bytes, before: int) -> int:
-    """The merge key: `at_ns`; a line without one keeps its place after the line `before` it."""
-    at_ns = _at_ns(line)
-    return before if at_ns is None else at_ns
-
-
-def _last_key(lines: list[bytes], start: int, before: int) -> int:
-    """The key of the last of `lines[start:]`: the last `at_ns` among them (parsed from the end)."""
-    for line in reversed(lines[start:]) if start else reversed(lines):
-        at_ns = _at_ns(line)
-        if at_ns is not None:
-            return at_ns
-    return before
-
-
-class _Source:
-    """One file's blocks of lines, read ahead by one block: the next line and its `at_ns`."""
-
-    def __init__(self, index: int, blocks: AsyncGenerator[list[bytes], None]) -> None:
-        self.index = index
-        self.blocks = blocks
-        self.lines: list[bytes] = []
-        self.pos = 0
-        self.at_ns = 0
-
-    async def fill(self) -> bool:
-        """Make sure a line is next (reading the next block); False at the end."""
-        while self.pos >= len(self.lines):
-            block = await anext(self.blocks, None)
-            if block is None:
-                return False
-            self.lines, self.pos = block, 0
-            self.at_ns = _key(block[0], self.at_ns)
-        return True
-
-    def take_before(self, bound: tuple[int, int]) -> list[bytes]:
-        """The lines of this block that come before `bound` (`(at_ns, source index)`): at least one,
-        the first being the smallest of all sources'. A block that ends before it goes whole,
-        parsed at its last line only."""
-        last = _last_key(self.lines, self.pos, self.at_ns)
-        if (last, self.index) < bound:
-            taken = self.lines[self.pos :] if self.pos else self.lines
-            self.pos, self.at_ns = len(self.lines), last
-            return taken
-        start = self.pos
-        while True:  # the first line always: every round takes one at least
-            self.pos += 1
-            if self.pos == len(self.lines):
-                break
-            self.at_ns = _key(self.lines[self.pos], self.at_ns)
-            if (self.at_ns, self.index) >= bound:
-                break
-        return self.lines[start : self.pos]
-
-
-async def read_merged(
-    sources: Sequence[tuple[Path, int]], **filters: Any
-) -> AsyncGenerator[list[bytes], None]:
-    """The matching lines of several evidence files (each `(path, keep)`), merged by `at_ns`, in blocks.
-
-    A k-way merge that keeps each file's own order: of the sources' next lines the one with
-    the smallest `at_ns` goes first (ties: the earlier source). It works a block (a chunk read)
-    at a time: the long runs of observations between two resets pass whole, each block parsed
-    at its first and last line, and a file left alone passes unparsed.
-    """
-    async with AsyncExitStack() as stack:
-        live: list[_Source] = []
-        for index, (path, keep) in enumerate(sources):
-            blocks = await stack.enter_async_context(
-                aclosing(read_evidence_blocks(path, keep=keep, **filters))
-            )
-            source = _Source(index, blocks)
-            if await source.fill():
-                live.append(source)
-        while len(live) > 1:
-            first = min(live, key=lambda s: (s.at_ns, s.index))
-            yield first.take_before(min((s.at_ns, s.index) for s in live if s is not first))
-            if not await first.fill():
-                live.remove(first)
-        for source in live:
-            yield source.lines[source.pos :]
-            async for block in source.blocks:
-                yield block
 
 
 EVIDENCE = web.AppKey("evidence", EvidenceLog)
@@ -243,12 +167,18 @@ EVIDENCE = web.AppKey("evidence", EvidenceLog)
 def setup_evidence(app: web.Application) -> None:
     """The evidence writers: started first, closed (flushed, fsync'd) after everything that records."""
     settings = app[SETTINGS]
+    # A bad key file is refused before the server starts (proxy/serve.py): here it loads.
+    signer = (
+        load_signing_key(settings.evidence_signing_key_file) if settings.evidence_signing_key_file else None
+    )
     observations = EvidenceWriter(
         Path(settings.evidence),
         max_bytes=settings.evidence_max_bytes,
         keep=settings.evidence_keep,
         stdout=settings.evidence_stdout,
         max_queue_bytes=settings.evidence_queue_max_bytes,
+        checkpoint_interval_s=settings.checkpoint_interval_s,
+        signer=signer,
     )
     resets = EvidenceWriter(
         Path(settings.resets_evidence),
@@ -256,6 +186,8 @@ def setup_evidence(app: web.Application) -> None:
         keep=settings.evidence_resets_keep,
         stdout=settings.evidence_stdout,
         max_queue_bytes=min(settings.evidence_queue_max_bytes, _RESETS_QUEUE_BYTES),
+        checkpoint_interval_s=settings.checkpoint_interval_s,
+        signer=signer,
     )
     log = EvidenceLog(observations, resets, rejected_per_s=settings.evidence_rejected_per_s)
     app[EVIDENCE] = log

@@ -1,5 +1,5 @@
-"""The evidence writer (async, batched JSONL with size rotation) and its reader: one file and its
-rotations (the two files the sidecar keeps are in proxy/evidence/log.py)."""
+"""The evidence writer: async, batched JSONL with size rotation, one file and its rotations (the
+two files the sidecar keeps are in proxy/evidence/log.py; reading them is proxy/evidence/reader.py)."""
 
 from __future__ import annotations
 
@@ -8,28 +8,27 @@ import collections
 import errno
 import logging
 import os
+import secrets
 import sys
-from collections.abc import AsyncGenerator
-from contextlib import aclosing
+import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-__all__ = [
-    "MAX_LINE_BYTES",
-    "DropReason",
-    "EvidenceWriter",
-    "evidence_files",
-    "read_evidence",
-    "read_evidence_blocks",
-]
+from proxy import __version__
+from proxy.evidence.chain import (
+    Chain,
+    Mark,
+    find_predecessor,
+)
+from proxy.evidence.keys import SigningKey
+from proxy.evidence.lines import CHAIN_SUFFIX_MAX, encode_record
+from proxy.evidence.reader import evidence_files, rotated
+from proxy.vocabulary import EventType
 
-MAX_LINE_BYTES = 64 * 1024
-# A string longer than this is cut when a record would not fit in one line.
-_TRUNCATED_STRING_CHARS = 1024
-_READ_CHUNK_BYTES = 256 * 1024
+__all__ = ["DropReason", "EvidenceWriter"]
 
 log = logging.getLogger("cachewitness.evidence")
 
@@ -37,35 +36,6 @@ log = logging.getLogger("cachewitness.evidence")
 def _log(event: str, **fields: Any) -> None:
     """One structured (JSON) log line."""
     log.warning(orjson.dumps({"event": event, **fields}).decode())
-
-
-def _truncate_strings(value: Any) -> Any:
-    """A copy of value with every long string cut (bounded excerpts such as `calls[].body`)."""
-    if isinstance(value, str) and len(value) > _TRUNCATED_STRING_CHARS:
-        return value[:_TRUNCATED_STRING_CHARS] + "…[truncated]"
-    if isinstance(value, dict):
-        return {k: _truncate_strings(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_truncate_strings(v) for v in value]
-    return value
-
-
-def encode_record(record: dict[str, Any]) -> bytes | None:
-    """One JSONL line (ending "\\n") of at most MAX_LINE_BYTES, or None if it cannot fit.
-
-    A record over the limit keeps its shape with long strings cut and gets
-    `"truncated": true`; one still too big after that is refused.
-    """
-    line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-    if len(line) > MAX_LINE_BYTES:
-        shrunk = _truncate_strings(record)
-        shrunk["truncated"] = True
-        line = orjson.dumps(shrunk, option=orjson.OPT_APPEND_NEWLINE | orjson.OPT_NON_STR_KEYS)
-        if len(line) > MAX_LINE_BYTES:
-            return None
-    # orjson's bytes keep their over-allocated buffer (a 500-byte line holds ~8 KB: ijl/orjson#483);
-    # a line waiting for a full disk must cost its length, so it is copied to its exact size.
-    return bytes(memoryview(line))
 
 
 class DropReason(StrEnum):
@@ -83,6 +53,11 @@ class DropReason(StrEnum):
 # pieces, never joined into one copy of itself.
 _WRITE_BYTES = 1024 * 1024
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+# Queued in place of a line: a checkpoint, built and signed by the writer's thread. A record's
+# line starts with "{"; a marker with NUL, then P (periodic) or F (final), then its at_ns, taken
+# when it is queued so that the file stays in at_ns order as far as the records do.
+_MARKER = 0
+_PERIODIC, _FINAL = b"P", b"F"
 
 
 class EvidenceWriter:
@@ -94,6 +69,11 @@ class EvidenceWriter:
     the rest are retried with the next flush (when space returns). Every record is either
     written, waiting, or counted in `dropped` by reason, exactly. Lines are never split:
     a line cut by a failed write is truncated off and written again whole.
+
+    The thread also chains the lines (proxy/evidence/chain.py): numbers and links each, opens
+    the writer's life with an `infer.evidence_opened`, appends a checkpoint (signed by `signer`)
+    every `checkpoint_interval_s` while records come and at close, and hands the count of
+    records dropped since the last one queued to the next as `dropped_before`.
     """
 
     def __init__(
@@ -105,6 +85,8 @@ class EvidenceWriter:
         stdout: bool = False,
         flush_interval_s: float = 0.2,
         max_queue_bytes: int = 32 * 1024 * 1024,
+        checkpoint_interval_s: float = 10.0,
+        signer: SigningKey | None = None,
     ) -> None:
         """Configure; nothing is opened until the first batch."""
         self.path = Path(path)
@@ -113,10 +95,13 @@ class EvidenceWriter:
         self.stdout = stdout
         self.flush_interval_s = flush_interval_s
         self.max_queue_bytes = max_queue_bytes
+        self.checkpoint_interval_s = checkpoint_interval_s
+        self.signer = signer
         self.records_total: dict[str, int] = {}
         self.write_errors_total = 0
         self.dropped: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
-        self._queue: collections.deque[tuple[str, bytes]] = collections.deque()
+        # (event type, encoded record or a checkpoint marker, records dropped just before it)
+        self._queue: collections.deque[tuple[str, bytes, int]] = collections.deque()
         self._unwritten: list[tuple[str, bytes]] = []  # what the disk refused, retried first
         # Bytes of the lines waiting: queued, being written by the thread, refused by the disk.
         self._queued_bytes = 0
@@ -132,6 +117,11 @@ class EvidenceWriter:
         self._size = 0
         self._logged_errors: set[str] = set()  # touched by the worker thread only
         self._logged_drops: set[str] = set()  # touched by the event loop only
+        self._gap = 0  # records dropped since the last one queued (event loop)
+        self._since_checkpoint = 0  # records queued since the last checkpoint (event loop)
+        self._checkpoint_at = time.monotonic()
+        self._chain: Chain | None = None  # the writer's thread's, from its first batch on
+        self._mark: Mark | None = None  # the last line written, while nothing chained waits
 
     @property
     def dropped_total(self) -> int:
@@ -144,7 +134,15 @@ class EvidenceWriter:
         return self._queued_bytes + self._flushing_bytes + self._unwritten_bytes
 
     async def start(self) -> None:
-        """Start the periodic flush task."""
+        """Open the chain (its opening line goes first, dated now) and start the periodic flush task."""
+        async with self._flush_lock:
+            if self._chain is None:
+                chain = await asyncio.to_thread(self._open_chain)
+                opened = chain.opened(version=__version__, file=self.path.name)
+                self._chain = chain
+                self._unwritten.append((str(EventType.EVIDENCE_OPENED), opened))
+                self._unwritten_bytes += len(opened)
+                self._since_checkpoint += 1  # the next checkpoint covers the opening too
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="evidence-writer")
 
@@ -159,33 +157,58 @@ class EvidenceWriter:
             if line is None:
                 self.drop(DropReason.RECORD_TOO_LARGE, event_type)
                 return
-            if self.pending_bytes + len(line) > self.max_queue_bytes:
+            # Counted at the size it will have once chained, so that the bound holds after too.
+            size = len(line) + CHAIN_SUFFIX_MAX
+            if self.pending_bytes + size > self.max_queue_bytes:
                 self.drop(DropReason.QUEUE_FULL, event_type)
                 return
-            self._queue.append((event_type, line))
-            self._queued_bytes += len(line)
+            self._queue.append((event_type, line, self._gap))
+            self._gap = 0
+            self._since_checkpoint += 1
+            self._queued_bytes += size
             if len(self._queue) >= 1024:
                 self._wake.set()  # a burst: write now rather than at the next tick
         except Exception:
             self.drop(DropReason.UNENCODABLE, "unknown")
 
+    @property
+    def key_fingerprint(self) -> str | None:
+        """The fingerprint of the key that signs this writer's checkpoints (None: unsigned)."""
+        return self.signer.public.fingerprint if self.signer is not None else None
+
     async def flush(self) -> None:
         """Write every record queued so far (and any earlier failed batch) to the file."""
         async with self._flush_lock:
-            batch = self._unwritten + list(self._queue)
+            unwritten, fresh = self._unwritten, list(self._queue)
             self._flushing_bytes = self._unwritten_bytes + self._queued_bytes
             self._queue.clear()
             self._unwritten, self._queued_bytes, self._unwritten_bytes = [], 0, 0
-            if not batch:
+            if not unwritten and not fresh:
                 return
             try:
-                self._unwritten = await asyncio.to_thread(self._write_batch, batch)
+                self._unwritten = await asyncio.to_thread(self._chain_and_write, unwritten, fresh)
             finally:
                 self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
                 self._flushing_bytes = 0
 
+    async def checkpoint_now(self) -> Mark | None:
+        """Checkpoint what was queued since the last checkpoint, now; the last line then on disk
+        (None while the disk refuses lines, or before the writer's first line)."""
+        if self._since_checkpoint:
+            self._queue_checkpoint(_PERIODIC)
+        await self.flush()
+        return self._mark
+
+    def _queue_checkpoint(self, kind: bytes) -> None:
+        """Queue a checkpoint (outside the queue's bound: one small line an interval)."""
+        self._queue.append(
+            (str(EventType.EVIDENCE_CHECKPOINT), b"\0%b%d" % (kind, time.time_ns()), self._gap)
+        )
+        self._gap, self._since_checkpoint = 0, 0
+        self._checkpoint_at = time.monotonic()
+
     async def close(self) -> None:
-        """Flush everything, fsync, and stop; later writes are dropped and counted."""
+        """Flush everything, with a final checkpoint, fsync, and stop; later writes are dropped and counted."""
         if self._closed:
             return
         self._closed = True
@@ -194,6 +217,7 @@ class EvidenceWriter:
             self._wake.set()
             await self._task
             self._task = None
+        self._queue_checkpoint(_FINAL)
         await self.flush()
         await asyncio.to_thread(self._close_file)
         for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
@@ -208,6 +232,11 @@ class EvidenceWriter:
             except TimeoutError:
                 pass
             self._wake.clear()
+            if (
+                self._since_checkpoint
+                and time.monotonic() - self._checkpoint_at >= self.checkpoint_interval_s
+            ):
+                self._queue_checkpoint(_PERIODIC)
             try:
                 await self.flush()
             except Exception as exc:
@@ -226,11 +255,47 @@ class EvidenceWriter:
     def drop(self, kind: DropReason, event_type: str) -> None:
         """Count a record that will never be written (also one refused before it got here), and log the kind once."""
         self.dropped[kind] += 1
+        if kind is not DropReason.UNWRITABLE_AT_CLOSE:  # those lines were chained already
+            self._gap += 1
         if kind not in self._logged_drops:
             self._logged_drops.add(kind)
             _log("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
 
     # --- worker thread ------------------------------------------------------------
+
+    def _chain_and_write(
+        self, unwritten: list[tuple[str, bytes]], fresh: list[tuple[str, bytes, int]]
+    ) -> list[tuple[str, bytes]]:
+        """Chain the fresh records after the lines still unwritten, write them all; return what is left."""
+        batch = unwritten
+        if self._chain is None:
+            self._chain = self._open_chain()
+            batch.append(
+                (str(EventType.EVIDENCE_OPENED), self._chain.opened(version=__version__, file=self.path.name))
+            )
+        chain = self._chain
+        for event_type, line, gap in fresh:
+            if line[0] == _MARKER:
+                final, at_ns = line[1:2] == _FINAL, int(line[2:])
+                batch.append(
+                    (
+                        str(EventType.EVIDENCE_CHECKPOINT),
+                        chain.checkpoint(at_ns=at_ns, final=final, dropped_before=gap),
+                    )
+                )
+            else:
+                batch.append((event_type, chain.link(line, event_type, gap)))
+        left = self._write_batch(batch)
+        self._mark = None if left else Mark(chain.seq, chain.head)
+        return left
+
+    def _open_chain(self) -> Chain:
+        """This writer's chain, continuing the one its files end with (a new one after a corrupt
+        or foreign last line, which stays as it is: old files are never rewritten)."""
+        predecessor = find_predecessor(evidence_files(self.path, self.keep), self.path)
+        if predecessor.broken:
+            _log("evidence_chain_broken_predecessor", path=str(self.path), detail=predecessor.detail)
+        return Chain(predecessor, writer_id=secrets.token_hex(8), signer=self.signer)
 
     def _write_batch(self, batch: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """Append a batch, rotating by size; return what could not be written."""
@@ -313,13 +378,13 @@ class EvidenceWriter:
         if self.keep <= 0:
             self.path.unlink(missing_ok=True)
             return
-        oldest = _rotated(self.path, self.keep)
+        oldest = rotated(self.path, self.keep)
         oldest.unlink(missing_ok=True)
         for index in range(self.keep - 1, 0, -1):
-            source = _rotated(self.path, index)
+            source = rotated(self.path, index)
             if source.exists():
-                source.replace(_rotated(self.path, index + 1))
-        self.path.replace(_rotated(self.path, 1))
+                source.replace(rotated(self.path, index + 1))
+        self.path.replace(rotated(self.path, 1))
 
     def _close_file(self, sync: bool = True) -> None:
         """fsync (when asked) and close the current file, if open."""
@@ -353,103 +418,3 @@ class EvidenceWriter:
             sys.stdout.flush()
         except (OSError, ValueError):
             pass  # stdout gone (closed pipe): the file is the evidence of record
-
-
-def _rotated(path: Path, index: int) -> Path:
-    """`cachewitness.jsonl.<index>`."""
-    return path.with_name(f"{path.name}.{index}")
-
-
-def evidence_files(path: Path, keep: int) -> list[Path]:
-    """The evidence files that exist, oldest first: `.keep` … `.1`, then the current one."""
-    files = [_rotated(path, index) for index in range(keep, 0, -1)] + [path]
-    return [f for f in files if f.exists()]
-
-
-def _matches(
-    line: bytes,
-    session_id: str | None,
-    case_id: str | None,
-    event_type: str | None,
-    since_ns: int | None,
-) -> bool:
-    """Whether one evidence line passes the filters (unparseable lines never do)."""
-    try:
-        record = orjson.loads(line)
-    except orjson.JSONDecodeError:
-        return False
-    if not isinstance(record, dict):
-        return False
-    if session_id is not None and record.get("session_id") != session_id:
-        return False
-    if case_id is not None and record.get("case_id") != case_id:
-        return False
-    if event_type is not None and record.get("event_type") != event_type:
-        return False
-    if since_ns is not None:
-        at_ns = record.get("at_ns")
-        if not isinstance(at_ns, int) or at_ns < since_ns:
-            return False
-    return True
-
-
-async def read_evidence_blocks(
-    path: Path,
-    *,
-    keep: int,
-    session_id: str | None = None,
-    case_id: str | None = None,
-    event_type: str | None = None,
-    since_ns: int | None = None,
-) -> AsyncGenerator[list[bytes], None]:
-    """Yield the matching evidence lines (each ending "\\n"), oldest file first, a list per chunk read.
-
-    Reads in bounded chunks in a thread, so a big file streams. A last line
-    without its newline is a write in progress and is not yielded.
-    """
-    filtered = any(v is not None for v in (session_id, case_id, event_type, since_ns))
-    for file in evidence_files(Path(path), keep):
-        try:
-            handle = await asyncio.to_thread(open, file, "rb")
-        except OSError:
-            continue  # rotated away between listing and opening
-        try:
-            carry = b""
-            while True:
-                chunk = await asyncio.to_thread(handle.read, _READ_CHUNK_BYTES)
-                if not chunk:
-                    break
-                data = carry + chunk
-                block: list[bytes] = []
-                start = 0
-                newline = data.find(b"\n")
-                while newline != -1:
-                    line = data[start : newline + 1]
-                    if not filtered or _matches(line, session_id, case_id, event_type, since_ns):
-                        block.append(line)
-                    start = newline + 1
-                    newline = data.find(b"\n", start)
-                carry = data[start:]
-                if block:
-                    yield block
-        finally:
-            await asyncio.to_thread(handle.close)
-
-
-async def read_evidence(
-    path: Path,
-    *,
-    keep: int,
-    session_id: str | None = None,
-    case_id: str | None = None,
-    event_type: str | None = None,
-    since_ns: int | None = None,
-) -> AsyncGenerator[bytes, None]:
-    """The lines of `read_evidence_blocks` one at a time (same filters)."""
-    blocks = read_evidence_blocks(
-        path, keep=keep, session_id=session_id, case_id=case_id, event_type=event_type, since_ns=since_ns
-    )
-    async with aclosing(blocks):
-        async for block in blocks:
-            for line in block:
-                yield line

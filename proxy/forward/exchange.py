@@ -9,7 +9,7 @@ from aiohttp import web
 from proxy.body_budget import Reading
 from proxy.engines.base import EngineInfo
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
-from proxy.observe import JsonAnswer, Observation, StreamScanner, Usage
+from proxy.observe import JsonBody, Observation, StreamScanner, Usage
 from proxy.observe.record import Forwarded
 from proxy.vocabulary import Outcome
 
@@ -39,9 +39,9 @@ class Exchange:
     buffered: Reading | None = (
         None  # what this exchange holds of max_buffered_bytes (its body, read to be observed)
     )
-    answer: JsonAnswer | None = None
+    json_body: JsonBody | None = None
     admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
-    bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (UpstreamBadAnswer)
+    bad_answer: bool = False  # the engine's response broke HTTP or the leg's limits (UpstreamBadResponse)
 
     def forwarded(self, request: web.Request, finished_ns: int) -> Forwarded:
         """The transport facts of this exchange, once it is over."""
@@ -64,8 +64,8 @@ class Exchange:
         usage, engine_id = Usage(), None
         if self.scanner is not None:
             usage, engine_id = self.scanner.usage, self.scanner.engine_id
-        elif self.answer is not None:
-            usage, engine_id = self.answer.usage(), self.answer.engine_id()
+        elif self.json_body is not None:
+            usage, engine_id = self.json_body.usage(), self.json_body.engine_id()
         headers = request.headers
         # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to
         # build, positionally 2.1 µs (timeit, issue 19).

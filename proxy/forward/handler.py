@@ -32,7 +32,7 @@ from proxy.observe import (
     rules_for,
 )
 from proxy.recorder import RECORDER
-from proxy.upstream import Answer, Body, UpstreamBadAnswer, UpstreamError, UpstreamUnreachable
+from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
 from proxy.vocabulary import Outcome
 from proxy.witnesses.events_index import CACHE_INDEX
@@ -70,7 +70,7 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     if isinstance(exc, TimeoutError):
         exchange.outcome = Outcome.TIMEOUT
         status, code, what = 504, "upstream_timeout", "the upstream did not answer in time"
-    elif isinstance(exc, UpstreamBadAnswer):
+    elif isinstance(exc, UpstreamBadResponse):
         exchange.outcome, exchange.bad_answer = Outcome.UPSTREAM_ERROR, True
         # The reason is the leg's own words (a limit, a rule), never a byte of the engine's.
         status, code, what = 502, "upstream_bad_answer", f"the upstream's answer cannot be relayed: {exc}"
@@ -331,7 +331,7 @@ def _judge_refusal(app: web.Application, exchange: Exchange, status: int, refusa
     )
 
 
-async def _injection_refusal(upstream: Answer) -> tuple[str | None, bytes]:
+async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, bytes]:
     """Why the answer to an injected request cannot stand (None if it can), and what was read of it.
 
     An error naming `stream_options` refuses the injection; a compressed answer (the engine

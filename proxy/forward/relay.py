@@ -1,7 +1,7 @@
-"""The engine's answer on its way to the client: the head, then the body as it arrives, read in passing.
+"""The engine's response on its way to the client: the head, then the body as it arrives, read in passing.
 
 The body goes from the leg's connection callback straight onto the client's transport
-(`Answer.relay` with a sink): no task wakes up and no aiohttp writer runs per piece
+(`UpstreamResponse.relay` with a sink): no task wakes up and no aiohttp writer runs per piece
 (bench/paced_streams.py, issue 19: 28.7 → 24.5 µs of CPU per SSE event when the engine
 paces its events, each relayed alone). Only
 what is in hand when the head goes, the scanner's tail and the end go through aiohttp's
@@ -23,10 +23,10 @@ from proxy.config import SETTINGS
 from proxy.forward.exchange import Exchange
 from proxy.forward.headers import add_response_headers
 from proxy.logs import log_event
-from proxy.observe import JsonAnswer, StreamScanner, rules_for
-from proxy.upstream import Answer, UpstreamBadAnswer, UpstreamError
-from proxy.upstream.answer import HIGH_WATER, Sink
+from proxy.observe import JsonBody, StreamScanner, rules_for
+from proxy.upstream import UpstreamBadResponse, UpstreamError, UpstreamResponse
 from proxy.upstream.head import framed
+from proxy.upstream.response import HIGH_WATER, Sink
 from proxy.vocabulary import Outcome
 
 __all__ = ["relay"]
@@ -34,14 +34,14 @@ __all__ = ["relay"]
 log = logging.getLogger("cachewitness.forward")
 
 # What each body piece goes through on its way: the SSE scanner (which may hold back or
-# rewrite bytes) or the JSON reader (which only reads); None when the answer is not observed.
+# rewrite bytes) or the JSON reader (which only reads); None when the response is not observed.
 Observe = Callable[[bytes], bytes]
 
 
 class _RelayResponse(web.StreamResponse):
     """A StreamResponse whose head waits for the first body bytes, to go out in the same write.
 
-    aiohttp writes a StreamResponse's head on its own at prepare(); held, a small answer goes
+    aiohttp writes a StreamResponse's head on its own at prepare(); held, a small response goes
     to the client in one write instead of two (strace: 3 → 2 writes per small request, one
     packet and one wake-up of the client fewer; the sidecar's CPU per request moved within the
     bench's noise, issue 19). `relay` sends the head at once whenever no body is in hand, so a
@@ -51,10 +51,10 @@ class _RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-def _start_observing(upstream: Answer, exchange: Exchange, *, sse: bool) -> Observe | None:
-    """Pick how the answer is read for usage: the SSE scanner, or a bounded JSON reader.
+def _start_observing(upstream: UpstreamResponse, exchange: Exchange, *, sse: bool) -> Observe | None:
+    """Pick how the response is read for usage: the SSE scanner, or a bounded JSON reader.
 
-    A compressed answer is not read (the sidecar never decompresses): its usage is unknown.
+    A compressed response is not read (the sidecar never decompresses): its usage is unknown.
     """
     if not exchange.observed:
         return None
@@ -65,11 +65,11 @@ def _start_observing(upstream: Answer, exchange: Exchange, *, sse: bool) -> Obse
         scanner = StreamScanner(rules_for(engine) if exchange.usage_injected else None)
         exchange.scanner = scanner
         return scanner.feed
-    answer = JsonAnswer()
-    exchange.answer = answer
+    json_body = JsonBody()
+    exchange.json_body = json_body
 
     def read_json(chunk: bytes) -> bytes:
-        answer.feed(chunk)
+        json_body.feed(chunk)
         return chunk
 
     return read_json
@@ -117,9 +117,9 @@ def _drained(
 
 
 async def relay(
-    request: web.Request, upstream: Answer, exchange: Exchange, peeked: bytes = b""
+    request: web.Request, upstream: UpstreamResponse, exchange: Exchange, peeked: bytes = b""
 ) -> web.StreamResponse:
-    """Stream the upstream's answer to the client as it arrives (`peeked`: its start, already read)."""
+    """Stream the upstream's response to the client as it arrives (`peeked`: its start, already read)."""
     exchange.status = upstream.status
     response = _RelayResponse(status=upstream.status, reason=upstream.reason)
     sse = upstream.content_type == "text/event-stream"
@@ -160,7 +160,7 @@ async def relay(
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
     except UpstreamError as exc:
         exchange.outcome = Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.UPSTREAM_ERROR
-        exchange.bad_answer = isinstance(exc, UpstreamBadAnswer)
+        exchange.bad_answer = isinstance(exc, UpstreamBadResponse)
         log_event(
             log,
             logging.WARNING,

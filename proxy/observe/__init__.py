@@ -2,20 +2,20 @@
 
 Nothing here does I/O. The forwarding handler calls `prepare_request` on the request
 body, feeds an SSE answer through a `StreamScanner` (with the engine's `StreamRules`
-when it injected) or a JSON answer through a `JsonAnswer`, and builds an `Observation`.
+when it injected) or a JSON response through a `JsonBody`, and builds an `Observation`.
 
     sse.py       SSE framing: bytes in, events and their data out
     jsonscan.py  the one JSON byte scanner (members, value ends, byte-wise removal)
     usage.py     token counts from an object, a body or a fragment
     answer.py    a JSON answer in bounded memory
     rules.py     each engine's stream facts under injection, as a table
-    hold.py      the finish-chunk hold: last-event members moved back
+    pending_finish.py  the pending finish chunk: last-event members moved back
     stream.py    the stream scanner that applies them
     request.py   observed routes and the injected request body
     record.py    the Observation record
 """
 
-from proxy.observe.answer import JsonAnswer
+from proxy.observe.json_body import JsonBody
 from proxy.observe.record import Observation
 from proxy.observe.request import (
     INJECTABLE_PATHS,
@@ -36,7 +36,7 @@ __all__ = [
     "OBSERVED_PATHS",
     "STREAM_RULES",
     "InjectionRefusals",
-    "JsonAnswer",
+    "JsonBody",
     "Observation",
     "PreparedRequest",
     "StreamRules",

@@ -57,7 +57,7 @@ class Observation:
     case_token_carried: bool = False
 
     def to_record(self) -> dict[str, Any]:
-        """The `infer.cache_observation` evidence record (SPEC §5.2)."""
+        """The `infer.cache_observation` evidence record (docs/evidence.md)."""
         return {
             "schema_version": 1,
             "event_type": str(EventType.CACHE_OBSERVATION),

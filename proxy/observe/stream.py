@@ -3,7 +3,7 @@
 Pass-through (no rules): every chunk goes to the client as it came (the same object) and
 is only scanned. Stripping (the stream was injected into): events are framed and what the
 engine's `StreamRules` say the injection added is removed byte-wise, never re-serialised.
-A finish chunk waits in a `FinishHold` (hold.py) until the next data event, so that what
+A finish chunk waits in a `PendingFinish` (pending_finish.py) until the next data event, so that what
 the engine put on the usage chunk for the stream's last event can move back onto it.
 A read of many whole events, or its start, is first offered to burst.py, which answers it
 with searches over the whole read instead of event by event.
@@ -12,9 +12,9 @@ with searches over the whole read instead of event by event.
 from __future__ import annotations
 
 from proxy.observe.burst import plain_prefix, whole_read
-from proxy.observe.hold import FinishHold
 from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, without
 from proxy.observe.markers import FINISH_KEY, NULL_TAIL, SIDE_MARKERS, USAGE_KEY
+from proxy.observe.pending_finish import PendingFinish
 from proxy.observe.rules import StreamRules, has_finish, is_usage_only
 from proxy.observe.sse import CRLF_BLANK, LF_BLANK, MAX_EVENT_BYTES, DataLines, data_lines, next_separator
 from proxy.observe.usage import NO_USAGE, Usage, first_id, usage_from_fragment, usage_from_json
@@ -52,7 +52,7 @@ class StreamScanner:
         self._deferred: bytes | None = None  # latest side-marker event, decoded lazily
         self._engine_id: str | None = None
         self._id_read = False
-        self._hold = FinishHold(rules.last_event_members if rules is not None else None)
+        self._pending = PendingFinish(rules.last_event_members if rules is not None else None)
         self._usage_chunk = b""  # the payload of the usage chunk just dropped
         # What the event just scanned was: sets `finish_reason`, was dropped, has no data.
         self._finish = self._dropped = self._no_data = False
@@ -89,7 +89,7 @@ class StreamScanner:
             emitted = self._feed_framed(chunk)
         else:
             cut = 0
-            if self._hold.held is None and self._knows_id(chunk):
+            if self._pending.pending is None and self._knows_id(chunk):
                 whole = whole_read(chunk, self._rules)
                 if whole is not None:
                     return whole
@@ -142,7 +142,7 @@ class StreamScanner:
             self._carry += memoryview(chunk)[consumed:]
         if len(self._carry) > MAX_EVENT_BYTES:
             self._big, self._carry, self._big_finish = self._carry, bytearray(), False
-            emitted += self._hold.release() + self._big_emit()
+            emitted += self._pending.release() + self._big_emit()
         return emitted
 
     def finish(self) -> bytes:
@@ -157,9 +157,9 @@ class StreamScanner:
             changed = self._event(rest, 0, len(rest), len(rest))
             piece = changed if changed is not None else rest
             if self._rules is not None:
-                piece = self._through_hold(piece)
+                piece = self._through_pending(piece)
         self._apply_deferred()
-        return self._hold.release() + piece if self._rules is not None else b""
+        return self._pending.release() + piece if self._rules is not None else b""
 
     # -- framing ---------------------------------------------------------------------------
     def _frame(self, data: Buffer, search_from: int = 0) -> tuple[bytes | None, int]:
@@ -184,11 +184,11 @@ class StreamScanner:
             else:
                 break
             changed = self._event(data, start, body_end, event_end)
-            if strip and (self._hold.held is not None or self._finish or self._dropped):
+            if strip and (self._pending.pending is not None or self._finish or self._dropped):
                 if pieces is None:
                     pieces = [bytes(data[:start])]
                 piece = changed if changed is not None else bytes(data[start:event_end])
-                pieces.append(self._through_hold(piece))
+                pieces.append(self._through_pending(piece))
             elif changed is not None or pieces is not None:
                 if pieces is None:
                     pieces = [bytes(data[:start])]
@@ -275,10 +275,10 @@ class StreamScanner:
             cuts = [(lines.raw(a), lines.raw(b)) for a, b in cuts]
         return without(data, start, event_end, cuts)
 
-    def _through_hold(self, piece: bytes) -> bytes:
-        """Pass one scanned event through the finish-chunk hold; the bytes to emit now."""
+    def _through_pending(self, piece: bytes) -> bytes:
+        """Pass one scanned event through the pending finish chunk; the bytes to emit now."""
         dropped = self._usage_chunk if self._dropped else None
-        return self._hold.take(piece, finish=self._finish, dropped_usage=dropped, no_data=self._no_data)
+        return self._pending.take(piece, finish=self._finish, dropped_usage=dropped, no_data=self._no_data)
 
     # -- events over MAX_EVENT_BYTES ---------------------------------------------------------
     def _big_emit(self) -> bytes:
@@ -310,7 +310,7 @@ class StreamScanner:
         finish = self._big_finish or has_finish(big, 0, body_end)
         piece = self._big_event(big, body_end, event_end)
         self._finish, self._dropped, self._no_data = finish, False, False
-        emitted = self._through_hold(piece) if self._rules is not None else b""
+        emitted = self._through_pending(piece) if self._rules is not None else b""
         # Passing through, feed() hands back `rest` itself and what is returned here is unused.
         return emitted + self.feed(rest) if rest else emitted
 

@@ -92,7 +92,7 @@ def usage_from_object(obj: Any) -> Usage:
             if cached is not None and prompt is not None and completion is not None:
                 return Usage(prompt, completion, cached, DETAILS_SOURCE)
     usage = _usage_block(obj)
-    # The SPEC's order (§5.2), then llama.cpp's /v1/messages field.
+    # The order of docs/evidence.md, then llama.cpp's /v1/messages field.
     # llama.cpp's `tokens_cached` is the slot's whole length, not a hit count: never read.
     cached_fields: tuple[tuple[str, Any], ...] = (
         (DETAILS_SOURCE, _dig(usage, "prompt_tokens_details", "cached_tokens")),

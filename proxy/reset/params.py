@@ -1,4 +1,4 @@
-"""The parameters of `POST /cache/reset` (SPEC §4): read from query and body, checked, frozen."""
+"""The parameters of `POST /cache/reset` (docs/reset.md): read from query and body, checked, frozen."""
 
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Settings
-from proxy.vocabulary import Requested, VerifyMode, Via
+from proxy.vocabulary import Requested, Scope, VerifyMode, Via
 
 __all__ = [
-    "CLUSTER",
     "INPUT_FIELDS",
     "MAX_RETRY_SECONDS",
-    "POD",
     "BadInput",
     "ResetParams",
     "is_valid_id",
@@ -28,7 +26,7 @@ __all__ = [
 ]
 
 MAX_RETRY_SECONDS = 120.0
-# session_id / case_id (SPEC §4), also the filters of GET /cache/evidence.
+# session_id / case_id (docs/reset.md), also the filters of GET /cache/evidence.
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -52,8 +50,6 @@ INPUT_FIELDS = (
     "bind",
 )
 # `scope`: this pod's engine, or every peer's (proxy/cluster/fanout.py).
-POD = "pod"
-CLUSTER = "cluster"
 _BODY_LIMIT = 64 * 1024
 
 
@@ -79,7 +75,7 @@ class ResetParams:
     drain: bool = True
     retry_seconds: float = 10.0
     force: bool = False
-    scope: str = POD
+    scope: Scope = Scope.POD
     # The cluster reset this pod's reset is part of (set by the pod that fanned it out).
     parent_reset_id: str | None = None
     verify: VerifyMode = VerifyMode.CANARY
@@ -122,9 +118,9 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
             raise BadInput(name, 'verify must be "none", "canary", "events" or "both"')
         return VerifyMode(value)
     if name == "scope":
-        if value not in (POD, CLUSTER):
+        if value not in tuple(Scope):
             raise BadInput(name, 'scope must be "pod" or "cluster"')
-        return value
+        return Scope(value)
     if name == "requested":
         if value not in (Requested.COLD, Requested.UNSPECIFIED):
             raise BadInput(name, 'requested must be "cold" or "unspecified"')
@@ -176,10 +172,10 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
             if value is None and not from_query:
                 continue  # JSON null: as if not given
             values[name] = _parse_field(name, value, from_query)
-    if values.get("scope") == CLUSTER and values.get("bind"):
+    if values.get("scope") == Scope.CLUSTER and values.get("bind"):
         # Each pod's reset has its own case token, and a client cannot tell which pod it reaches.
         raise BadInput("bind", "bind works per pod: reset each pod with scope pod to bind its verdict")
-    if values.get("scope") == CLUSTER and values.get("parent_reset_id") is not None:
+    if values.get("scope") == Scope.CLUSTER and values.get("parent_reset_id") is not None:
         raise BadInput(
             "parent_reset_id", "a cluster reset cannot be part of another one: leave out parent_reset_id"
         )

@@ -1,4 +1,4 @@
-"""SimConfig, the simulator's options, and its command-line arguments (SPEC §8)."""
+"""SimConfig, the simulator's options, and its command-line arguments (docs/simulator.md)."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def parse_listen(value: str) -> tuple[str, int]:
 
 
 def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the simulator's options (SPEC §8 names) to an argparse parser."""
+    """Add the simulator's options (the names of docs/simulator.md) to an argparse parser."""
     d = SimConfig()
     parser.add_argument("--dialect", choices=DIALECTS, default=d.dialect, help="engine to speak like")
     # Kept as the raw "HOST:PORT" string (callers split it, e.g. with parse_listen).

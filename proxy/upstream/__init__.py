@@ -1,13 +1,12 @@
-"""Forward's leg to the engine: a keep-alive pool on asyncio protocols, answers parsed by httptools.
+"""Forward's leg to the engine: a keep-alive pool on asyncio protocols, responses parsed by httptools.
 
-`UpstreamLeg.send` writes a request and returns its `Answer`; failures are `UpstreamError`s
-(`UpstreamUnreachable`, `UpstreamTimeout`, `UpstreamBroke`, `UpstreamBadAnswer`) that forward
+`UpstreamLeg.send` writes a request and returns its `UpstreamResponse`; failures are `UpstreamError`s
+(`UpstreamUnreachable`, `UpstreamTimeout`, `UpstreamBroke`, `UpstreamBadResponse`) that forward
 maps to 502/504.
 """
 
-from proxy.upstream.answer import Answer
 from proxy.upstream.errors import (
-    UpstreamBadAnswer,
+    UpstreamBadResponse,
     UpstreamBroke,
     UpstreamError,
     UpstreamTimeout,
@@ -15,15 +14,16 @@ from proxy.upstream.errors import (
 )
 from proxy.upstream.head import Body, Pieces
 from proxy.upstream.leg import UpstreamLeg
+from proxy.upstream.response import UpstreamResponse
 
 __all__ = [
-    "Answer",
     "Body",
     "Pieces",
-    "UpstreamBadAnswer",
+    "UpstreamBadResponse",
     "UpstreamBroke",
     "UpstreamError",
     "UpstreamLeg",
+    "UpstreamResponse",
     "UpstreamTimeout",
     "UpstreamUnreachable",
 ]

@@ -1,4 +1,4 @@
-"""One keep-alive connection to the engine: asyncio protocol, answers parsed by httptools (llhttp).
+"""One keep-alive connection to the engine: asyncio protocol, responses parsed by httptools (llhttp).
 
 Why not aiohttp's ClientSession: on this path it cost 75 µs of CPU per small request against
 23 µs for a bare protocol (bench/client_leg.py, issue 19); the sidecar's own calls (reset,
@@ -15,10 +15,10 @@ from typing import Protocol
 
 import httptools
 
-from proxy.upstream.answer import Answer
-from proxy.upstream.answer_head import MAX_HEADERS, HeadRefused, answer_headers, reason_text
-from proxy.upstream.errors import UpstreamBadAnswer, UpstreamBroke, UpstreamError, UpstreamTimeout
+from proxy.upstream.errors import UpstreamBadResponse, UpstreamBroke, UpstreamError, UpstreamTimeout
 from proxy.upstream.head import Body, framed
+from proxy.upstream.response import UpstreamResponse
+from proxy.upstream.response_head import MAX_HEADERS, HeadRefused, reason_text, response_headers
 
 __all__ = ["Connection"]
 
@@ -29,7 +29,7 @@ _PEER_CLOSED = select.POLLIN | select.POLLPRI
 
 
 class _Phase(enum.Enum):
-    """Where the connection is in its answer: IDLE (none: pooled, or handed to a request not yet
+    """Where the connection is in its response: IDLE (none: pooled, or handed to a request not yet
     written), HEAD (within the head budget), BODY, or ENDED in the read being parsed: when that
     parse returns it goes back to the pool, or is closed if any byte followed the end (another
     head began: it belongs to no request, and pooled half-parsed it would go to the next)."""
@@ -45,8 +45,8 @@ class _Phase(enum.Enum):
 _IDLE, _HEAD, _BODY, _ENDED = _Phase.IDLE, _Phase.HEAD, _Phase.BODY, _Phase.ENDED
 
 
-class _BytesAfterAnswer(Exception):
-    """Raised from on_message_begin after the answer ended: stop parsing what follows."""
+class _BytesAfterResponse(Exception):
+    """Raised from on_message_begin after the response ended: stop parsing what follows."""
 
 
 class Pool(Protocol):
@@ -55,22 +55,22 @@ class Pool(Protocol):
 
     @property
     def max_head_bytes(self) -> int:
-        """The largest answer head taken from the engine."""
+        """The largest response head taken from the engine."""
 
     def release(self, connection: Connection) -> None:
-        """A connection whose answer is complete: to a waiting request, else to the idle list."""
+        """A connection whose response is complete: to a waiting request, else to the idle list."""
 
     def forget(self, connection: Connection) -> None:
         """A connection closed (by either side): it no longer counts, and a waiter may open one."""
 
     def watch(self, connection: Connection) -> None:
-        """`connection` starts reading an answer: watch it for read_timeout."""
+        """`connection` starts reading a response: watch it for read_timeout."""
 
 
 class Connection(asyncio.Protocol):
-    """A connection carries one answer at a time; between answers it waits in the pool.
+    """A connection carries one response at a time; between responses it waits in the pool.
 
-    State is explicit: `_phase` (above), `_answer` the answer being read (None unless HEAD
+    State is explicit: `_phase` (above), `_response` the response being read (None unless HEAD
     or BODY), `lost` says the transport is gone. Every parser callback runs inside
     `data_received`, and only `data_received`, after the parse returns, hands the
     connection back to the pool.
@@ -83,7 +83,7 @@ class Connection(asyncio.Protocol):
         self._poll: select.poll | None = None  # the socket, to look for the engine's close before a write
         self._parser = httptools.HttpResponseParser(self)
         self._phase = _IDLE
-        self._answer: Answer | None = None
+        self._response: UpstreamResponse | None = None
         self._raw_headers: list[tuple[bytes, bytes]] = []
         self._fields = 0  # headers (or trailers) in the section being read
         self._reason = b""
@@ -94,15 +94,15 @@ class Connection(asyncio.Protocol):
         # chunk extensions) without end, which httptools would also grow by concatenation.
         self._quiet = 0
         self._keep_alive = False
-        self._reusable = False  # the answer that ended may leave the connection to the next request
+        self._reusable = False  # the response that ended may leave the connection to the next request
         self._until_close = False  # a body with neither length nor chunks ends when the connection does
-        self._informational = False  # a 1xx answer: the real one follows on the same connection
+        self._informational = False  # a 1xx response: the real one follows on the same connection
         self._head_only = False  # the request was HEAD: no body follows the head
         self._drain: asyncio.Future[None] | None = None
         self._write_paused = False
         self._read_paused = False
         self._last_read = 0.0  # when the engine last sent a byte (read_timeout counts from it)
-        self.served = 0  # answers completed on a kept connection: > 0 means it is a reused one
+        self.served = 0  # responses completed on a kept connection: > 0 means it is a reused one
         self.idle_since = 0.0
         self.lost = False
 
@@ -116,16 +116,16 @@ class Connection(asyncio.Protocol):
             self._poll.register(sock.fileno(), _PEER_CLOSED)
 
     def data_received(self, data: bytes) -> None:
-        answer = self._answer
-        if answer is None:
-            # Bytes nobody asked for: this connection cannot carry another answer.
+        response = self._response
+        if response is None:
+            # Bytes nobody asked for: this connection cannot carry another response.
             self.close()
             return
         self._last_read = self._loop.time()
         left = self._head_left
         if left >= 0:
             if len(data) > left:
-                self._past_head_budget(answer, data, left)
+                self._past_head_budget(response, data, left)
                 return
             self._head_left = left - len(data)
         else:
@@ -135,9 +135,9 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._parse_failed(exc)
             return
-        self._read_done(answer)
+        self._read_done(response)
 
-    def _past_head_budget(self, answer: Answer, data: bytes, left: int) -> None:
+    def _past_head_budget(self, response: UpstreamResponse, data: bytes, left: int) -> None:
         """A read that takes the head past its budget: the head must end within the budget."""
         view = memoryview(data)
         self._head_left = 0
@@ -151,15 +151,15 @@ class Connection(asyncio.Protocol):
         if self._phase is _HEAD:
             limit = self._max_head
             self._fail(
-                UpstreamBadAnswer(f"the engine's answer head is past max_upstream_head_bytes ({limit})")
+                UpstreamBadResponse(f"the engine's answer head is past max_upstream_head_bytes ({limit})")
             )
         else:
-            self._read_done(answer)
+            self._read_done(response)
 
     def _parse_failed(self, exc: Exception) -> None:
-        """The parser refused the read: the answer fails, or, if it ended already, what followed it is dropped."""
+        """The parser refused the read: the response fails, or, if it ended already, what followed it is dropped."""
         if self._phase is _ENDED:
-            # The answer is whole; what followed it belongs to no request.
+            # The response is whole; what followed it belongs to no request.
             self._phase = _IDLE
             self.close()
             return
@@ -167,10 +167,10 @@ class Connection(asyncio.Protocol):
         why = (
             str(cause) if isinstance(cause, HeadRefused) else f"the engine's answer is not valid HTTP ({exc})"
         )
-        self._fail(UpstreamBadAnswer(why))
+        self._fail(UpstreamBadResponse(why))
 
-    def _read_done(self, answer: Answer) -> None:
-        """The end of one read: the connection back to the pool if the answer ended, else flow control."""
+    def _read_done(self, response: UpstreamResponse) -> None:
+        """The end of one read: the connection back to the pool if the response ended, else flow control."""
         phase = self._phase
         if phase is _ENDED:
             self._phase = _IDLE
@@ -178,14 +178,14 @@ class Connection(asyncio.Protocol):
                 self.close()  # the engine asked to close, or our request body was not all sent
                 return
             if self._read_paused:
-                # The buffer that was full is the answer's, now the consumer's alone.
+                # The buffer that was full is the response's, now the consumer's alone.
                 self._read_paused = False
                 if self._transport is not None:
                     self._transport.resume_reading()
             self._pool.release(self)
         elif self._quiet > self._max_head and phase is _BODY:
-            self._fail(UpstreamBadAnswer("the engine's trailers are past max_upstream_head_bytes"))
-        elif answer.flush():
+            self._fail(UpstreamBadResponse("the engine's trailers are past max_upstream_head_bytes"))
+        elif response.flush():
             self._pause_reading()
 
     def eof_received(self) -> bool:
@@ -195,14 +195,14 @@ class Connection(asyncio.Protocol):
         self.lost = True
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(UpstreamBroke("the engine closed the connection"))
-        answer, self._answer = self._answer, None
+        response, self._response = self._response, None
         self._phase = _IDLE
-        if answer is not None:
-            if self._until_close and answer.status:
-                answer.complete()
+        if response is not None:
+            if self._until_close and response.status:
+                response.complete()
             else:
                 what = "reset" if exc is not None else "closed"
-                answer.fail(UpstreamBroke(f"the engine {what} the connection before the answer ended"))
+                response.fail(UpstreamBroke(f"the engine {what} the connection before the answer ended"))
         self._pool.forget(self)
 
     def pause_writing(self) -> None:
@@ -217,7 +217,7 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if self._phase is _ENDED:
-            raise _BytesAfterAnswer
+            raise _BytesAfterResponse
         self._raw_headers, self._fields, self._reason = [], 0, b""
 
     def on_status(self, status: bytes) -> None:
@@ -232,14 +232,14 @@ class Connection(asyncio.Protocol):
             self._raw_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        answer = self._answer
-        assert answer is not None  # data_received feeds the parser only while an answer waits
+        response = self._response
+        assert response is not None  # data_received feeds the parser only while a response waits
         status = self._parser.get_status_code()
         if status < 200:
-            self._informational = True  # 100 Continue, 103 Early Hints: not the answer
+            self._informational = True  # 100 Continue, 103 Early Hints: not the response
             return
         reason = reason_text(self._reason)
-        headers = answer_headers(self._raw_headers)
+        headers = response_headers(self._raw_headers)
         self._phase, self._head_left, self._fields, self._quiet = _BODY, -1, 0, 0
         self._keep_alive = self._parser.should_keep_alive()
         self._until_close = (
@@ -248,16 +248,16 @@ class Connection(asyncio.Protocol):
             and status not in (204, 304)
             and not self._head_only
         )
-        answer.head_ready(status, reason, headers)
+        response.head_ready(status, reason, headers)
         if self._head_only:
-            # llhttp cannot be told that a HEAD answer has no body: the answer ends here,
+            # llhttp cannot be told that a HEAD response has no body: the response ends here,
             # and the connection with it.
             self._end(reusable=False)
 
     def on_body(self, body: bytes) -> None:
         self._quiet = 0
-        answer = self._answer
-        if answer is not None and answer.body(body):
+        response = self._response
+        if response is not None and response.body(body):
             self._pause_reading()
 
     def _pause_reading(self) -> None:
@@ -271,30 +271,30 @@ class Connection(asyncio.Protocol):
         if self._informational:
             self._informational = False
             return
-        if self._answer is None:
-            return  # a HEAD answer, ended at its head
+        if self._response is None:
+            return  # a HEAD response, ended at its head
         self.served += 1
-        writing = self._answer.writer is not None and not self._answer.writer.done()
+        writing = self._response.writer is not None and not self._response.writer.done()
         self._end(reusable=self._keep_alive and not writing)
 
     def _end(self, *, reusable: bool) -> None:
-        """The answer is whole; what becomes of the connection is decided when the parse returns."""
-        answer, self._answer = self._answer, None
+        """The response is whole; what becomes of the connection is decided when the parse returns."""
+        response, self._response = self._response, None
         self._phase, self._reusable = _ENDED, reusable
-        assert answer is not None
-        answer.complete()
+        assert response is not None
+        response.complete()
 
-    # --- used by the pool and the answer ---------------------------------------------------
+    # --- used by the pool and the response ---------------------------------------------------
 
-    async def exchange(self, head: bytes, body: Body, *, chunked: bool, head_only: bool) -> Answer:
-        """Write one request and wait for its answer's head."""
+    async def exchange(self, head: bytes, body: Body, *, chunked: bool, head_only: bool) -> UpstreamResponse:
+        """Write one request and wait for its response's head."""
         transport = self._transport
         if self.lost or transport is None or transport.is_closing() or (self.served and self._peer_closed()):
             # Found closed before anything was written: the request may go on another connection.
             self.close()
             raise UpstreamBroke("the pooled connection was closed", unsent=True)
-        answer = Answer(self, self._loop.create_future())
-        self._answer, self._phase, self._head_only, self._until_close = answer, _HEAD, head_only, False
+        response = UpstreamResponse(self, self._loop.create_future())
+        self._response, self._phase, self._head_only, self._until_close = response, _HEAD, head_only, False
         self._head_left, self._quiet = self._max_head, 0
         self._last_read = self._loop.time()
         self._pool.watch(self)
@@ -304,34 +304,34 @@ class Connection(asyncio.Protocol):
             transport.write(head + body)  # one write: one packet for a small request
         else:
             transport.write(head)
-            answer.writer = self._loop.create_task(self._write_body(body, chunked))
-            answer.writer.add_done_callback(self._body_written)
+            response.writer = self._loop.create_task(self._write_body(body, chunked))
+            response.writer.add_done_callback(self._body_written)
         try:
-            if answer.writer is None:
-                await answer.head_arrived
+            if response.writer is None:
+                await response.head_arrived
             else:
-                await self._head_or_failed_body(answer, answer.writer)
+                await self._head_or_failed_body(response, response.writer)
         except BaseException:
-            answer.close()
+            response.close()
             raise
-        return answer
+        return response
 
     def _peer_closed(self) -> bool:
         """Whether the kernel holds the engine's close (or stray bytes) the loop has not seen yet:
         a request written now would reach an engine gone, and could not be sent again (issue 27)."""
         return self._poll is not None and bool(self._poll.poll(0))
 
-    async def _head_or_failed_body(self, answer: Answer, writer: asyncio.Task[None]) -> None:
+    async def _head_or_failed_body(self, response: UpstreamResponse, writer: asyncio.Task[None]) -> None:
         """The head, unless writing the body failed first (the client's body too large, or gone)."""
-        head = answer.head_arrived
+        head = response.head_arrived
         await asyncio.wait((head, writer), return_when=asyncio.FIRST_COMPLETED)
         if writer.done() and not writer.cancelled():
             error = writer.exception()
             if error is not None and not isinstance(error, UpstreamError):
                 # The client's body stopped it (too large, or the client left): that is the
-                # cause, though closing the connection for it may have failed the answer by now.
+                # cause, though closing the connection for it may have failed the response by now.
                 raise error
-        # A body the engine stopped reading (it closed): its answer, or the connection's own error.
+        # A body the engine stopped reading (it closed): its response, or the connection's own error.
         await head
 
     async def _write_body(self, body: Body, chunked: bool) -> None:
@@ -376,10 +376,10 @@ class Connection(asyncio.Protocol):
             self._last_read = self._loop.time()
             self._transport.resume_reading()
 
-    def abandon(self, answer: Answer) -> None:
-        """The consumer gave up `answer` before its end: the connection cannot be reused."""
-        if self._answer is answer:
-            self._answer, self._phase = None, _IDLE
+    def abandon(self, response: UpstreamResponse) -> None:
+        """The consumer gave up `response` before its end: the connection cannot be reused."""
+        if self._response is response:
+            self._response, self._phase = None, _IDLE
             self.close()
 
     def close(self) -> None:
@@ -391,15 +391,15 @@ class Connection(asyncio.Protocol):
 
     @property
     def waiting(self) -> bool:
-        """Whether an answer is being read (the watchdog forgets connections that are not)."""
-        return self._answer is not None
+        """Whether a response is being read (the watchdog forgets connections that are not)."""
+        return self._response is not None
 
     def check_read_timeout(self, now: float, timeout: float) -> None:
-        """Fail the answer when the engine has sent nothing for `timeout` seconds.
+        """Fail the response when the engine has sent nothing for `timeout` seconds.
 
         Reading paused for a slow client is not the engine's silence: the clock restarts.
         """
-        if self._answer is None:
+        if self._response is None:
             return
         if self._read_paused:
             self._last_read = now
@@ -407,8 +407,8 @@ class Connection(asyncio.Protocol):
             self._fail(UpstreamTimeout(f"the engine sent nothing for {timeout:g} s (read_timeout)"))
 
     def _fail(self, error: BaseException) -> None:
-        answer, self._answer = self._answer, None
+        response, self._response = self._response, None
         self._phase = _IDLE
-        if answer is not None:
-            answer.fail(error)
+        if response is not None:
+            response.fail(error)
         self.close()

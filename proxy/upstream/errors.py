@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-__all__ = ["UpstreamBadAnswer", "UpstreamBroke", "UpstreamError", "UpstreamTimeout", "UpstreamUnreachable"]
+__all__ = ["UpstreamBadResponse", "UpstreamBroke", "UpstreamError", "UpstreamTimeout", "UpstreamUnreachable"]
 
 
 class UpstreamError(Exception):
-    """The engine could not be asked, or its answer could not be read whole."""
+    """The engine could not be asked, or its response could not be read whole."""
 
 
 class UpstreamUnreachable(UpstreamError):
@@ -18,7 +18,7 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 
 class UpstreamBroke(UpstreamError):
-    """The connection closed before the answer ended (502).
+    """The connection closed before the response ended (502).
 
     `unsent`: the request was not written at all (the pooled connection was found closed
     first), so it may go on another connection. Once written, it never is: the engine may
@@ -30,7 +30,7 @@ class UpstreamBroke(UpstreamError):
         self.unsent = unsent
 
 
-class UpstreamBadAnswer(UpstreamBroke):
-    """The engine's answer is not HTTP the sidecar relays: not HTTP at all, a head past the
+class UpstreamBadResponse(UpstreamBroke):
+    """The engine's response is not HTTP the sidecar relays: not HTTP at all, a head past the
     leg's limits (`max_upstream_head_bytes`, 100 headers), or a reason phrase or header value
     that cannot be relayed unchanged (502 `upstream_bad_answer`; the connection is closed)."""

@@ -17,12 +17,12 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from proxy.logs import log_event
-from proxy.upstream.answer import Answer
-from proxy.upstream.answer_head import DEFAULT_MAX_HEAD_BYTES
 from proxy.upstream.connection import Connection
 from proxy.upstream.errors import UpstreamBroke, UpstreamTimeout, UpstreamUnreachable
 from proxy.upstream.head import Body, request_head
 from proxy.upstream.resend import MOST_STALE_IN_A_ROW
+from proxy.upstream.response import UpstreamResponse
+from proxy.upstream.response_head import DEFAULT_MAX_HEAD_BYTES
 from proxy.watchdog import Watchdog
 
 __all__ = ["UpstreamLeg"]
@@ -55,7 +55,7 @@ class UpstreamLeg:
         self.path_prefix = url.raw_path.rstrip("/")  # an engine mounted under a path keeps it
         self.read_timeout = read_timeout
         self.max_head_bytes = (
-            max_head_bytes  # an answer head past it is refused (proxy/upstream/answer_head.py)
+            max_head_bytes  # a response head past it is refused (proxy/upstream/response_head.py)
         )
         self._connect_timeout = connect_timeout
         self._keepalive = keepalive
@@ -65,17 +65,17 @@ class UpstreamLeg:
         self._opening = 0
         self._waiters: deque[asyncio.Future[Connection | None]] = deque()
         self._sweep: asyncio.TimerHandle | None = None
-        # Connections reading an answer, checked against read_timeout (up to one tick late: a
+        # Connections reading a response, checked against read_timeout (up to one tick late: a
         # second, or a quarter of a shorter read_timeout).
         self._watchdog: Watchdog[Connection] = Watchdog(min(1.0, read_timeout / 4), self._check_reading)
         self._closed = False
 
-    async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Body) -> Answer:
-        """Send one request (`target`: path and query, as the client sent them) and return its answer's head.
+    async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Body) -> UpstreamResponse:
+        """Send one request (`target`: path and query, as the client sent them) and return its response's head.
 
-        Raises UpstreamUnreachable, UpstreamTimeout or UpstreamBroke (UpstreamBadAnswer among
+        Raises UpstreamUnreachable, UpstreamTimeout or UpstreamBroke (UpstreamBadResponse among
         them); or what stopped the client's streamed body (its own exceptions), before the
-        answer began.
+        response began.
         """
         head, chunked = request_head(method, self.path_prefix + target, self.host_header, headers, body)
         # The same bound as the sidecar's own calls (proxy/upstream/resend.py); the loop is written out
@@ -143,7 +143,7 @@ class UpstreamLeg:
         return connection
 
     def release(self, connection: Connection) -> None:
-        """A connection whose answer is complete: to a waiting request, else to the idle list."""
+        """A connection whose response is complete: to a waiting request, else to the idle list."""
         if self._closed or self._keepalive <= 0 or connection.lost:
             connection.close()
             return
@@ -185,12 +185,12 @@ class UpstreamLeg:
     # --- read_timeout ----------------------------------------------------------------------
 
     def watch(self, connection: Connection) -> None:
-        """`connection` starts reading an answer: watch it for read_timeout."""
+        """`connection` starts reading a response: watch it for read_timeout."""
         if self.read_timeout > 0:
             self._watchdog.watch(connection)
 
     def _check_reading(self, connection: Connection, now: float) -> bool:
-        """The watchdog's look at one connection; whether it is still reading an answer."""
+        """The watchdog's look at one connection; whether it is still reading a response."""
         connection.check_read_timeout(now, self.read_timeout)
         return connection.waiting
 

@@ -69,7 +69,7 @@ def setup_upstream_pool(app: web.Application) -> None:
     """Open the pools at start, close them after everything that uses them has stopped.
 
     It lives in cleanup_ctx (not on_shutdown) so streams still draining at shutdown keep
-    their upstream connection (SPEC §11).
+    their upstream connection (docs/architecture.md).
     """
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:

@@ -1,7 +1,7 @@
 """Sending a request again when a reused pooled connection turned out stale.
 
 A request written onto a pooled connection just as the engine closes it fails with no
-answer, and aiohttp retries only idempotent methods, never the POSTs that inference and
+response, and aiohttp retries only idempotent methods, never the POSTs that inference and
 resets are. `send_upstream` sends such a request once more on the next connection. It
 knows nothing of the app: the engine dialects (leaves) use it for their own calls.
 """
@@ -49,7 +49,7 @@ def reuse_trace() -> aiohttp.TraceConfig:
 
 
 def _stale(exc: BaseException, reuse: _Reuse) -> bool:
-    """A reused connection that broke before the answer began: the engine had closed it."""
+    """A reused connection that broke before the response began: the engine had closed it."""
     if isinstance(exc, aiohttp.ClientConnectorError) or not reuse.reused:
         return False  # a fresh connection that fails says something about the engine: no retry
     return isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError))

@@ -1,4 +1,4 @@
-"""The canary that proves a reset at reset time (SPEC §12.1).
+"""The canary that proves a reset at reset time (docs/reset.md).
 
 Inside the reset's drain window — nothing else reaches the engine — a private prompt C1
 is sent twice (the repeat must show C1 cached: the engine caches prompts and says so),
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-# Without a block size from the engine (SPEC §12.1): long enough for any block we know of.
+# Without a block size from the engine (docs/reset.md): long enough for any block we know of.
 DEFAULT_CANARY_TOKENS = 512
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 # The engine flag that makes it report cached tokens.

@@ -57,7 +57,7 @@ class EngineEvent:
         """The `infer.engine_event` record."""
         return {
             "schema_version": 1,
-            "event_type": EventType.ENGINE_EVENT.value,
+            "event_type": str(EventType.ENGINE_EVENT),
             "at_ns": self.at_ns,
             "kind": self.kind.value,
             "seen_by": self.seen_by,

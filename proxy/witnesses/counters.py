@@ -84,7 +84,7 @@ class Reconciliation:
         """The evidence record (docs/evidence.md)."""
         return {
             "schema_version": 1,
-            "event_type": EventType.CACHE_RECONCILIATION.value,
+            "event_type": str(EventType.CACHE_RECONCILIATION),
             "at_ns": self.at_ns,
             "from_ns": self.from_ns,
             "reset_id": self.reset_id,

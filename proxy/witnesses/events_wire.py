@@ -149,7 +149,7 @@ def _event(raw: Any) -> Event:
         kind = raw.get("type")
         if not isinstance(kind, str):
             raise DecodeError("an event map without a string 'type'")
-        if kind == STORED or kind == REMOVED:
+        if kind in (STORED, REMOVED):
             return Event(
                 kind,
                 _hashes(raw.get("block_hashes")),

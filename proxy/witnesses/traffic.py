@@ -1,4 +1,4 @@
-"""Reset sequences, request ordinals, traffic verdicts (SPEC §5.3) and the counters behind /cache/state.
+"""Reset sequences, request ordinals, traffic verdicts (docs/evidence.md) and the counters behind /cache/state.
 
 The traffic verdict is the second witness of a reset, after the canary (proxy/witnesses/canary.py): the
 first request after a reset that answers with a cached-token count decides it. A cached answer
@@ -70,7 +70,7 @@ class TrafficVerdict:
     bind: bool = False
 
     def to_record(self) -> dict[str, Any]:
-        """The evidence record (SPEC §5.3)."""
+        """The evidence record (docs/evidence.md)."""
         return {
             "schema_version": 1,
             "event_type": str(EventType.CACHE_VERIFICATION),

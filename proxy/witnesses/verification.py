@@ -1,4 +1,4 @@
-"""What a reset's canary proved, and how the answer and the `infer.cache_state` record say it (SPEC §12.1).
+"""What a reset's canary proved, and how the answer and the `infer.cache_state` record say it (docs/reset.md).
 
 A reset the engine acknowledged but the canary contradicts did not clear the cache: its
 answer is `contradicted` (HTTP 409, `success: false`, a `hint`). The record keeps the

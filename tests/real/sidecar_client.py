@@ -15,7 +15,7 @@ import aiohttp
 
 JSON = dict[str, Any]
 T = TypeVar("T")
-# Evidence is flushed asynchronously (SPEC §5: within 1 s); wait a little longer.
+# Evidence is flushed asynchronously (docs/evidence.md: within 1 s); wait a little longer.
 EVIDENCE_WAIT_S = 5.0
 REQUEST_TIMEOUT = aiohttp.ClientTimeout(total=120)
 FILLER = "Benchmarks start cold or they measure the cache. A sidecar writes down what it saw. "

@@ -1,4 +1,4 @@
-"""Verified resets against real engines: the canary proves or contradicts each reset (SPEC §12.1)."""
+"""Verified resets against real engines: the canary proves or contradicts each reset (docs/reset.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import aiohttp
 
 from tests.real.conftest import Pair
 from tests.real.sidecar_client import cache_state, complete, long_prompt, new_case, reset
+from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
 
@@ -31,7 +32,7 @@ def _assert_verified(status: int, answer: dict) -> None:
 
 async def test_llamacpp_with_cache_ram_0_is_verified(llama: Pair) -> None:
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await _earlier_traffic(s, llama)
         status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
     _assert_verified(status, answer)
@@ -40,7 +41,7 @@ async def test_llamacpp_with_cache_ram_0_is_verified(llama: Pair) -> None:
 async def test_llamacpp_default_ram_cache_after_traffic_is_contradicted(llama_ram_cache: Pair) -> None:
     pair = llama_ram_cache
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await _earlier_traffic(s, pair)
         status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
         state = await cache_state(s, pair.url)
@@ -56,7 +57,7 @@ async def test_llamacpp_default_ram_cache_after_traffic_is_contradicted(llama_ra
 
 async def test_vllm_dev_mode_is_verified_with_its_block_size(vllm: Pair) -> None:
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await _earlier_traffic(s, vllm)
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id)
     _assert_verified(status, answer)

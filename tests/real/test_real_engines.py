@@ -20,6 +20,7 @@ from tests.real.sidecar_client import (
     tags,
     verification,
 )
+from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
 # The path each engine streams on in these tests: llama.cpp's chat template is built in;
@@ -50,7 +51,7 @@ async def test_repeated_prompt_is_cold_after_reset_then_cached(engine: tuple[str
     _, pair = engine
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 8, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
         assert status == 200, answer
         first = await complete(s, pair.url, body, tags(session_id, case_id))
@@ -74,7 +75,7 @@ async def test_streamed_repeat_is_cold_then_cached(engine: tuple[str, Pair]) -> 
     kind, pair = engine
     session_id, case_id = new_case()
     body = _body(kind)
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         status, answer = await reset(s, pair.url, session_id=session_id, case_id=case_id)
         assert status == 200, answer
         first = await stream(s, pair.url, body, tags(session_id, case_id), path=STREAM_PATH[kind])
@@ -90,7 +91,7 @@ async def test_streamed_repeat_is_cold_then_cached(engine: tuple[str, Pair]) -> 
 async def test_stream_reaches_the_client_without_the_injected_usage(engine: tuple[str, Pair]) -> None:
     """The client's stream has the engine's own chunk shapes: no usage chunk added, no `usage: null`."""
     kind, pair = engine
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         direct = await stream(s, pair.engine_url, _body(kind), path=STREAM_PATH[kind])
         seen = await stream(s, pair.url, _body(kind), path=STREAM_PATH[kind])
     assert not any("usage" in e for e in direct.events)  # neither engine sends usage unasked

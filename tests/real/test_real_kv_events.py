@@ -14,6 +14,7 @@ import pytest
 
 from tests.real import engines
 from tests.real.sidecar_client import complete, eventually, evidence, long_prompt, new_case, reset, tags
+from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
 RESTART_WAIT_S = 120.0
@@ -83,7 +84,7 @@ async def _case_start(s: aiohttp.ClientSession, url: str, case_id: str) -> dict[
 
 async def test_a_reset_is_verified_by_events_and_by_the_canary(vllm_events: EventsPair) -> None:
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await _traffic(s, vllm_events.url)
         status, answer = await reset(
             s, vllm_events.url, session_id=session_id, case_id=case_id, verify="both"
@@ -102,7 +103,7 @@ async def test_a_reset_is_verified_by_events_and_by_the_canary(vllm_events: Even
 
 async def test_traffic_between_the_reset_and_the_case_is_flagged(vllm_events: EventsPair) -> None:
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         status, answer = await reset(
             s, vllm_events.url, session_id=session_id, case_id=case_id, verify="events"
         )
@@ -126,7 +127,7 @@ async def test_a_killed_and_restarted_engine_is_seen_as_a_restart(vllm_events: E
     vllm_events.engine = engines.start_vllm(
         vllm_events.model, dev_mode=True, extra_args=vllm_events.engine_args, port=vllm_events.port
     )
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await _traffic(s, vllm_events.url)  # the new engine's first batch: its seq starts at 0 again
 
         async def restarted() -> str | None:

@@ -22,6 +22,7 @@ from tests.real.sidecar_client import (
     tags,
     verification,
 )
+from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
 # More tokens than the slot can decode in the wait below (measured ~250 tok/s
@@ -43,7 +44,7 @@ async def _slots(s: aiohttp.ClientSession, pair: Pair) -> list[dict]:
 
 async def test_auto_detects_llamacpp_and_its_build(llama: Pair) -> None:
     """`--engine auto` finds llama.cpp and reports the build from /props."""
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         build_info = (await _props(s, llama))["build_info"]
         infos = await engine_info_labels(s, llama.url)
     assert [i["kind"] for i in infos] == ["llamacpp"], infos
@@ -54,7 +55,7 @@ async def test_auto_detects_llamacpp_and_its_build(llama: Pair) -> None:
 async def test_reset_erases_every_slot_and_is_acknowledged(llama: Pair) -> None:
     """A reset calls erase on each of the engine's slots and answers acknowledged."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         total_slots = (await _props(s, llama))["total_slots"]
         # No canary: one reset, one erase per slot (test_real_canary.py has the canary's).
         status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id, verify="none")
@@ -83,7 +84,7 @@ def _chat(max_tokens: int = 8) -> dict:
 async def test_a_clients_slot_erase_is_forwarded_and_recorded(llama: Pair) -> None:
     """`POST /slots/0?action=erase` through the sidecar: llama-server's own answer, and a native record."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         async with s.post(f"{llama.url}/slots/0?action=erase", headers=tags(session_id, case_id)) as resp:
             status, body = resp.status, await resp.json()
         record = await cache_state_record(s, llama.url, case_id)
@@ -96,7 +97,7 @@ async def test_erase_with_cache_ram_off_is_verified_consistent(llama: Pair) -> N
     """With `--cache-ram 0` an erase leaves a cold cache: the verdict is consistent."""
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await complete(s, llama.url, body)  # warm the cache with this prompt
         status, answer = await reset(s, llama.url, session_id=session_id, case_id=case_id)
         assert status == 200 and answer["answer"] == "acknowledged", answer
@@ -113,7 +114,7 @@ async def test_erase_with_default_ram_cache_is_contradicted(llama_ram_cache: Pai
     pair = llama_ram_cache
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         await complete(s, pair.url, body)  # the prompt now lives in a slot...
         # ...and a different prompt on the same slot moves it into the RAM cache.
         await complete(s, pair.url, {**body, "prompt": long_prompt()})
@@ -131,7 +132,7 @@ async def test_erase_with_default_ram_cache_is_contradicted(llama_ram_cache: Pai
 async def test_reset_without_slot_save_path_is_unsupported_with_hint(llama_without_slot_save: Pair) -> None:
     """Without `--slot-save-path` llama.cpp has no erase: 501 unsupported, and the hint names the flag."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         status, answer = await reset(s, llama_without_slot_save.url, session_id=session_id, case_id=case_id)
     assert status == 501, answer
     assert answer["answer"] == "unsupported" and answer["success"] is False
@@ -148,8 +149,8 @@ async def test_client_disconnect_mid_stream_frees_the_slot(llama: Pair) -> None:
         "stream": True,
         "id_slot": 0,
     }
-    async with aiohttp.ClientSession() as s:
-        async with aiohttp.ClientSession() as client:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client:
             resp = await client.post(f"{llama.url}/v1/completions", json=body)
             assert resp.status == 200
             for _ in range(5):  # a few chunks: the slot is decoding
@@ -172,7 +173,7 @@ async def test_busy_slot_erase_still_acknowledged_after_drain(llama: Pair) -> No
     """A reset during a generation drains it first, then every erase succeeds."""
     session_id, case_id = new_case()
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 1500, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         generation = asyncio.create_task(complete(s, llama.url, body))
 
         async def processing() -> bool | None:
@@ -192,7 +193,7 @@ async def test_busy_slot_erase_still_acknowledged_after_drain(llama: Pair) -> No
 async def test_busy_slot_without_drain_is_refused_within_the_retry_window(llama: Pair) -> None:
     """A generating slot makes a real erase block; the sidecar reads /slots and refuses in time."""
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": LONG_GENERATION, "temperature": 0}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         generation = asyncio.create_task(complete(s, llama.url, body))
 
         async def processing() -> bool | None:

@@ -20,6 +20,7 @@ from proxy.engines.llamacpp import CONTROL_ROUTES
 from tests.real import engines
 from tests.real.conftest import Pair
 from tests.real.engines import ManagedProcess
+from tests.support.client import CLIENT_TIMEOUT
 
 TOKEN = "real-llama-admin-token-for-path-tests"
 SIDECAR_CODES = {"invalid_request_target", "missing_admin_token"}
@@ -83,7 +84,7 @@ async def _call(http: aiohttp.ClientSession, base: str, method: str, target: str
 
 async def test_u_spellings_reach_llama_servers_control_handlers_directly(llama: Pair) -> None:
     """What the refusal guards against, on this llama-server build: `%u` is decoded by the engine."""
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
         status, body = await _call(http, llama.engine_url, "GET", "/%u0073lots")
         assert status == 200 and isinstance(body, list) and body and "id" in body[0], (status, body)
         status, body = await _call(http, llama.engine_url, "GET", "/slo%uD800ts")
@@ -93,7 +94,7 @@ async def test_u_spellings_reach_llama_servers_control_handlers_directly(llama: 
 async def test_no_u_spelling_of_a_control_route_passes_the_sidecar(guarded_llama: ManagedProcess) -> None:
     targets = _targets()
     assert len(targets) > 60
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
         for method, target in targets:
             status, body = await _call(http, guarded_llama.base_url, method, target)
             assert status in (400, 401), (method, target, status, body)

@@ -17,6 +17,7 @@ import pytest
 
 from proxy.forward.headers import HOP_BY_HOP
 from tests.real.conftest import Pair
+from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
 PROMPT = "Say the alphabet backwards, slowly, one letter at a time, and explain each step."
@@ -52,7 +53,7 @@ class Answer:
 async def ask(url: str, body: dict[str, Any]) -> Answer:
     """POST a chat completion with a fresh connection, reading the body as bytes (no decoding)."""
     async with (
-        aiohttp.ClientSession(auto_decompress=False) as s,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT, auto_decompress=False) as s,
         s.post(f"{url}/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp,
     ):
         return Answer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, await resp.read())

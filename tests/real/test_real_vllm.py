@@ -20,6 +20,7 @@ from tests.real.sidecar_client import (
     reset,
     tags,
 )
+from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
 # ~350 tok/s on 2 cores: ~9 s of decoding, long enough to be caught in
@@ -83,7 +84,7 @@ def _long_body(max_tokens: int) -> JSON:
 
 async def test_auto_detects_vllm_and_its_version(vllm: Pair) -> None:
     """`--engine auto` finds vLLM and reports the version from /version."""
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         version = await _version(s, vllm)
         infos = await engine_info_labels(s, vllm.url)
     assert infos == [{"kind": "vllm", "version": version}], infos
@@ -92,7 +93,7 @@ async def test_auto_detects_vllm_and_its_version(vllm: Pair) -> None:
 async def test_reset_in_dev_mode_is_acknowledged_from_the_body(vllm: Pair) -> None:
     """vLLM's 200 `{"success": true}` becomes acknowledged; the body was read, not just the status."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         # No canary: the one engine call is the reset (test_real_canary.py has the canary's).
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id, verify="none")
     assert status == 200, answer
@@ -107,7 +108,7 @@ async def test_reset_in_dev_mode_is_acknowledged_from_the_body(vllm: Pair) -> No
 async def test_vllms_own_reset_route_through_the_sidecar_is_answered_and_recorded(vllm: Pair) -> None:
     """vLLM's own tools post /reset_prefix_cache: through the sidecar, vLLM's own answer and a record."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         async with s.post(f"{vllm.url}/reset_prefix_cache", headers=tags(session_id, case_id)) as resp:
             status, body = resp.status, await resp.json()
             reset_id = resp.headers["X-Cachewitness-Reset-Id"]
@@ -121,7 +122,7 @@ async def test_vllms_own_reset_route_through_the_sidecar_is_answered_and_recorde
 async def test_reset_without_drain_is_refused_then_retried_until_acknowledged(vllm: Pair) -> None:
     """With a generation in flight and no drain, vLLM says success:false; retries end acknowledged."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         generation = await _generation_in_flight(s, vllm, IN_FLIGHT_TOKENS, tags(session_id, case_id))
         status, answer = await reset(
             s, vllm.url, session_id=session_id, case_id=case_id, drain=False, retry_seconds=60
@@ -140,7 +141,7 @@ async def test_reset_without_drain_is_refused_then_retried_until_acknowledged(vl
 async def test_reset_with_drain_waits_and_is_acknowledged_first_time(vllm: Pair) -> None:
     """With a generation in flight and drain on, the reset waits for it and succeeds at attempt 1."""
     session_id, case_id = new_case()
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         generation = await _generation_in_flight(s, vllm, IN_FLIGHT_TOKENS, tags(session_id, case_id))
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id, drain=True)
         assert await generation == 200
@@ -155,9 +156,9 @@ async def test_reset_with_drain_waits_and_is_acknowledged_first_time(vllm: Pair)
 
 async def test_client_disconnect_mid_stream_frees_the_engine(vllm: Pair) -> None:
     """A client that drops a stream makes the sidecar abort it: vLLM runs nothing soon after, cut short."""
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
         before = await metric_value(s, f"{vllm.engine_url}/metrics", "vllm:generation_tokens_total") or 0.0
-        async with aiohttp.ClientSession() as client:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as client:
             resp = await client.post(
                 f"{vllm.url}/v1/completions", json={**_long_body(LONG_GENERATION), "stream": True}
             )

@@ -1,0 +1,311 @@
+"""`cachewitness keygen`, `cachewitness evidence verify PATH…` and `cachewitness evidence bundle` (docs/cli.md).
+
+verify exits 0 when every chain is whole and unedited, 1 when one is not (or a bundle's summary
+disagrees with its records), 2 on bad input (a path that is not there, not readable, or holds
+no evidence). bundle writes the run bundle, checks it as verify would, and exits the same way,
+or 2/8/9 as the other client commands do when the sidecar cannot be asked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import tarfile
+import time
+import urllib.error
+import urllib.parse
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from proxy.cli.cluster_report import unreadable_pods
+from proxy.cli.http import (
+    EXIT_BAD_INPUT,
+    OPENER,
+    admin_request,
+    base_url,
+    common_arguments,
+    http_failure,
+    read_token,
+    unreachable,
+)
+from proxy.evidence.bundle import BundleError, cases_of, read_bundle, verify_bundle, write_bundle
+from proxy.evidence.keys import KeyFileError, PublicKey, generate_key_files, load_public_key
+from proxy.evidence.proof import ProofRouter
+from proxy.evidence.verify import ChainCheck, ChainReport
+from proxy.redact import redact_url
+from proxy.vocabulary import EventType
+
+__all__ = ["EXIT_BROKEN", "EXIT_WHOLE", "add_proof_commands"]
+
+EXIT_WHOLE = 0
+EXIT_BROKEN = 1
+_ROTATION = re.compile(r"(?P<base>.+)\.(?P<index>[0-9]+)")
+_READ_BYTES = 256 * 1024
+
+
+class _BadInput(Exception):
+    """A path verify cannot read as evidence: exit 2."""
+
+
+def add_proof_commands(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser], evidence: argparse.ArgumentParser
+) -> None:
+    """`keygen` beside the other commands; `verify` and `bundle` under `evidence`."""
+    keygen = sub.add_parser(
+        "keygen",
+        help="write an Ed25519 key pair that signs the evidence checkpoints",
+        description="Writes KEY (the private key, mode 0600: give it to serve as "
+        "--evidence-signing-key-file, or to the chart as a Secret) and KEY.pub (the public key: "
+        "publish it, and give it to evidence verify --public-key). Never overwrites a file.",
+    )
+    keygen.add_argument(
+        "-o", "--out", default="cachewitness-signing-key.pem", metavar="KEY", help="default %(default)s"
+    )
+    keygen.set_defaults(run=run_keygen)
+    commands = evidence.add_subparsers(dest="evidence_command", metavar="{verify,bundle}")
+    verify = commands.add_parser(
+        "verify",
+        help="check evidence files or a run bundle: every link, seq, count and signature",
+        description="Exit 0: every chain whole and unedited; 1: one is not; 2: bad input.",
+    )
+    verify.add_argument(
+        "paths",
+        nargs="+",
+        metavar="PATH",
+        help="evidence files (a file's rotations .1 .2 … come with it), folders of them, run bundles (.tar.gz)",
+    )
+    verify.add_argument(
+        "--public-key",
+        metavar="F",
+        help="the key (PEM) every checkpoint must be signed by; without it each checkpoint is checked "
+        "against the key it names, and the keys are printed",
+    )
+    verify.set_defaults(run=run_verify)
+    bundle = commands.add_parser(
+        "bundle",
+        help="one session's records with the chain segments that prove them, offline-checkable",
+        description="Exit 0: bundle written and whole; 1: written, but a chain is not whole; "
+        "2/8/9 as the other client commands.",
+    )
+    common_arguments(bundle)
+    bundle.add_argument("--session-id", required=True, metavar="S")
+    bundle.add_argument("-o", "--out", required=True, metavar="FILE", help="the bundle to write (.tar.gz)")
+    bundle.set_defaults(run=run_bundle)
+
+
+def run_keygen(ns: argparse.Namespace) -> int:
+    """Write KEY and KEY.pub; print the fingerprint."""
+    private = Path(ns.out)
+    public = private.with_name(private.name + ".pub")
+    try:
+        key = generate_key_files(private, public)
+    except (KeyFileError, OSError) as exc:
+        print(f"cachewitness keygen: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"wrote {private} (private, keep it secret) and {public} (public)")
+    print(f"fingerprint {key.fingerprint}")
+    return 0
+
+
+def _rotation_of(path: Path) -> tuple[Path, int]:
+    """The file a path rotates from, and its place: `ev.jsonl.3` is (ev.jsonl, 3), `ev.jsonl` (ev.jsonl, 0)."""
+    match = _ROTATION.fullmatch(path.name)
+    if match is None:
+        return path, 0
+    return path.with_name(match["base"]), int(match["index"])
+
+
+def _chains(paths: list[Path]) -> tuple[dict[Path, dict[int, Path]], list[Path]]:
+    """The files given, grouped by the file they rotate from (each a chain), and the bundles."""
+    chains: dict[Path, dict[int, Path]] = {}
+    bundles: list[Path] = []
+
+    def add(file: Path) -> None:
+        base, index = _rotation_of(file)
+        chains.setdefault(base, {})[index] = file
+
+    for path in paths:
+        if path.is_dir():
+            found = [f for f in sorted(path.rglob("*")) if f.is_file() and ".jsonl" in f.name]
+            if not found:
+                raise _BadInput(f"{path}: no evidence files (*.jsonl*) in it")
+            for file in found:
+                add(file)
+        elif path.is_file() and path.name.endswith((".tar.gz", ".tgz", ".tar")):
+            bundles.append(path)
+        elif path.is_file():
+            add(path)
+            if _rotation_of(path)[1] == 0:  # its rotations come with it
+                for file in path.parent.glob(f"{path.name}.*"):
+                    if _rotation_of(file)[0] == path:
+                        add(file)
+        else:
+            raise _BadInput(f"{path}: no such file or folder")
+    return chains, bundles
+
+
+def _lines(path: Path) -> Iterator[bytes]:
+    """A file's lines, exactly (a last line without its newline too), read in chunks."""
+    try:
+        with open(path, "rb") as handle:
+            carry = b""
+            while chunk := handle.read(_READ_BYTES):
+                data = carry + chunk
+                start = 0
+                while (newline := data.find(b"\n", start)) != -1:
+                    yield data[start : newline + 1]
+                    start = newline + 1
+                carry = data[start:]
+            if carry:
+                yield carry
+    except OSError as exc:
+        raise _BadInput(f"{path} cannot be read: {exc.strerror or exc}") from None
+
+
+def _check_chain(name: Path, files: Mapping[int, Path], pinned: PublicKey | None) -> ChainReport:
+    """One chain: its files oldest first (`.N` … `.1`, then the file itself)."""
+    check = ChainCheck(str(name), pinned=pinned)
+    for index in sorted(files, reverse=True):
+        for number, line in enumerate(_lines(files[index]), 1):
+            check.feed(line, str(files[index]), number)
+    return check.finish()
+
+
+def _print_report(report: ChainReport) -> None:
+    print(report.summary_line())
+    for problem in report.problems:
+        print(f"  broken: {problem}")
+    for note in report.notes:
+        print(f"  note: {note}")
+
+
+def run_verify(ns: argparse.Namespace) -> int:
+    """Check each chain and bundle given; one line per chain, its problems below it."""
+    try:
+        pinned = load_public_key(ns.public_key) if ns.public_key else None
+        chains, bundles = _chains([Path(p) for p in ns.paths])
+        reports = [_check_chain(name, files, pinned) for name, files in sorted(chains.items())]
+        problems: list[str] = []
+        for path in bundles:
+            bundle_reports, bundle_problems = verify_bundle(read_bundle(path), pinned)
+            reports += bundle_reports
+            problems += [f"{path}: {problem}" for problem in bundle_problems]
+    except (_BadInput, KeyFileError, BundleError) as exc:
+        print(f"cachewitness evidence verify: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if not any(report.records for report in reports):
+        print("cachewitness evidence verify: no evidence records in what was given", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for report in reports:
+        _print_report(report)
+    for problem in problems:
+        print(f"broken: {problem}")
+    if pinned is None and any(report.signed for report in reports):
+        print(
+            "note: each signature was checked against the key its checkpoint names; pass --public-key to pin it"
+        )
+    return EXIT_BROKEN if problems or not all(report.whole for report in reports) else EXIT_WHOLE
+
+
+def _proof_url(ns: argparse.Namespace, base: str) -> str:
+    query = {"proof": "1", "session_id": ns.session_id}
+    if ns.scope == "cluster":
+        query["scope"] = "cluster"
+    return f"{base}/cache/evidence?{urllib.parse.urlencode(query)}"
+
+
+def _collect(
+    lines: Iterator[bytes], pod: str
+) -> tuple[dict[str, dict[str, list[bytes]]], list[dict[str, Any]]]:
+    """Each pod's chain segments from a proof answer, and its trailing lines (the proof's, the cluster's)."""
+    router = ProofRouter(pod)
+    pods: dict[str, dict[str, list[bytes]]] = {}
+    trailers: list[dict[str, Any]] = []
+    for line in lines:
+        control, chain = router.route(line)
+        if control:
+            continue
+        if chain is not None:
+            pods.setdefault(router.pod, {}).setdefault(chain, []).append(line)
+        elif EventType.CLUSTER_READ.encode() in line:
+            trailers.append(orjson.loads(line))
+    for name, trailer in router.trailers.items():
+        trailers.append({**trailer, "pod": name})
+    return pods, trailers
+
+
+def _keys(pods: Mapping[str, Mapping[str, list[bytes]]]) -> list[PublicKey]:
+    """The public keys the segments' checkpoints carry."""
+    keys: dict[str, PublicKey] = {}
+    for chains in pods.values():
+        for lines in chains.values():
+            for line in lines:
+                if b'"infer.evidence_checkpoint"' in line:
+                    key = PublicKey.from_text(orjson.loads(line).get("public_key"))
+                    if key is not None:
+                        keys[key.fingerprint] = key
+    return list(keys.values())
+
+
+def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
+    """Fetch the session's proof, write the bundle, check it."""
+    env = os.environ if env is None else env
+    base = base_url(ns, env)
+    try:
+        token = read_token(ns, env)
+    except OSError as exc:
+        print(
+            f"cachewitness evidence bundle: cannot read --token-file {ns.token_file}: {exc}", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
+    url = _proof_url(ns, base)
+    try:
+        with OPENER.open(admin_request(url, token), timeout=ns.timeout) as response:
+            pods, trailers = _collect(
+                iter(response.readline, b""), urllib.parse.urlsplit(base).netloc.rpartition("@")[2]
+            )
+    except urllib.error.HTTPError as exc:
+        return http_failure("evidence bundle", exc.code, exc.read(), url)
+    except (OSError, ValueError) as exc:
+        return unreachable("evidence bundle", base, exc)
+    missing = unreadable_pods(trailers)
+    if missing:
+        print(f"cachewitness evidence bundle: pods not read: {'; '.join(missing)}", file=sys.stderr)
+        return EXIT_BROKEN
+    cases = cases_of(pods, ns.session_id)
+    if not cases:
+        print(
+            f"cachewitness evidence bundle: no records of session {ns.session_id!r} at {redact_url(base)}",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    keys = _keys(pods)
+    summary = {
+        "schema_version": 1,
+        "session_id": ns.session_id,
+        "created_at_ns": time.time_ns(),
+        "source": redact_url(base),
+        "scope": ns.scope,
+        "pods": [{"pod": pod, "chains": sorted(chains)} for pod, chains in sorted(pods.items())],
+        "keys": [key.fingerprint for key in keys],
+        "cases": cases,
+    }
+    out = Path(ns.out)
+    try:
+        size = write_bundle(out, pods, summary, keys)
+        reports, problems = verify_bundle(read_bundle(out), None)
+    except (OSError, tarfile.TarError, BundleError) as exc:
+        print(f"cachewitness evidence bundle: cannot write {out}: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for report in reports:
+        _print_report(report)
+    for problem in problems:
+        print(f"broken: {problem}")
+    records = sum(len(lines) for chains in pods.values() for lines in chains.values())
+    print(f"wrote {out}: {size} bytes, {len(cases)} cases, {records} lines from {len(pods)} pods")
+    return EXIT_BROKEN if problems or not all(report.whole for report in reports) else EXIT_WHOLE

@@ -1,0 +1,159 @@
+"""A run bundle: one session's evidence with the chain segments that prove it (docs/evidence.md).
+
+`run.tar.gz` holds `summary.json` (the session, its cases and their verdicts, per pod), each
+pod's chain segments as `pods/<pod>/<file>` (the lines exactly as written), and the public keys
+that signed them as `keys/<fingerprint>.pem`. `cachewitness evidence verify run.tar.gz` checks
+every segment offline and that the summary is what the records say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import re
+import tarfile
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from proxy.evidence.keys import PublicKey
+from proxy.evidence.summary import summarize
+from proxy.evidence.verify import ChainCheck, ChainReport
+
+__all__ = [
+    "Bundle",
+    "BundleError",
+    "cases_of",
+    "read_bundle",
+    "verify_bundle",
+    "write_bundle",
+]
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]")
+_MAX_MEMBER_BYTES = 1024 * 1024 * 1024  # a bundle is read whole; a member past this is refused
+
+
+class BundleError(Exception):
+    """A file that is not a readable bundle."""
+
+
+def _at_ns(record: dict[str, Any]) -> int:
+    value = record.get("at_ns")
+    return value if isinstance(value, int) else 0
+
+
+def safe_name(text: str) -> str:
+    """A pod's or file's name as a path part of the bundle."""
+    return _SAFE.sub("_", text) or "_"
+
+
+def cases_of(pods: Mapping[str, Mapping[str, list[bytes]]], session_id: str) -> list[dict[str, Any]]:
+    """The session's cases on each pod, from its records: reset answer, verified, verdict, tokens."""
+    cases: list[dict[str, Any]] = []
+    for pod, chains in sorted(pods.items()):
+        records = []
+        for lines in chains.values():
+            for line in lines:
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and record.get("session_id") == session_id:
+                    records.append(record)
+        records.sort(key=_at_ns)
+        for case in summarize(records):
+            cases.append({"pod": pod, **dataclasses.asdict(case), "hit_ratio": case.hit_ratio})
+    return cases
+
+
+def write_bundle(
+    path: Path,
+    pods: Mapping[str, Mapping[str, list[bytes]]],
+    summary: dict[str, Any],
+    keys: Iterable[PublicKey],
+) -> int:
+    """Write the bundle (gzip'd tar); its size in bytes."""
+    now = int(time.time())
+
+    def add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size, info.mtime, info.mode = len(data), now, 0o644
+        tar.addfile(info, io.BytesIO(data))
+
+    with tarfile.open(path, "w:gz") as tar:
+        add(tar, "summary.json", orjson.dumps(summary, option=orjson.OPT_INDENT_2) + b"\n")
+        for key in keys:
+            add(tar, f"keys/{key.fingerprint.removeprefix('sha256:')[:16]}.pem", key.pem())
+        for pod, chains in sorted(pods.items()):
+            for file, lines in sorted(chains.items()):
+                add(tar, f"pods/{safe_name(pod)}/{safe_name(file)}", b"".join(lines))
+    return path.stat().st_size
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A bundle read back: its summary and each pod's chains (by the summary's pod names)."""
+
+    summary: dict[str, Any]
+    pods: dict[str, dict[str, list[bytes]]]
+
+
+def read_bundle(path: Path) -> Bundle:
+    """Read a bundle whole; BundleError when it is not one."""
+    members: dict[str, bytes] = {}
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            for info in tar:
+                if not info.isfile():
+                    continue
+                if info.size > _MAX_MEMBER_BYTES:
+                    raise BundleError(f"{path}: {info.name} is over {_MAX_MEMBER_BYTES} bytes")
+                handle = tar.extractfile(info)
+                if handle is not None:
+                    members[info.name] = handle.read()
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        raise BundleError(f"{path} is not a readable bundle (a .tar.gz): {exc}") from None
+    if "summary.json" not in members:
+        raise BundleError(f"{path} has no summary.json: not a cachewitness bundle")
+    try:
+        summary = orjson.loads(members["summary.json"])
+    except orjson.JSONDecodeError as exc:
+        raise BundleError(f"{path}: summary.json is not JSON: {exc}") from None
+    if not isinstance(summary, dict):
+        raise BundleError(f"{path}: summary.json is not a JSON object")
+    by_dir = {safe_name(str(pod.get("pod"))): str(pod.get("pod")) for pod in summary.get("pods") or []}
+    pods: dict[str, dict[str, list[bytes]]] = {}
+    for name, data in members.items():
+        parts = name.split("/")
+        if len(parts) == 3 and parts[0] == "pods":
+            pod = by_dir.get(parts[1], parts[1])
+            pods.setdefault(pod, {})[parts[2]] = data.splitlines(keepends=True) if data else []
+    return Bundle(summary, pods)
+
+
+def verify_bundle(bundle: Bundle, pinned: PublicKey | None) -> tuple[list[ChainReport], list[str]]:
+    """Each segment's check, and what is wrong with the bundle beyond its chains."""
+    reports: list[ChainReport] = []
+    problems: list[str] = []
+    for pod, chains in sorted(bundle.pods.items()):
+        for file, lines in sorted(chains.items()):
+            name = f"pods/{safe_name(pod)}/{file}"
+            check = ChainCheck(name, pinned=pinned)
+            for number, line in enumerate(lines, 1):
+                check.feed(line, name, number)
+            reports.append(check.finish())
+    listed = {str(pod.get("pod")) for pod in bundle.summary.get("pods") or []}
+    if listed != set(bundle.pods):
+        problems.append(
+            f"summary.json lists pods {sorted(listed)} but the bundle holds segments of {sorted(bundle.pods)}"
+        )
+    session = bundle.summary.get("session_id")
+    if not isinstance(session, str):
+        problems.append("summary.json names no session_id")
+    elif bundle.summary.get("cases") != cases_of(bundle.pods, session):
+        problems.append("summary.json: its cases are not what the bundle's records say")
+    return reports, problems

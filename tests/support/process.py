@@ -1,0 +1,109 @@
+"""A sidecar as a user runs it (`python -m proxy serve` in a child process), and raw connections to it."""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import sys
+from pathlib import Path
+
+import aiohttp
+from yarl import URL
+
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.metrics import Scrape
+from tests.support.sidecar import free_port
+
+
+async def wait_status(session: aiohttp.ClientSession, url: str, status: int, bound_s: float = 10) -> None:
+    """Poll `url` until it answers `status` (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while True:
+        async with session.get(url) as response:
+            if response.status == status:
+                return
+        assert loop.time() < deadline, f"{url} never answered {status}"
+        await asyncio.sleep(0.05)
+
+
+async def start_sidecar(
+    upstream: str, tmp_path: Path, *extra: str, nofile: int | None = None
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`python -m proxy serve` on a free loopback port, waited on until ready (bounded).
+
+    `nofile` sets the child's RLIMIT_NOFILE (soft and hard) before it starts.
+    """
+    port = free_port()
+
+    def limit_fds() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    with open(tmp_path / "sidecar.log", "wb") as log:  # the child keeps its own copy of the fd
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy",
+            "serve",
+            "--upstream",
+            upstream,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--evidence",
+            str(tmp_path / "ev.jsonl"),
+            "--health-interval",
+            "0.2",
+            *extra,
+            stderr=log,
+            preexec_fn=limit_fds,
+        )
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while True:
+            try:
+                await wait_status(session, url + "/-/ready", 200, bound_s=30)
+                break
+            except aiohttp.ClientConnectionError:
+                assert loop.time() < deadline, (tmp_path / "sidecar.log").read_text()
+                await asyncio.sleep(0.1)
+    return process, url
+
+
+BOUND_S = 20.0  # far above every limit used here; only reached when a connection is never closed
+
+
+async def open_raw(url: str, payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw TCP connection to the sidecar that has sent `payload` and then goes silent."""
+    parsed = URL(url)
+    reader, writer = await asyncio.open_connection(parsed.host, parsed.port)
+    if payload:
+        writer.write(payload)
+        await writer.drain()
+    return reader, writer
+
+
+async def read_until_closed(connection: tuple[asyncio.StreamReader, asyncio.StreamWriter]) -> bytes:
+    """Everything the sidecar sends before it closes the connection (bounded); then our end closes."""
+    reader, writer = connection
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=BOUND_S)
+    finally:
+        writer.close()
+
+
+async def scrape_fresh(url: str) -> Scrape:
+    """GET /metrics on a fresh connection."""
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        session.get(url + "/metrics") as response,
+    ):
+        return Scrape(await response.text())
+
+
+async def stop(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM the sidecar and wait for it."""
+    process.terminate()
+    await asyncio.wait_for(process.wait(), timeout=BOUND_S)

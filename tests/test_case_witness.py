@@ -53,10 +53,9 @@ async def _state(s: Stack) -> dict[str, Any]:
 
 async def _records(s: Stack, event_type: str) -> list[dict[str, Any]]:
     """The sidecar's records of one type."""
-    async with s.http.get(f"{s.url}/cache/evidence") as resp:
+    async with s.http.get(f"{s.url}/cache/evidence", params={"event_type": event_type}) as resp:
         assert resp.status == 200, await resp.text()
-        records = [orjson.loads(line) for line in (await resp.read()).splitlines() if line]
-    return [record for record in records if record["event_type"] == event_type]
+        return [orjson.loads(line) for line in (await resp.read()).splitlines() if line]
 
 
 async def _wait_state(s: Stack, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from proxy.admin.cases import handle_case_close
 from proxy.admin.middleware import setup_admin
 from proxy.admin.views import handle_evidence, handle_reset, handle_state
 from proxy.admission import ADMISSION, setup_admission
@@ -85,6 +86,7 @@ def setup_routes(app: web.Application) -> None:
     app.router.add_get("/metrics", handle_metrics)
     app.router.add_post("/cache/reset", handle_reset)
     app.router.add_get("/cache/state", handle_state)
+    app.router.add_post("/cache/cases/{case_id}/close", handle_case_close)
     app.router.add_get("/cache/evidence", handle_evidence)
     app.router.add_route("*", "/{tail:.*}", forward)
 

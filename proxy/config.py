@@ -111,6 +111,7 @@ class Settings:
     drain_timeout: float = 30.0
     retry_seconds: float = 10.0
     reset_attempt_timeout: float = 30.0
+    case_idle_s: float = 30.0
     verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None
@@ -474,6 +475,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("drain_timeout", _positive_float, "longest drain before a reset", "seconds ≥ 0"),
     Option("retry_seconds", _positive_float, "default retry window for refused resets", "seconds 0..120"),
     Option("reset_attempt_timeout", _positive_float, "timeout of one engine reset call", "seconds > 0"),
+    Option("case_idle_s", _positive_float, "a case with no request this long has ended", "seconds > 0"),
     Option(
         "verify",
         VerifyMode,

@@ -6,16 +6,24 @@ nowhere else, so a record and its counters cannot disagree.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from aiohttp import web
 
+from proxy.admission import ADMISSION
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
 from proxy.evidence.log import EVIDENCE, EvidenceLog
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
-from proxy.vocabulary import CanaryOutcome, Verified
+from proxy.upstream.pools import UPSTREAM_POOL
+from proxy.vocabulary import CanaryOutcome, Verdict, Verified
+from proxy.witnesses.case import CaseWitness
+from proxy.witnesses.counters import CaseVerdict
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
@@ -28,6 +36,7 @@ class Recorder:
         self.witness = witness
         self._evidence = evidence
         self._metrics = metrics
+        self.case: CaseWitness | None = None  # the counter witness, once setup_recorder made it
 
     def begin_request(self, case_header: str | None = None) -> tuple[str | None, int | None, bool]:
         """The reset this request belongs to, its ordinal since that reset, and whether
@@ -39,6 +48,8 @@ class Recorder:
     def unobserved_request(self, case_header: str | None) -> None:
         """An inference request about to reach the engine unobserved (past the observation budget)."""
         self.witness.unobserved(own=self.witness.carries_token(case_header))
+        if self.case is not None:
+            self.case.unobserved()
 
     def finished(self, forwarded: Forwarded, observation: Observation | None) -> None:
         """Record one forwarded exchange, with its observation when it was an admitted inference request.
@@ -47,6 +58,8 @@ class Recorder:
         """
         settled = None
         if observation is not None:
+            if self.case is not None:
+                self.case.observed(observation)
             settled = self.witness.observe(observation)
             self._evidence.write(observation.to_record())
             if settled is not None:
@@ -123,7 +136,38 @@ RECORDER = web.AppKey("recorder", Recorder)
 
 
 def setup_recorder(app: web.Application) -> None:
-    """The witness and the recorder (no lifetime of their own: they write through the evidence writer)."""
+    """The witness, the counter witness and the recorder; the engine watcher runs while the pool is open."""
     witness = Witness()
     app[WITNESS] = witness
-    app[RECORDER] = Recorder(witness, app[EVIDENCE], app[METRICS])
+    recorder = Recorder(witness, app[EVIDENCE], app[METRICS])
+    app[RECORDER] = recorder
+    settings, evidence, metrics = app[SETTINGS], app[EVIDENCE], app[METRICS]
+
+    def revise(reset_id: str | None, verdict: CaseVerdict, reason: str) -> None:
+        weaker = Verdict.CONTRADICTED if verdict == CaseVerdict.CONTRADICTED else Verdict.INCONCLUSIVE
+        witness.revise(reset_id, weaker, reason)
+
+    case = CaseWitness(
+        session=lambda: app[UPSTREAM_POOL],
+        base_url=settings.upstream_base,
+        kind=lambda: app[ENGINE].info.kind,
+        timeout_s=settings.reset_attempt_timeout,
+        idle_s=settings.case_idle_s,
+        in_flight=lambda: app[ADMISSION].inflight,
+        write=evidence.write,
+        on_bypass=metrics.bypass,
+        on_event=lambda kind: metrics.engine_event(kind.value),
+        on_verdict=revise,
+        api_key=settings.engine_key,
+    )
+    recorder.case = case
+    witness.case_state = case.state
+
+    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
+        watcher = asyncio.create_task(case.watch(settings.health_interval), name="cachewitness-case-watch")
+        yield
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+
+    app.cleanup_ctx.append(lifetime)

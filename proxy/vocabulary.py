@@ -144,7 +144,13 @@ class EventType(StrEnum):
     CACHE_OBSERVATION = "infer.cache_observation"
     CACHE_VERIFICATION = "infer.cache_verification"
     CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
+    CACHE_RECONCILIATION = "infer.cache_reconciliation"  # engine counters against what was seen
+    ENGINE_EVENT = "infer.engine_event"  # a restart, a sleep, an outage: the cache is unknown
     EVIDENCE_OPENED = "infer.evidence_opened"  # a writer's start: where its chain resumes
     EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"
+    # The lines of a proof (`GET /cache/evidence?proof=1`, docs/evidence.md) that are no record:
+    PROOF_CHAIN = "cachewitness.proof_chain"  # the lines that follow are of this file's chain
+    PROOF_POD = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
+    PROOF_READ = "cachewitness.proof_read"  # a pod's proof ends: what each chain sent

@@ -29,8 +29,8 @@ from proxy.witnesses.traffic import WITNESS
 
 __all__ = ["handle_evidence", "handle_reset", "handle_state"]
 
-# The records a pod serves (the cluster trailer is the cluster read's own, never stored).
-_EVENT_TYPES = frozenset(str(kind) for kind in EventType if kind is not EventType.CLUSTER_READ)
+# The records a pod stores (the cachewitness.* lines are a read's own: the cluster trailer, a proof's markers).
+_EVENT_TYPES = frozenset(str(kind) for kind in EventType if not kind.startswith("cachewitness."))
 _FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope", "proof")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024

@@ -21,10 +21,9 @@ import orjson
 
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.lines import MAX_LINE_BYTES
+from proxy.vocabulary import EventType
 
 __all__ = [
-    "CHECKPOINT_EVENT",
-    "OPENED_EVENT",
     "ZERO_HASH",
     "Chain",
     "Mark",
@@ -34,8 +33,6 @@ __all__ = [
     "line_hash",
 ]
 
-OPENED_EVENT = "infer.evidence_opened"
-CHECKPOINT_EVENT = "infer.evidence_checkpoint"
 ZERO_HASH = "0" * 64
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 # A last line longer than this is not one the writer wrote (its lines are at most 64 KiB).
@@ -161,7 +158,7 @@ class Chain:
     def opened(self, *, version: str, file: str) -> bytes:
         """The `infer.evidence_opened` line this writer's life starts with."""
         record: dict[str, Any] = {
-            "event_type": OPENED_EVENT,
+            "event_type": EventType.EVIDENCE_OPENED,
             "schema_version": 1,
             "at_ns": time.time_ns(),
             "writer_id": self.writer_id,
@@ -173,12 +170,14 @@ class Chain:
             "key_fingerprint": self.signer.public.fingerprint if self.signer else None,
         }
         self.counts = {}
-        return self.link(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE), OPENED_EVENT)
+        return self.link(
+            orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE), str(EventType.EVIDENCE_OPENED)
+        )
 
     def checkpoint(self, *, at_ns: int, final: bool, dropped_before: int = 0) -> bytes:
         """An `infer.evidence_checkpoint` line: the counts since the last one, signed with the head."""
         record: dict[str, Any] = {
-            "event_type": CHECKPOINT_EVENT,
+            "event_type": EventType.EVIDENCE_CHECKPOINT,
             "schema_version": 1,
             "at_ns": at_ns,
             "writer_id": self.writer_id,

@@ -30,8 +30,17 @@ from proxy.evidence.writer import DropReason, EvidenceWriter
 
 __all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "setup_evidence"]
 
-# Records a flood of observations must not rotate away: resets, verdicts, the index at case starts.
-RESET_EVENTS = frozenset({"infer.cache_state", "infer.cache_verification", "infer.cache_blocks"})
+# Records a flood of observations must not rotate away: resets, verdicts, the index at case starts,
+# the counter witness's reconciliations and the engine's events.
+RESET_EVENTS = frozenset(
+    {
+        "infer.cache_state",
+        "infer.cache_verification",
+        "infer.cache_blocks",
+        "infer.cache_reconciliation",
+        "infer.engine_event",
+    }
+)
 # Reset records waiting for a full disk, at most (and at most evidence_queue_max_bytes): they
 # are few and small (only admin calls write them), so this adds little to the observations' bound.
 _RESETS_QUEUE_BYTES = 4 * 1024 * 1024

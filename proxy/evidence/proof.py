@@ -25,14 +25,12 @@ from typing import IO, Any
 
 import orjson
 
-from proxy.evidence.chain import CHECKPOINT_EVENT, Mark, chained_fields, line_hash
+from proxy.evidence.chain import Mark, chained_fields, line_hash
 from proxy.evidence.merge import merge_blocks
 from proxy.evidence.reader import record_matches
+from proxy.vocabulary import EventType
 
 __all__ = [
-    "PROOF_CHAIN_EVENT",
-    "PROOF_POD_EVENT",
-    "PROOF_READ_EVENT",
     "ChainScan",
     "ProofRouter",
     "choose_ranges",
@@ -42,9 +40,6 @@ __all__ = [
     "scan_chain",
 ]
 
-PROOF_CHAIN_EVENT = "cachewitness.proof_chain"
-PROOF_READ_EVENT = "cachewitness.proof_read"
-PROOF_POD_EVENT = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
 _CONTROL = b'{"event_type":"cachewitness.'  # how the proof's own lines start (orjson, no spaces)
 _READ_BYTES = 256 * 1024
 
@@ -128,7 +123,7 @@ def scan_chain(
                 scan.spans(at_ns)
         if stop is not None and _is_mark(record, line, stop):
             break
-        if record.get("event_type") == CHECKPOINT_EVENT:
+        if record.get("event_type") == EventType.EVIDENCE_CHECKPOINT:
             scan.segments.append(segment)
             segment = None
     if segment is not None:
@@ -246,18 +241,23 @@ async def proof_stream(
 
 def chain_marker(name: str) -> bytes:
     """The line before a run of one chain's lines."""
-    return orjson.dumps({"event_type": PROOF_CHAIN_EVENT, "file": name}, option=orjson.OPT_APPEND_NEWLINE)
+    return orjson.dumps({"event_type": EventType.PROOF_CHAIN, "file": name}, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def proof_trailer(chains: list[dict[str, Any]]) -> bytes:
     """The last line of a proof: what each chain sent."""
-    record = {"event_type": PROOF_READ_EVENT, "schema_version": 1, "at_ns": time.time_ns(), "chains": chains}
+    record = {
+        "event_type": EventType.PROOF_READ,
+        "schema_version": 1,
+        "at_ns": time.time_ns(),
+        "chains": chains,
+    }
     return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE)
 
 
 def pod_marker(pod: str) -> bytes:
     """The line before one pod's proof in a cluster's."""
-    return orjson.dumps({"event_type": PROOF_POD_EVENT, "pod": pod}, option=orjson.OPT_APPEND_NEWLINE)
+    return orjson.dumps({"event_type": EventType.PROOF_POD, "pod": pod}, option=orjson.OPT_APPEND_NEWLINE)
 
 
 @dataclass
@@ -278,11 +278,11 @@ class ProofRouter:
         except orjson.JSONDecodeError:
             return False, self.chain
         kind = record.get("event_type") if isinstance(record, dict) else None
-        if kind == PROOF_POD_EVENT:
+        if kind == EventType.PROOF_POD:
             self.pod, self.chain = str(record.get("pod")), None
-        elif kind == PROOF_CHAIN_EVENT:
+        elif kind == EventType.PROOF_CHAIN:
             self.chain = str(record.get("file"))
-        elif kind == PROOF_READ_EVENT:
+        elif kind == EventType.PROOF_READ:
             self.trailers[self.pod] = record
             self.chain = None
         else:

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from proxy.evidence.chain import CHECKPOINT_EVENT, OPENED_EVENT, ZERO_HASH, chained_fields, line_hash
+from proxy.evidence.chain import ZERO_HASH, chained_fields, line_hash
 from proxy.evidence.keys import PublicKey
+from proxy.vocabulary import EventType
 
 __all__ = ["ChainCheck", "ChainReport"]
 
@@ -123,9 +124,9 @@ class ChainCheck:
         if type(dropped) is int and dropped > 0:
             self._gaps.append((seq, dropped))
         event = str(record.get("event_type"))
-        if event == OPENED_EVENT:
+        if event == EventType.EVIDENCE_OPENED:
             self._opened(record, seq, where)
-        if event == CHECKPOINT_EVENT:
+        if event == EventType.EVIDENCE_CHECKPOINT:
             self._checkpoint(record, line, seq, where)
         else:
             self._counts[event] = self._counts.get(event, 0) + 1
@@ -133,7 +134,7 @@ class ChainCheck:
 
     def _link(self, record: dict[str, object], seq: int, prev: str, where: str, file: str) -> None:
         """Whether the line follows the one before it: its prev, and its seq."""
-        fresh = record.get("event_type") == OPENED_EVENT and seq == 1
+        fresh = record.get("event_type") == EventType.EVIDENCE_OPENED and seq == 1
         if self._head is None:
             if not (seq == 1 and prev == ZERO_HASH):
                 self._notes.append(

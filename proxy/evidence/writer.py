@@ -19,8 +19,6 @@ import orjson
 
 from proxy import __version__
 from proxy.evidence.chain import (
-    CHECKPOINT_EVENT,
-    OPENED_EVENT,
     Chain,
     Mark,
     find_predecessor,
@@ -28,6 +26,7 @@ from proxy.evidence.chain import (
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.lines import CHAIN_SUFFIX_MAX, encode_record
 from proxy.evidence.reader import evidence_files, rotated
+from proxy.vocabulary import EventType
 
 __all__ = ["DropReason", "EvidenceWriter"]
 
@@ -141,7 +140,7 @@ class EvidenceWriter:
                 chain = await asyncio.to_thread(self._open_chain)
                 opened = chain.opened(version=__version__, file=self.path.name)
                 self._chain = chain
-                self._unwritten.append((OPENED_EVENT, opened))
+                self._unwritten.append((str(EventType.EVIDENCE_OPENED), opened))
                 self._unwritten_bytes += len(opened)
                 self._since_checkpoint += 1  # the next checkpoint covers the opening too
         if self._task is None:
@@ -202,7 +201,9 @@ class EvidenceWriter:
 
     def _queue_checkpoint(self, kind: bytes) -> None:
         """Queue a checkpoint (outside the queue's bound: one small line an interval)."""
-        self._queue.append((CHECKPOINT_EVENT, b"\0%b%d" % (kind, time.time_ns()), self._gap))
+        self._queue.append(
+            (str(EventType.EVIDENCE_CHECKPOINT), b"\0%b%d" % (kind, time.time_ns()), self._gap)
+        )
         self._gap, self._since_checkpoint = 0, 0
         self._checkpoint_at = time.monotonic()
 
@@ -269,13 +270,18 @@ class EvidenceWriter:
         batch = unwritten
         if self._chain is None:
             self._chain = self._open_chain()
-            batch.append((OPENED_EVENT, self._chain.opened(version=__version__, file=self.path.name)))
+            batch.append(
+                (str(EventType.EVIDENCE_OPENED), self._chain.opened(version=__version__, file=self.path.name))
+            )
         chain = self._chain
         for event_type, line, gap in fresh:
             if line[0] == _MARKER:
                 final, at_ns = line[1:2] == _FINAL, int(line[2:])
                 batch.append(
-                    (CHECKPOINT_EVENT, chain.checkpoint(at_ns=at_ns, final=final, dropped_before=gap))
+                    (
+                        str(EventType.EVIDENCE_CHECKPOINT),
+                        chain.checkpoint(at_ns=at_ns, final=final, dropped_before=gap),
+                    )
                 )
             else:
                 batch.append((event_type, chain.link(line, event_type, gap)))

@@ -54,6 +54,10 @@ class _RouteSeries:
     ttfb: HotHistogram
 
 
+# `kind` of cachewitness_engine_events_total (the `infer.engine_event` kinds).
+ENGINE_EVENT_KINDS = ("restarted", "slept", "woke", "unreachable", "back")
+
+
 class Metrics:
     """The sidecar's metric definitions and the hot-path calls that move them (no I/O, no locks of ours)."""
 
@@ -162,6 +166,17 @@ class Metrics:
             ("outcome",),
             registry=registry,
         )
+        self.bypass_requests = Counter(
+            PREFIX + "bypass_requests_total",
+            "Requests the engine's own counters show that did not pass through the sidecar.",
+            registry=registry,
+        )
+        self.engine_events = Counter(
+            PREFIX + "engine_events_total",
+            "Engine events seen: restarted, slept, woke, unreachable, back.",
+            ("kind",),
+            registry=registry,
+        )
         self.resets_verified = Counter(
             PREFIX + "cache_resets_verified_total",
             "Cache resets by what their canary proved (unverified: no canary, or it could not tell).",
@@ -202,6 +217,8 @@ class Metrics:
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
         self._canary = {outcome: self.canary_requests.labels(outcome.value) for outcome in CanaryOutcome}
         self._verified = {verified: self.resets_verified.labels(verified.value) for verified in Verified}
+        for kind in ENGINE_EVENT_KINDS:  # pre-created at 0: alerts see a series from the start
+            self.engine_events.labels(kind)
         # Created per engine kind as it is detected (show_engine), not for every kind there is.
         self._resets: dict[tuple[str, str], Counter] = {}
         self._models: dict[str, _ModelSeries] = {}
@@ -294,6 +311,14 @@ class Metrics:
         self._reset_counter(engine_kind, answer).inc()
         self.reset_duration.observe(max(0.0, duration_s))
         self.reset_attempts.observe(max(0, attempts))
+
+    def bypass(self, requests: int) -> None:
+        """Count requests that reached the engine around the sidecar."""
+        self.bypass_requests.inc(requests)
+
+    def engine_event(self, kind: str) -> None:
+        """Count one engine event."""
+        self.engine_events.labels(kind).inc()
 
     def canary_request(self, outcome: CanaryOutcome) -> None:
         """Count one canary request."""

@@ -28,6 +28,7 @@ from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
 from proxy.witnesses.canary import Canary, verify_reset
+from proxy.witnesses.counters import Sums
 from proxy.witnesses.events_index import CACHE_INDEX
 from proxy.witnesses.events_witness import EventsCheck, merged
 from proxy.witnesses.verification import not_run
@@ -167,6 +168,9 @@ class ResetService:
                     retry=params.retry,
                 )
 
+            # The case before this reset ends here: its engine counters are read (proxy/witnesses/case.py).
+            if recorder.case is not None:
+                await recorder.case.reset_started()
             # The events witness wraps the engine reset (marker, reset, flush probe, clear), and the
             # canary (inside the drain window) wraps both: proxy/witnesses/events_witness.py, canary.py.
             events = self._events(params)
@@ -198,6 +202,10 @@ class ResetService:
                     verified=verification.verified,
                     case_token=current.case_token,
                     bind=params.bind,
+                )
+            if recorder.case is not None:
+                await recorder.case.reset_finished(
+                    recorder.witness.sequence_ids(), canary.spent if isinstance(canary, Canary) else Sums()
                 )
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,

@@ -58,6 +58,8 @@ class SimConfig:
     dev_mode: bool = True
     prompt_tokens_details: bool = True
     omit_zero_cached: bool = False
+    # A CPU-offload tier that /reset_prefix_cache leaves warm (vLLM #57727).
+    host_tier: bool = False
     # sglang
     admin_api_key: str | None = None
     # llamacpp
@@ -217,6 +219,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     vllm.add_argument(
         "--omit-zero-cached", action="store_true", help="vLLM <= 0.14: cached_tokens omitted when 0"
     )
+    vllm.add_argument(
+        "--host-tier",
+        action="store_true",
+        help="a CPU-offload (host) tier that /reset_prefix_cache leaves warm",
+    )
     sglang = parser.add_argument_group("sglang dialect")
     sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
     kv = parser.add_argument_group("KV cache events (vllm, sglang)")
@@ -278,6 +285,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         dev_mode=not ns.no_dev_mode,
         prompt_tokens_details=not ns.no_prompt_tokens_details,
         omit_zero_cached=ns.omit_zero_cached,
+        host_tier=ns.host_tier,
         admin_api_key=ns.admin_api_key,
         slots=ns.slots,
         slot_save_path=ns.slot_save_path,

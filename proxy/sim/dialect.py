@@ -80,12 +80,13 @@ class SimDialect:
         if self.kv_events is not None:
             self.kv_events.flush()
 
-    async def restart(self, reconnect: bool) -> None:
-        """What a restart of the engine process shows: an empty cache and the events' seq at 0.
+    async def restart(self, reconnect: bool = False) -> None:
+        """What a restart of the engine process shows: an empty cache, counters and the events' seq at 0.
 
         Nothing is published for it (a restarted engine says nothing); `reconnect` also reopens
         the event sockets, as a new process has new ones.
         """
+        self.engine.restart()
         self.cache.listener = None
         self.cache.clear()
         self.cache.listener = self.kv_events

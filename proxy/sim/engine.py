@@ -129,8 +129,16 @@ class Engine:
         self.generation_tokens_total = 0
         self.metrics_scrapes_total = 0  # GET /metrics answered (the sidecar shares its fetches)
         self.started_at = time.time()
+        self.restarts_total = 0  # POST /sim/restart (kept across restarts: it is the sim's own)
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def restart(self) -> None:
+        """A restarted engine: its counters start from 0 again (the caches are the dialect's)."""
+        self.requests_total = self.completed_total = self.aborted_total = self.resets_total = 0
+        self.prompt_tokens_total = self.cached_tokens_total = self.generation_tokens_total = 0
+        self.started_at = time.time()
+        self.restarts_total += 1
 
     # -- state ---------------------------------------------------------------------------
     def is_idle(self) -> bool:
@@ -163,6 +171,7 @@ class Engine:
             "cached_tokens_total": self.cached_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "metrics_scrapes_total": self.metrics_scrapes_total,
+            "restarts_total": self.restarts_total,
             **self.hooks.stats(),
         }
 

@@ -183,6 +183,13 @@ class LlamacppDialect(SimDialect):
         """The slot's KV grows by each generated token."""
         self.slots[seq.slot].tokens.append(token.strip())
 
+    async def restart(self, reconnect: bool = False) -> None:
+        """A restart empties the slots and the RAM cache too."""
+        await super().restart(reconnect)
+        self.clear_cache()
+        self.engine.resets_total = 0
+        self.ram.clear()
+
     def clear_cache(self) -> int:
         """Erase every slot (the RAM cache stays: no endpoint clears it)."""
         self.engine.resets_total += 1

@@ -283,6 +283,13 @@ def build_sim_app(config: SimConfig) -> web.Application:
         return json_body(engine.stats())
 
     app.router.add_get("/sim/stats", sim_stats)
+
+    async def sim_restart(request: web.Request) -> web.Response:
+        """POST /sim/restart: as if the engine restarted (counters at 0, every cache tier empty; sim-only)."""
+        await dialect.restart()
+        return json_body(engine.stats())
+
+    app.router.add_post("/sim/restart", sim_restart)
     dialect.add_routes(app)
     if dialect.kv_events is not None:
         _add_kv_events(app, dialect, dialect.kv_events)

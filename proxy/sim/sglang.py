@@ -172,6 +172,10 @@ class SglangDialect(SimDialect):
             "sglang:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
         )
         prompt.add_metric([model], engine.prompt_tokens_total)
+        requests = CounterMetricFamily(
+            "sglang:num_requests", "Number of requests processed.", labels=["model_name"]
+        )
+        requests.add_metric([model], engine.requests_total)
         gen = CounterMetricFamily(
             "sglang:generation_tokens", "Number of generation tokens processed.", labels=["model_name"]
         )
@@ -189,4 +193,4 @@ class SglangDialect(SimDialect):
             [model],
             engine.cached_tokens_total / engine.prompt_tokens_total if engine.prompt_tokens_total else 0.0,
         )
-        return [cached, prompt, gen, running, queue, rate]
+        return [cached, prompt, requests, gen, running, queue, rate]

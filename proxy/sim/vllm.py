@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from proxy.sim.cache import PrefixCache
+from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
 from proxy.sim.wire import error_response
@@ -21,6 +23,37 @@ class VllmDialect(SimDialect):
     rejects_stream_options_without_stream = True
     # Seen on the real 0.32 server: no `"usage": null` members on stream chunks under include_usage.
     null_usage = NullUsage.NEVER
+    # vLLM's `source` labels of prompt_tokens_cached_by_source (0.32 publishes them all).
+    sources = ("device", "host", "p2p", "disk", "external_unspecified")
+
+    def __init__(self, config: SimConfig) -> None:
+        """The device cache, and with --host-tier an offload tier that resets leave warm."""
+        super().__init__(config)
+        self.host = PrefixCache(config.block_size, config.cache_blocks) if config.host_tier else None
+        self.cached_by_source = dict.fromkeys(self.sources, 0)
+        self.sleeping = False
+
+    def lookup(self, seq: Sequence) -> int:
+        """Device hits first, then the host tier's longer prefix (each counted by source)."""
+        device = super().lookup(seq)
+        host = self.host.lookup(seq.prompt) if self.host is not None and seq.cache_prompt else 0
+        self.cached_by_source["device"] += device
+        self.cached_by_source["host"] += max(0, host - device)
+        return max(device, host)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """Blocks go to the device cache and are offloaded to the host tier."""
+        super().prefilled(seq)
+        if self.host is not None and seq.cache_prompt:
+            self.host.insert(seq.kv_tokens())
+
+    async def restart(self, reconnect: bool = False) -> None:
+        """Every tier empty, counters at 0."""
+        await super().restart(reconnect)
+        self.cached_by_source = dict.fromkeys(self.sources, 0)
+        self.sleeping = False
+        if self.host is not None:
+            self.host.clear()
 
     def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
         """vLLM 0.32 puts `system_fingerprint` on a stream's last chunk (the usage chunk if any)."""
@@ -59,10 +92,29 @@ class VllmDialect(SimDialect):
             # Registered only under VLLM_SERVER_DEV_MODE=1
             # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.
             app.router.add_post("/reset_prefix_cache", self.handle_reset)
+            # Sleep mode's dev routes (vllm/entrypoints/serve/dev): level 1 drops the KV cache.
+            app.router.add_post("/sleep", self.handle_sleep)
+            app.router.add_post("/wake_up", self.handle_wake)
+            app.router.add_get("/is_sleeping", self.handle_is_sleeping)
             # The multi-modal and encoder caches (a text-only model has neither): 200, empty
             # body; `vllm bench sweep` posts all three after each run.
             app.router.add_post("/reset_mm_cache", self.handle_other_reset)
             app.router.add_post("/reset_encoder_cache", self.handle_other_reset)
+
+    async def handle_sleep(self, request: web.Request) -> web.Response:
+        """POST /sleep: the KV cache is discarded."""
+        self.sleeping = True
+        self.cache.clear()
+        return web.Response(status=200)
+
+    async def handle_wake(self, request: web.Request) -> web.Response:
+        """POST /wake_up."""
+        self.sleeping = False
+        return web.Response(status=200)
+
+    async def handle_is_sleeping(self, request: web.Request) -> web.Response:
+        """GET /is_sleeping."""
+        return web.json_response({"is_sleeping": self.sleeping})
 
     async def handle_other_reset(self, request: web.Request) -> web.Response:
         """POST /reset_mm_cache, /reset_encoder_cache: nothing to clear, 200 with no body."""
@@ -116,6 +168,22 @@ class VllmDialect(SimDialect):
             "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
         )
         prompt.add_metric([model], engine.prompt_tokens_total)
+        by_source = CounterMetricFamily(
+            "vllm:prompt_tokens_cached_by_source",
+            "Number of cached prompt tokens by source.",
+            labels=["model_name", "source"],
+        )
+        for source, tokens in self.cached_by_source.items():
+            by_source.add_metric([model, source], tokens)
+        # One bucket is enough for the count: requests whose prompt was processed.
+        request_prompt = HistogramMetricFamily(
+            "vllm:request_prompt_tokens",
+            "Number of prefill tokens processed.",
+            labels=["model_name"],
+        )
+        request_prompt.add_metric(
+            [model], [("+Inf", float(engine.requests_total))], sum_value=float(engine.prompt_tokens_total)
+        )
         gen = CounterMetricFamily(
             "vllm:generation_tokens", "Number of generation tokens processed.", labels=["model_name"]
         )
@@ -143,4 +211,16 @@ class VllmDialect(SimDialect):
             labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
         )
         cache_config.add_metric([str(self.config.block_size), "True", str(self.config.cache_blocks)], 1.0)
-        return [queries, hits, cached, prompt, gen, running, waiting, usage, cache_config]
+        return [
+            queries,
+            hits,
+            cached,
+            prompt,
+            by_source,
+            request_prompt,
+            gen,
+            running,
+            waiting,
+            usage,
+            cache_config,
+        ]

@@ -33,6 +33,7 @@ from proxy.engines.call import EngineCall, bearer, engine_call
 from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.observe import usage_from_json
 from proxy.vocabulary import CanaryOutcome, EngineKind, Verified, VerifyMode
+from proxy.witnesses.counters import Sums
 from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
@@ -94,6 +95,8 @@ class Canary:
     user: str = field(default_factory=lambda: "cachewitness-canary-" + secrets.token_hex(8))
     calls: list[EngineCall] = field(default_factory=list)
     failure: str = ""  # what went wrong with the last failed canary request
+    # What the canary's answered requests added to the engine's counters (the counter witness's `canary`).
+    spent: Sums = field(default_factory=Sums)
 
     @property
     def n_tokens(self) -> int:
@@ -138,6 +141,7 @@ class Canary:
         if reply.status is not None and 200 <= reply.status < 300:
             usage = usage_from_json(reply.body)
             reading = Reading(usage.cached_tokens, usage.prompt_tokens)
+            self.spent = self.spent.plus(usage.prompt_tokens, usage.cached_tokens)
         else:
             self.failure = reply.call.error or f"HTTP {reply.status}"
         self.count(_outcome(reading))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -143,7 +144,26 @@ class Witness:
         self._started: dict[int, int] = {}
         # With `bind`: the first request without the case token, (ordinal, when it reached the engine).
         self._first_foreign: tuple[int, int] | None = None
+        # The counter witness's part of /cache/state (proxy/witnesses/case.py), given the reset_id.
+        self.case_state: Callable[[str | None], dict[str, Any]] | None = None
+        self._revised_reason: str | None = None
         self._reset_counters()
+
+    def sequence_ids(self) -> tuple[str | None, str | None, str | None]:
+        """(reset_id, session_id, case_id) of the current sequence (all None before any reset)."""
+        sequence = self._sequence
+        if sequence is None:
+            return None, None, None
+        return sequence.reset_id, sequence.session_id, sequence.case_id
+
+    def revise(self, reset_id: str | None, verdict: Verdict, reason: str) -> None:
+        """The counter witness saw traffic the sidecar did not (or a restart): the verdict can only get weaker."""
+        if reset_id is None or not self._current(reset_id) or self._verdict == Verdict.CONTRADICTED:
+            return
+        if verdict == Verdict.INCONCLUSIVE and self._verdict == Verdict.UNOBSERVABLE:
+            return
+        self._verdict = verdict
+        self._revised_reason = reason
 
     def _reset_counters(self) -> None:
         """Zero the counters since the reset."""
@@ -220,6 +240,7 @@ class Witness:
         self._best = None
         self._verdict = Verdict.PENDING
         self._decided = None
+        self._revised_reason = None
         self._reset_counters()
 
     def reset_answered(self, summary: ResetSummary) -> None:
@@ -335,7 +356,10 @@ class Witness:
         """The body of GET /cache/state; the caller fills `engine`."""
         sequence = self._sequence
         decided = self._decided
+        case = self.case_state(sequence.reset_id if sequence else None) if self.case_state else {}
         return {
+            **case,
+            "verdict_reason": self._revised_reason,
             "last_reset": self._last_reset.to_json() if self._last_reset else None,
             # The verdict belongs to the last ACCEPTED reset, which a later refused
             # reset does not replace: `reset_id` says which one it is.

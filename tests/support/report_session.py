@@ -119,6 +119,7 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
                 "verified": "-",
                 "verdict": "-",
                 "witnesses": "-",
+                "bypass": "-",  # no infer.cache_reconciliation: the engine's counters were not read
                 "n": 0,
                 "prompt": 0,
                 "cached": 0,
@@ -128,11 +129,23 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
         if kind == "infer.cache_state":
             row["answer"] = record["reset"]["answer"]
             row["verified"] = record["verified"]
-            row["witnesses"] = f"{record['verification']['method']} {record['verified']}"
+            named = record["verification"].get("witnesses") or {}
+            row["witnesses"] = (
+                ", ".join(f"{name} {said['result']}" for name, said in named.items())
+                if named
+                else f"{record['verification']['method']} {record['verified']}"
+            )
             if row["verdict"] == "-":
                 row["verdict"] = "pending"
         elif kind == "infer.cache_verification":
             row["verdict"] = record["verdict"]
+        elif kind == "infer.cache_reconciliation":
+            bypass = record["bypass"]
+            row["bypass"] = (
+                f"{bypass['requests']} requests, {bypass['cached_tokens']} cached tokens"
+                if bypass
+                else "unknown"
+            )
         elif kind == "infer.cache_observation":
             row["n"] += 1
             row["prompt"] += record["prompt_tokens"]
@@ -148,7 +161,7 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
             str(r["prompt"]),
             str(r["cached"]),
             f"{100 * r['cached'] / r['prompt']:.1f}%" if r["prompt"] else "n/a",
-            "-",  # no engine counters were read: bypass unknown
+            r["bypass"],
         ]
         for case, r in rows.items()
     }

@@ -40,8 +40,8 @@ def test_upstream_equal_to_the_listen_address_exits_2_with_one_line(tmp_path: Pa
 
 
 def test_omitted_upstream_while_listening_on_its_default_port_exits_2(tmp_path: Path) -> None:
-    # No upstream given: it defaults to http://127.0.0.1:8000, which the sidecar would own.
-    line = assert_refused_as_itself(serve(["--listen", "0.0.0.0:8000"], tmp_path))
+    # No upstream given: it defaults to http://127.0.0.1:8200, which the sidecar would own.
+    line = assert_refused_as_itself(serve(["--listen", "0.0.0.0:8200"], tmp_path))
     assert "default upstream" in line and "--upstream" in line
 
 

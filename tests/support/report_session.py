@@ -122,6 +122,7 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
                 "n": 0,
                 "prompt": 0,
                 "cached": 0,
+                "bypass": "-",  # no engine counters read for the case: bypass unknown
             },
         )
         kind = record["event_type"]
@@ -133,6 +134,12 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
                 row["verdict"] = "pending"
         elif kind == "infer.cache_verification":
             row["verdict"] = record["verdict"]
+        elif kind == "infer.cache_reconciliation":
+            # The engine's counters were read (the counter witness): what bypassed the sidecar.
+            bypass = record["bypass"]
+            row["bypass"] = f"{bypass['requests']} requests" + (
+                f", {bypass['cached_tokens']} cached tokens" if bypass["cached_tokens"] is not None else ""
+            )
         elif kind == "infer.cache_observation":
             row["n"] += 1
             row["prompt"] += record["prompt_tokens"]
@@ -148,7 +155,34 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
             str(r["prompt"]),
             str(r["cached"]),
             f"{100 * r['cached'] / r['prompt']:.1f}%" if r["prompt"] else "n/a",
-            "-",  # no engine counters were read: bypass unknown
+            r["bypass"],
         ]
         for case, r in rows.items()
     }
+
+
+def hostile_evidence(path: Path) -> Path:
+    """An evidence file whose ids are markup: what the sidecar never writes, but a file may hold."""
+    case = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+    records = [
+        {
+            "event_type": "infer.cache_state",
+            "session_id": "s<b>1</b>",
+            "case_id": case,
+            "at_ns": 1_000_000_000,
+            "reset": {"answer": "acknowledged"},
+            "verified": "verified",
+            "verification": {"method": "canary"},
+        },
+        {
+            "event_type": "infer.cache_observation",
+            "session_id": "s<b>1</b>",
+            "case_id": case,
+            "started_ns": 1_100_000_000,
+            "first_byte_ns": 1_150_000_000,
+            "prompt_tokens": 10,
+            "cached_tokens": 0,
+        },
+    ]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records) + b"not json\n")
+    return path

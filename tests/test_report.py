@@ -80,6 +80,8 @@ async def test_report_from_the_sidecar_is_the_sessions_cases_as_the_evidence_say
     assert {row[0]: row for row in page.rows} == expected_rows(session_records(vllm_files), SESSION)
     assert [row[2] for row in page.rows] == ["verified", "verified"]
     assert [row[3] for row in page.rows] == ["consistent", "consistent"]
+    # cold-1's sequence was closed by cold-2's reset: the engine's counters say nothing bypassed the sidecar.
+    assert {row[0]: row[9] for row in page.rows}["cold-1"] == "0 requests, 0 cached tokens"
 
 
 async def test_report_from_evidence_files_merges_them_and_leaves_other_sessions_out(tmp_path: Path) -> None:

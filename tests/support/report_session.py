@@ -119,26 +119,32 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
                 "verified": "-",
                 "verdict": "-",
                 "witnesses": "-",
+                "bypass": "-",  # no infer.cache_reconciliation: the engine's counters were not read
                 "n": 0,
                 "prompt": 0,
                 "cached": 0,
-                "bypass": "-",  # no engine counters read for the case: bypass unknown
             },
         )
         kind = record["event_type"]
         if kind == "infer.cache_state":
             row["answer"] = record["reset"]["answer"]
             row["verified"] = record["verified"]
-            row["witnesses"] = f"{record['verification']['method']} {record['verified']}"
+            named = record["verification"].get("witnesses") or {}
+            row["witnesses"] = (
+                ", ".join(f"{name} {said['result']}" for name, said in named.items())
+                if named
+                else f"{record['verification']['method']} {record['verified']}"
+            )
             if row["verdict"] == "-":
                 row["verdict"] = "pending"
         elif kind == "infer.cache_verification":
             row["verdict"] = record["verdict"]
         elif kind == "infer.cache_reconciliation":
-            # The engine's counters were read (the counter witness): what bypassed the sidecar.
             bypass = record["bypass"]
-            row["bypass"] = f"{bypass['requests']} requests" + (
-                f", {bypass['cached_tokens']} cached tokens" if bypass["cached_tokens"] is not None else ""
+            row["bypass"] = (
+                f"{bypass['requests']} requests, {bypass['cached_tokens']} cached tokens"
+                if bypass
+                else "unknown"
             )
         elif kind == "infer.cache_observation":
             row["n"] += 1

@@ -12,10 +12,15 @@ import tarfile
 from html.parser import HTMLParser
 from pathlib import Path
 
-import orjson
-
 from tests.support.cli import cli
-from tests.support.report_session import OTHER_SESSION, SESSION, expected_rows, session_records, session_run
+from tests.support.report_session import (
+    OTHER_SESSION,
+    SESSION,
+    expected_rows,
+    hostile_evidence,
+    session_records,
+    session_run,
+)
 from tests.support.sidecar import closed_port_url
 
 
@@ -110,36 +115,9 @@ async def test_the_page_loads_nothing_and_runs_nothing(tmp_path: Path) -> None:
     assert sum(text.count(f'<circle class="{heat}"') for heat in ("cold", "warm", "unknown")) == 7
 
 
-def _hostile_evidence(path: Path) -> Path:
-    """An evidence file whose ids are markup: what the sidecar never writes, but a file may hold."""
-    case = '<script>alert("x")</script><img src=x onerror=alert(1)>'
-    records = [
-        {
-            "event_type": "infer.cache_state",
-            "session_id": "s<b>1</b>",
-            "case_id": case,
-            "at_ns": 1_000_000_000,
-            "reset": {"answer": "acknowledged"},
-            "verified": "verified",
-            "verification": {"method": "canary"},
-        },
-        {
-            "event_type": "infer.cache_observation",
-            "session_id": "s<b>1</b>",
-            "case_id": case,
-            "started_ns": 1_100_000_000,
-            "first_byte_ns": 1_150_000_000,
-            "prompt_tokens": 10,
-            "cached_tokens": 0,
-        },
-    ]
-    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records) + b"not json\n")
-    return path
-
-
 async def test_markup_in_ids_is_shown_as_text(tmp_path: Path) -> None:
     out = tmp_path / "report.html"
-    evidence = _hostile_evidence(tmp_path / "hostile.jsonl")
+    evidence = hostile_evidence(tmp_path / "hostile.jsonl")
     result = await cli(
         "report", "--from-evidence", str(evidence), "--session-id", "s<b>1</b>", "-o", str(out)
     )
@@ -151,7 +129,7 @@ async def test_markup_in_ids_is_shown_as_text(tmp_path: Path) -> None:
 
 async def test_a_session_without_records_is_bad_input_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "report.html"
-    evidence = _hostile_evidence(tmp_path / "hostile.jsonl")
+    evidence = hostile_evidence(tmp_path / "hostile.jsonl")
     result = await cli("report", "--from-evidence", str(evidence), "--session-id", "nope", "-o", str(out))
     assert result.code == 2
     assert "no evidence records for session 'nope'" in result.stderr and "--session-id" in result.stderr
@@ -190,7 +168,7 @@ async def test_report_from_a_run_bundle_shows_the_session_and_says_the_chains_ar
 
 
 async def test_report_from_a_bad_bundle_is_bad_input(tmp_path: Path) -> None:
-    not_a_bundle = _hostile_evidence(tmp_path / "hostile.jsonl")
+    not_a_bundle = hostile_evidence(tmp_path / "hostile.jsonl")
     result = await cli(
         "report", "--from-bundle", str(not_a_bundle), "--session-id", "s", "-o", str(tmp_path / "r")
     )

@@ -13,8 +13,13 @@ import pytest
 
 from tests.support.browser import REPO, BrowserPage, chromium_binary, open_page
 from tests.support.cli import cli
-from tests.support.report_session import SESSION, expected_rows, session_records, session_run
-from tests.test_report import _hostile_evidence
+from tests.support.report_session import (
+    SESSION,
+    expected_rows,
+    hostile_evidence,
+    session_records,
+    session_run,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +78,7 @@ async def test_the_report_loads_in_chromium_with_no_error_and_shows_the_evidence
 async def test_markup_in_ids_runs_nothing_in_chromium(tmp_path: Path) -> None:
     binary = _binary()
     out = tmp_path / "report.html"
-    evidence = _hostile_evidence(tmp_path / "hostile.jsonl")
+    evidence = hostile_evidence(tmp_path / "hostile.jsonl")
     result = await cli(
         "report", "--from-evidence", str(evidence), "--session-id", "s<b>1</b>", "-o", str(out)
     )

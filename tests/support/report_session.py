@@ -165,3 +165,30 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
         ]
         for case, r in rows.items()
     }
+
+
+def hostile_evidence(path: Path) -> Path:
+    """An evidence file whose ids are markup: what the sidecar never writes, but a file may hold."""
+    case = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+    records = [
+        {
+            "event_type": "infer.cache_state",
+            "session_id": "s<b>1</b>",
+            "case_id": case,
+            "at_ns": 1_000_000_000,
+            "reset": {"answer": "acknowledged"},
+            "verified": "verified",
+            "verification": {"method": "canary"},
+        },
+        {
+            "event_type": "infer.cache_observation",
+            "session_id": "s<b>1</b>",
+            "case_id": case,
+            "started_ns": 1_100_000_000,
+            "first_byte_ns": 1_150_000_000,
+            "prompt_tokens": 10,
+            "cached_tokens": 0,
+        },
+    ]
+    path.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in records) + b"not json\n")
+    return path

@@ -17,12 +17,11 @@ from proxy.cli.http import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     OPENER,
-    BadUrl,
+    BadOption,
     admin_request,
-    base_url,
     common_arguments,
     http_failure,
-    read_token,
+    sidecar_target,
     unreachable,
 )
 from proxy.evidence.summary import summarize, summary_table
@@ -83,17 +82,9 @@ def run_evidence(
     """Stream GET /cache/evidence to stdout, or print a per-case summary table; 0, or 2/6/8/9 (EXIT_*)."""
     env = os.environ if env is None else env
     try:
-        base = base_url(ns, env)
-    except BadUrl as bad:
+        base, token = sidecar_target(ns, env)
+    except BadOption as bad:
         print(f"cachewitness evidence: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        token = read_token(ns, env)
-    except OSError as exc:
-        print(
-            f"cachewitness evidence: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
-            file=sys.stderr,
-        )
         return EXIT_BAD_INPUT
     sink = out if out is not None else sys.stdout.buffer
     # With scope cluster, the last line names the pods that could not be read.

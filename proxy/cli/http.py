@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_FAILED",
     "EXIT_SIDECAR_UNREACHABLE",
     "OPENER",
+    "BadOption",
     "BadUrl",
     "admin_request",
     "base_url",
@@ -31,6 +32,7 @@ __all__ = [
     "http_failure",
     "read_token",
     "sidecar_error",
+    "sidecar_target",
     "unreachable",
 ]
 
@@ -142,6 +144,23 @@ def read_token(ns: argparse.Namespace, env: Mapping[str, str]) -> str | None:
         with open(ns.token_file, encoding="utf-8") as handle:
             return handle.read().strip() or None
     return env.get("CACHEWITNESS_ADMIN_TOKEN") or None
+
+
+class BadOption(ValueError):
+    """The sidecar's URL or the admin token's file unusable: bad input (exit 2), the message says which."""
+
+
+def sidecar_target(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, str | None]:
+    """The sidecar's base URL and the admin token, as every client command reads them; BadOption if not."""
+    try:
+        base = base_url(ns, env)
+    except BadUrl as bad:
+        raise BadOption(str(bad)) from bad
+    try:
+        token = read_token(ns, env)
+    except OSError as exc:
+        raise BadOption(f"cannot read --token-file {ns.token_file}: {exc.strerror or exc}") from exc
+    return base, token
 
 
 def admin_request(url: str, token: str | None, *, data: bytes | None = None) -> urllib.request.Request:

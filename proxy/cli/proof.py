@@ -26,12 +26,11 @@ from proxy.cli.cluster_report import unreadable_pods
 from proxy.cli.http import (
     EXIT_BAD_INPUT,
     OPENER,
-    BadUrl,
+    BadOption,
     admin_request,
-    base_url,
     common_arguments,
     http_failure,
-    read_token,
+    sidecar_target,
     unreachable,
 )
 from proxy.evidence.bundle import BundleError, cases_of, read_bundle, verify_bundle, write_bundle
@@ -257,16 +256,9 @@ def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     """Fetch the session's proof, write the bundle, check it."""
     env = os.environ if env is None else env
     try:
-        base = base_url(ns, env)
-    except BadUrl as bad:
+        base, token = sidecar_target(ns, env)
+    except BadOption as bad:
         print(f"cachewitness evidence bundle: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        token = read_token(ns, env)
-    except OSError as exc:
-        print(
-            f"cachewitness evidence bundle: cannot read --token-file {ns.token_file}: {exc}", file=sys.stderr
-        )
         return EXIT_BAD_INPUT
     url = _proof_url(ns, base)
     try:

@@ -21,12 +21,11 @@ import orjson
 from proxy.cli.http import (
     EXIT_BAD_INPUT,
     OPENER,
-    BadUrl,
+    BadOption,
     admin_request,
-    base_url,
     common_arguments,
     http_failure,
-    read_token,
+    sidecar_target,
     unreachable,
 )
 from proxy.cli.report_data import build_report
@@ -144,13 +143,9 @@ def run_report(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
             source = ", ".join(ns.from_evidence)
         else:
             try:
-                base = base_url(ns, env)
-            except BadUrl as bad:
+                base, token = sidecar_target(ns, env)
+            except BadOption as bad:
                 raise _BadInput(str(bad)) from bad
-            try:
-                token = read_token(ns, env)
-            except OSError as exc:
-                raise _BadInput(f"cannot read --token-file {ns.token_file}: {exc.strerror or exc}") from exc
             source = redact_url(base)
             try:
                 records = _sidecar_records(ns, base, token)

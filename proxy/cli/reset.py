@@ -20,12 +20,11 @@ from proxy.cli.http import (
     EXIT_FAILED,
     EXIT_SIDECAR_UNREACHABLE,
     OPENER,
-    BadUrl,
+    BadOption,
     admin_request,
-    base_url,
     common_arguments,
     http_failure,
-    read_token,
+    sidecar_target,
     unreachable,
 )
 
@@ -130,17 +129,9 @@ def run_reset(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> i
     """POST /cache/reset; print the answer; exit by answer, or 2/8/9 (see EXIT_* and docs/cli.md)."""
     env = os.environ if env is None else env
     try:
-        base = base_url(ns, env)
-    except BadUrl as bad:
+        base, token = sidecar_target(ns, env)
+    except BadOption as bad:
         print(f"cachewitness reset: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        token = read_token(ns, env)
-    except OSError as exc:
-        print(
-            f"cachewitness reset: cannot read --token-file {ns.token_file}: {exc.strerror or exc}",
-            file=sys.stderr,
-        )
         return EXIT_BAD_INPUT
     url = f"{base}/cache/reset"
     request = admin_request(url, token, data=json.dumps(_reset_body(ns)).encode())

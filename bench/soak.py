@@ -177,9 +177,10 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def evidence_counts(path: Path) -> dict[str, int]:
-    """Lines per event type across the evidence file and its rotated copies."""
+    """Lines per event type across the evidence file, the resets file beside it (`<stem>.resets.jsonl`)
+    and their rotated copies."""
     counts: dict[str, int] = {}
-    for file in sorted(path.parent.glob(path.name + "*")):
+    for file in sorted(path.parent.glob(path.stem + ".*")):
         for line in file.read_bytes().splitlines():
             event_type = orjson.loads(line)["event_type"]
             counts[event_type] = counts.get(event_type, 0) + 1

@@ -152,7 +152,8 @@ def test_network_policy_opens_only_the_sidecar_port_to_clients_peers_and_helm_te
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     (rule,) = policy["spec"]["ingress"]
     assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    assert {p["name"] for p in sidecar(manifests)["ports"]} == {"http"}
+    # The probe listener is the kubelet's (from the node), in no rule: clients reach only "http".
+    assert {p["name"] for p in sidecar(manifests)["ports"]} == {"http", "health"}
     assert "ports" not in next(c for c in pod_spec(manifests)["containers"] if c["name"] == "engine")
     (test_pod,) = [m for m in manifests if m["kind"] == "Pod"]
     assert _admitted(policy, "ns", {"app": "client"})

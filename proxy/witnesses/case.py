@@ -52,6 +52,9 @@ class EngineEvent:
     at_ns: int
     seen_by: str  # how the sidecar saw it
     reset_id: str | None
+    # The case it happened in: a reader filtering by session or case sees the engine's events too.
+    session_id: str | None
+    case_id: str | None
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.engine_event` record."""
@@ -62,6 +65,8 @@ class EngineEvent:
             "kind": self.kind.value,
             "seen_by": self.seen_by,
             "reset_id": self.reset_id,
+            "session_id": self.session_id,
+            "case_id": self.case_id,
         }
 
 
@@ -231,7 +236,14 @@ class CaseWitness:
     def _event(self, kind: EventKind, seen_by: str) -> None:
         """Record one engine event; a restart marks the open case."""
         seg = self._segment
-        event = EngineEvent(kind, time.time_ns(), seen_by, seg.reset_id if seg is not None else None)
+        event = EngineEvent(
+            kind,
+            time.time_ns(),
+            seen_by,
+            seg.reset_id if seg is not None else None,
+            seg.session_id if seg is not None else None,
+            seg.case_id if seg is not None else None,
+        )
         self.events.append(event)
         self.write(event.to_record())
         self.on_event(kind)

@@ -90,7 +90,7 @@ def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
     assert "drain_timeout" in lines[0] and "Traceback" not in done.stderr
 
 
-def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path) -> None:
+def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> None:
     import socket
 
     with socket.socket() as taken:

@@ -360,10 +360,11 @@ def test_a_remembered_decision_is_for_the_engine_it_was_made_for() -> None:
     from proxy.admin.policy import RouteClass, RoutePolicy
     from proxy.config import Settings
     from proxy.engine_state import make_dialect
+    from proxy.vocabulary import EngineKind
 
     settings = Settings()
     policy = RoutePolicy(settings)
-    llamacpp, vllm = make_dialect("llamacpp", settings), make_dialect("vllm", settings)
+    llamacpp, vllm = make_dialect(EngineKind.LLAMACPP, settings), make_dialect(EngineKind.VLLM, settings)
     for _ in range(2):  # the second time from memory
         assert (
             policy.classify("POST", "/reset_prefix_cache", MultiDict(), llamacpp).route

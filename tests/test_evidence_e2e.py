@@ -38,7 +38,8 @@ async def post_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 async def reset(http: aiohttp.ClientSession, proxy: str, **body: Any) -> dict[str, Any]:
     async with http.post(proxy + "/cache/reset", json=body) as response:
-        return await response.json()
+        answer: dict[str, Any] = await response.json()
+        return answer
 
 
 CACHED_FIELD = {

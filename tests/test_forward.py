@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,7 +25,7 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def header_names(described: dict) -> list[str]:
+def header_names(described: dict[str, Any]) -> list[str]:
     return [name.lower() for name, _ in described["headers"]]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -19,12 +20,13 @@ async def still_serves(http: aiohttp.ClientSession, proxy: str) -> None:
         assert response.status == 200
 
 
-async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> dict:
+async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
     assert response.status == status
     assert response.content_type == "application/json"
     body = await response.json()
     assert set(body["error"]) >= {"message", "type", "code"}
-    return body["error"]
+    error: dict[str, Any] = body["error"]
+    return error
 
 
 async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:

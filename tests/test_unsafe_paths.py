@@ -185,7 +185,7 @@ def test_the_spellings_decode_to_their_route() -> None:
 
 # Each example is one request over a real socket: a quarter of the profile's examples per stack
 # (dialect x admin mode), 75 each in `dev`, 2,500 in `ci`.
-_EXAMPLES = max(50, settings.default.max_examples // 4)
+_EXAMPLES = max(50, settings().max_examples // 4)
 GUARDS = {
     "token": ({"admin_token": TOKEN}, "127.0.0.1", (400, 401)),
     "untrusted peer": ({}, MESH_PEER, (400, 403)),  # no token: only trusted_peers are admin

@@ -11,7 +11,7 @@ from proxy.engine_state import EngineState
 from proxy.engines.base import AttemptPlan
 from proxy.engines.detect import detect_engine, probe_version
 from proxy.sim import build_sim_app
-from proxy.vocabulary import ResetAnswer
+from proxy.vocabulary import EngineKind, ResetAnswer
 from tests.support.sidecar import closed_port_url, serve_app
 from tests.support.sim import fast, sim
 from tests.support.upstream import in_two_pieces
@@ -59,7 +59,7 @@ async def test_unreachable_upstream_is_unknown(http: aiohttp.ClientSession) -> N
 
 async def test_explicit_kind_gets_its_version_probed(http: aiohttp.ClientSession) -> None:
     async with sim(fast("sglang", version="0.5.11")) as engine:
-        assert await probe_version(http, engine.url, "sglang", TIMEOUT_S) == "0.5.11"
+        assert await probe_version(http, engine.url, EngineKind.SGLANG, TIMEOUT_S) == "0.5.11"
 
 
 async def test_engine_state_detects_and_picks_the_dialect(http: aiohttp.ClientSession) -> None:

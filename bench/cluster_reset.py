@@ -25,8 +25,10 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.harness import Service, free_port, start_service
+from harness import Service, free_port, start_service
+
 from proxy.cluster.peers import discover_peers
 from proxy.config import Settings
 

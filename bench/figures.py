@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 
 __all__ = ["fmt", "median", "pct", "spread", "times"]
 
 
-def median(values: list[float]) -> float | None:
-    """Median, or None for no values."""
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def median(values: Sequence[float | None]) -> float | None:
+    """Median of the values given (None: not measured), or None for none."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
 
 
 def spread(values: list[float]) -> float | None:

@@ -82,4 +82,5 @@ def run_sse(pin: list[str], url: str, concurrency: int, seconds: float, max_toke
         str(max_tokens),
     ]
     out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=seconds + 90).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result: dict[str, float] = json.loads(out.strip().splitlines()[-1])
+    return result

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Cores, cpu_seconds, ensure_tools, free_port, start_service, start_simulator
 from loads import WRK_SCRIPT, run_wrk
 
-PATHS = (
+PATHS: tuple[tuple[str, list[str]], ...] = (
     ("observed (defaults)", []),
     ("bare (--no-observe --no-inject-usage)", ["--no-observe", "--no-inject-usage"]),
 )

@@ -176,7 +176,8 @@ def _aims_section(summary: dict[str, dict[str, Any]]) -> list[str]:
     cw, envoy = summary["cw"], summary["envoy"]
 
     def ratio(figure: str) -> float | None:
-        return cw[figure]["vs_envoy"]
+        value: float | None = cw[figure]["vs_envoy"]
+        return value
 
     def diff(figure: str) -> float | None:
         a, b = cw[figure]["best"], envoy[figure]["best"]

@@ -46,7 +46,7 @@ class Connection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Ready to send."""
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports are not asyncio's classes
         self.opened.set_result(None)
 
     def connection_lost(self, exc: Exception | None) -> None:

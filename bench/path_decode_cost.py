@@ -28,8 +28,10 @@ import aiohttp
 from yarl import URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench.harness import Service, free_port, start_service, start_simulator
+from harness import Service, free_port, start_service, start_simulator
+
 from proxy.admin.policy import normalise_path
 
 # `/%2525...2541`, 8 KB (aiohttp takes request lines up to 8,190 bytes): each decoding pass

@@ -13,6 +13,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,11 +110,12 @@ class Bench:
         """Base URL the load generator targets for a path."""
         return self.services[path].url
 
-    def measure(self, path: str, run: callable) -> dict[str, float]:  # type: ignore[valid-type]
+    def measure(self, path: str, run: Callable[[], dict[str, float]]) -> dict[str, object]:
         """Run one load against one path; add CPU of proxy, upstream, load generator and the machine."""
         before = self._snapshot(path)
+        result: dict[str, object]
         try:
-            result = run()
+            result = dict(run())
         except (RuntimeError, ValueError, subprocess.SubprocessError, OSError) as exc:
             # One disturbed run (a stalled machine, a timeout) must not lose the others: keep it as failed.
             print(f"  {path}: run failed: {str(exc)[:300]}", file=sys.stderr, flush=True)
@@ -122,20 +124,23 @@ class Bench:
         wall = after.clock - before.clock
         loadgen = after.loadgen_cpu - before.loadgen_cpu
         cores = {c: (after.core_busy[c] - before.core_busy.get(c, 0.0)) / wall for c in after.core_busy}
+        proxy_cpu = after.proxy_user + after.proxy_system - before.proxy_user - before.proxy_system
+        upstream_cpu = after.upstream_cpu - before.upstream_cpu
+        core_busy = {c: round(v, 3) for c, v in cores.items()}
         result.update(
             wall_s=wall,
-            proxy_cpu_s=after.proxy_user + after.proxy_system - before.proxy_user - before.proxy_system,
+            proxy_cpu_s=proxy_cpu,
             # The user/kernel split and the reads show how much of the proxy's CPU is the
             # kernel's, and how many events each read from the engine (and write) carried.
             proxy_user_s=after.proxy_user - before.proxy_user,
             proxy_system_s=after.proxy_system - before.proxy_system,
             proxy_reads=after.proxy_reads - before.proxy_reads,
-            upstream_cpu_s=after.upstream_cpu - before.upstream_cpu,
+            upstream_cpu_s=upstream_cpu,
             loadgen_cpu_s=loadgen,
             foreign_cores=max(0.0, sum(cores.values()) - (after.ours_cpu - before.ours_cpu + loadgen) / wall),
-            core_busy={c: round(v, 3) for c, v in cores.items()},
+            core_busy=core_busy,
         )
-        result["bottleneck"] = self._bottleneck(path, result)
+        result["bottleneck"] = self._bottleneck(path, wall, proxy_cpu, upstream_cpu + loadgen, core_busy)
         return result
 
     def _snapshot(self, path: str) -> Snapshot:
@@ -155,12 +160,12 @@ class Bench:
             core_busy=_per_core_busy(),
         )
 
-    def _bottleneck(self, path: str, r: dict[str, object]) -> str:
-        """Which side ran out of CPU during this run, in words."""
-        wall = float(r["wall_s"])  # type: ignore[arg-type]
-        proxy_u = float(r["proxy_cpu_s"]) / wall  # type: ignore[arg-type]
-        rest_u = (float(r["upstream_cpu_s"]) + float(r["loadgen_cpu_s"])) / wall  # type: ignore[arg-type]
-        busy: dict[str, float] = r["core_busy"]  # type: ignore[assignment]
+    def _bottleneck(
+        self, path: str, wall: float, proxy_cpu: float, rest_cpu: float, busy: dict[str, float]
+    ) -> str:
+        """Which side ran out of CPU during this run (CPU seconds over `wall`; busy: per core), in words."""
+        proxy_u = proxy_cpu / wall
+        rest_u = rest_cpu / wall
         found = []
         if self.cores.proxy is None:
             if sum(busy.values()) >= 0.9 * len(busy):
@@ -168,7 +173,7 @@ class Bench:
         else:
             if path != "direct" and busy.get(self.cores.proxy, 0.0) >= 0.9:
                 found.append(f"proxy core full (proxy {proxy_u:.0%})")
-            if busy.get(self.cores.rest, 0.0) >= 0.9:  # type: ignore[arg-type]
+            if self.cores.rest is not None and busy.get(self.cores.rest, 0.0) >= 0.9:
                 found.append(f"loadgen+sim core full ({rest_u:.0%} theirs)")
         return "; ".join(found) or "no core full (latency-bound)"
 

@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -77,8 +78,8 @@ def main() -> int:
                     for path in PATHS:
                         r = bench.measure(
                             path,
-                            lambda path=path, conc=conc: run_wrk(
-                                bench.wrk, rest, bench.script, bench.url(path), conc, ns.seconds
+                            partial(
+                                run_wrk, bench.wrk, rest, bench.script, bench.url(path), conc, ns.seconds
                             ),
                         )
                         runs.append(
@@ -89,9 +90,7 @@ def main() -> int:
                     for path in PATHS:
                         r = bench.measure(
                             path,
-                            lambda path=path, conc=conc: run_sse(
-                                rest, bench.url(path), conc, ns.seconds, STREAM_TOKENS
-                            ),
+                            partial(run_sse, rest, bench.url(path), conc, ns.seconds, STREAM_TOKENS),
                         )
                         runs.append({"case": "stream", "concurrency": conc, "path": path, "round": rnd, **r})
                         _progress(runs[-1])

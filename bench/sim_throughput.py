@@ -37,7 +37,8 @@ def _free_port() -> int:
     """A free loopback port."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 async def _start_sim(dialect: str) -> tuple[asyncio.subprocess.Process, str]:

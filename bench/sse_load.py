@@ -32,8 +32,8 @@ class Totals:
     events: int = 0  # SSE events received before the deadline
     streams: int = 0  # streams that ended (zero-length chunk) before the deadline
     errors: int = 0
-    ttfb: array = field(default_factory=lambda: array("d"))  # seconds, request sent -> first event
-    gaps: array = field(default_factory=lambda: array("d"))  # nonzero inter-event gaps, seconds
+    ttfb: array[float] = field(default_factory=lambda: array("d"))  # seconds, request sent -> first event
+    gaps: array[float] = field(default_factory=lambda: array("d"))  # nonzero inter-event gaps, seconds
     zero_gaps: int = 0  # events that arrived in the same read as the one before them
     first_event: int = 0  # connections that have seen at least one event (for --hold)
 

@@ -84,7 +84,7 @@ def _this_call(capture: Capture, before: int, path: str) -> Seen:
 
 
 @pytest.mark.parametrize("spelling", sorted(SPELLINGS))
-async def test_no_spelling_of_the_admin_token_reaches_the_engine(tmp_path, spelling: str) -> None:
+async def test_no_spelling_of_the_admin_token_reaches_the_engine(tmp_path: Path, spelling: str) -> None:
     name, value = SPELLINGS[spelling]
     async with engine_view(tmp_path) as (url, capture, http):
         # Forwarded traffic: the header is dropped, the rest goes on.
@@ -105,7 +105,7 @@ async def test_no_spelling_of_the_admin_token_reaches_the_engine(tmp_path, spell
             assert _holds_token(_this_call(capture, before, "/slots")) == [], spelling
 
 
-async def test_control_calls_carry_the_engines_key_and_no_spelling_of_the_token(tmp_path) -> None:
+async def test_control_calls_carry_the_engines_key_and_no_spelling_of_the_token(tmp_path: Path) -> None:
     async with engine_view(tmp_path, upstream_api_key=ENGINE_KEY) as (url, capture, http):
         before = len(capture.seen)
         headers = {"Authorization": f"Bearer {TOKEN}", "x-api-key": TOKEN, "Cookie": f"s={TOKEN}"}
@@ -118,7 +118,7 @@ async def test_control_calls_carry_the_engines_key_and_no_spelling_of_the_token(
     assert _holds_token(seen) == []
 
 
-async def test_a_request_without_the_token_is_forwarded_unchanged(tmp_path) -> None:
+async def test_a_request_without_the_token_is_forwarded_unchanged(tmp_path: Path) -> None:
     async with engine_view(tmp_path) as (url, capture, http):
         before = len(capture.seen)
         headers = {"Authorization": "Bearer client-key", "x-api-key": "client-key", "Cookie": "a=b"}

@@ -34,38 +34,38 @@ async def post_reset(url: str, headers: dict[str, str] | None = None) -> tuple[i
         return resp.status, await resp.json()
 
 
-async def test_missing_token_is_401(tmp_path) -> None:
+async def test_missing_token_is_401(tmp_path: Path) -> None:
     async with sidecar(tmp_path, admin_token=TOKEN) as url:
         status, body = await post_reset(url)
     assert status == 401 and body["error"]["code"] == "missing_admin_token"
 
 
-async def test_wrong_token_is_401(tmp_path) -> None:
+async def test_wrong_token_is_401(tmp_path: Path) -> None:
     async with sidecar(tmp_path, admin_token=TOKEN) as url:
         status, body = await post_reset(url, {"Authorization": "Bearer nope"})
     assert status == 401 and body["error"]["code"] == "invalid_admin_token"
 
 
-async def test_a_strict_prefix_of_the_token_is_401(tmp_path) -> None:
+async def test_a_strict_prefix_of_the_token_is_401(tmp_path: Path) -> None:
     # A comparison that stops at the shorter string would let this through.
     async with sidecar(tmp_path, admin_token=TOKEN) as url:
         status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN[:5]}"})
     assert status == 401 and body["error"]["code"] == "invalid_admin_token"
 
 
-async def test_the_token_with_a_suffix_is_401(tmp_path) -> None:
+async def test_the_token_with_a_suffix_is_401(tmp_path: Path) -> None:
     async with sidecar(tmp_path, admin_token=TOKEN) as url:
         status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN}x"})
     assert status == 401 and body["error"]["code"] == "invalid_admin_token"
 
 
-async def test_right_token_is_let_in(tmp_path) -> None:
+async def test_right_token_is_let_in(tmp_path: Path) -> None:
     async with sidecar(tmp_path, admin_token=TOKEN) as url:
         status, body = await post_reset(url, {"Authorization": f"Bearer {TOKEN}"})
     assert status == 200 and body["answer"] == "acknowledged"
 
 
-async def test_every_cache_route_needs_the_token(tmp_path) -> None:
+async def test_every_cache_route_needs_the_token(tmp_path: Path) -> None:
     async with (
         sidecar(tmp_path, admin_token=TOKEN) as url,
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
@@ -75,7 +75,7 @@ async def test_every_cache_route_needs_the_token(tmp_path) -> None:
                 assert resp.status == 401, path
 
 
-async def test_forwarded_traffic_is_not_subject_to_admin_auth(tmp_path) -> None:
+async def test_forwarded_traffic_is_not_subject_to_admin_auth(tmp_path: Path) -> None:
     async with (
         sidecar(tmp_path, admin_token=TOKEN) as url,
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
@@ -84,13 +84,13 @@ async def test_forwarded_traffic_is_not_subject_to_admin_auth(tmp_path) -> None:
             assert resp.status == 200
 
 
-async def test_loopback_client_needs_no_token_when_none_is_set(tmp_path) -> None:
+async def test_loopback_client_needs_no_token_when_none_is_set(tmp_path: Path) -> None:
     async with sidecar(tmp_path) as url:
         status, _ = await post_reset(url)
     assert status == 200
 
 
-async def test_non_loopback_client_without_token_is_403_with_how_to(tmp_path, remote_host: str) -> None:
+async def test_non_loopback_client_without_token_is_403_with_how_to(tmp_path: Path, remote_host: str) -> None:
     async with sidecar(tmp_path, host=remote_host) as url:
         status, body = await post_reset(url)
     assert status == 403
@@ -102,7 +102,7 @@ async def test_non_loopback_client_without_token_is_403_with_how_to(tmp_path, re
     "header", ["X-Forwarded-For", "X-Real-IP", "Forwarded", "X-Forwarded-Host", "X-Client-IP"]
 )
 async def test_non_loopback_client_claiming_loopback_in_a_header_is_still_403(
-    tmp_path, remote_host: str, header: str
+    tmp_path: Path, remote_host: str, header: str
 ) -> None:
     # Forwarded headers are the client's to write: only the TCP peer's address decides.
     value = "for=127.0.0.1" if header == "Forwarded" else "127.0.0.1"
@@ -111,13 +111,13 @@ async def test_non_loopback_client_claiming_loopback_in_a_header_is_still_403(
     assert status == 403 and body["error"]["code"] == "admin_loopback_only"
 
 
-async def test_admin_open_lets_non_loopback_clients_in(tmp_path, remote_host: str) -> None:
+async def test_admin_open_lets_non_loopback_clients_in(tmp_path: Path, remote_host: str) -> None:
     async with sidecar(tmp_path, host=remote_host, admin_open=True) as url:
         status, body = await post_reset(url)
     assert status == 200 and body["answer"] == "acknowledged"
 
 
-async def test_token_lets_non_loopback_clients_in(tmp_path, remote_host: str) -> None:
+async def test_token_lets_non_loopback_clients_in(tmp_path: Path, remote_host: str) -> None:
     async with sidecar(tmp_path, host=remote_host, admin_token=TOKEN) as url:
         status, _ = await post_reset(url, {"Authorization": f"Bearer {TOKEN}"})
     assert status == 200
@@ -166,7 +166,7 @@ async def post_reset_from(source: str, url: str) -> tuple[int, dict[str, Any]]:
         return resp.status, await resp.json()
 
 
-async def test_a_mesh_proxy_address_in_127_8_is_not_local_by_default(tmp_path) -> None:
+async def test_a_mesh_proxy_address_in_127_8_is_not_local_by_default(tmp_path: Path) -> None:
     # Istio's sidecar connects to the app from 127.0.0.6: loopback, but not this machine's own client.
     async with sidecar(tmp_path) as url:
         status, body = await post_reset_from("127.0.0.6", url)
@@ -176,7 +176,7 @@ async def test_a_mesh_proxy_address_in_127_8_is_not_local_by_default(tmp_path) -
         assert status == 200
 
 
-async def test_trusted_peers_lets_a_listed_address_in(tmp_path) -> None:
+async def test_trusted_peers_lets_a_listed_address_in(tmp_path: Path) -> None:
     async with sidecar(tmp_path, trusted_peers=("127.0.0.1", "127.0.0.0/29")) as url:
         status, body = await post_reset_from("127.0.0.6", url)
         assert status == 200 and body["answer"] == "acknowledged", body
@@ -184,7 +184,7 @@ async def test_trusted_peers_lets_a_listed_address_in(tmp_path) -> None:
         assert status == 403
 
 
-async def test_trusted_peers_do_not_matter_once_a_token_is_set(tmp_path) -> None:
+async def test_trusted_peers_do_not_matter_once_a_token_is_set(tmp_path: Path) -> None:
     async with sidecar(tmp_path, admin_token=TOKEN, trusted_peers=("127.0.0.0/8",)) as url:
         status, body = await post_reset_from("127.0.0.6", url)
     assert status == 401 and body["error"]["code"] == "missing_admin_token"

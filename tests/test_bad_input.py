@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import unquote_to_bytes
 
 import aiohttp
@@ -42,18 +43,28 @@ async def raw_exchange(url: str, head: bytes, body: bytes = BODY) -> tuple[int, 
     return int(status_line.split()[1]), headers, payload
 
 
-async def evidence(http: aiohttp.ClientSession, proxy: str, **filters: str) -> list[dict]:
+async def evidence(http: aiohttp.ClientSession, proxy: str, **filters: str) -> list[dict[str, Any]]:
     async with http.get(proxy + "/cache/evidence", params=filters) as response:
         assert response.status == 200, await response.text()
         return [orjson.loads(line) for line in (await response.read()).splitlines()]
+
+
+class _Kept(logging.Handler):
+    """A handler that keeps the records it is given."""
+
+    def __init__(self, records: list[logging.LogRecord]) -> None:
+        super().__init__(logging.WARNING)
+        self.records = records
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 @pytest.fixture
 def warnings_logged() -> Iterator[list[logging.LogRecord]]:
     """Every WARNING-or-worse record of the sidecar's and aiohttp's loggers while the test runs."""
     records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
+    handler = _Kept(records)
     loggers = [logging.getLogger("cachewitness"), logging.getLogger("aiohttp")]
     for logger in loggers:
         logger.addHandler(handler)

@@ -56,7 +56,8 @@ async def _client_chat(s: Stack, content: str) -> dict[str, Any]:
         headers={"X-Session-Id": "s", "X-Case-Id": "c"},
     ) as resp:
         assert resp.status == 200
-        return await resp.json()
+        answer: dict[str, Any] = await resp.json()
+        return answer
 
 
 async def _evidence(s: Stack, event_type: str) -> list[dict[str, Any]]:

@@ -41,7 +41,8 @@ class Rig:
         """POST /cache/reset (no canary: the traffic verdict is what is under test)."""
         async with self.http.post(self.url + "/cache/reset", json={"verify": "none", **body}) as response:
             assert response.status == 200, await response.text()
-            return await response.json()
+            answer: dict[str, Any] = await response.json()
+            return answer
 
     async def infer(
         self, request_id: str, prompt: str, token: str | None = None, max_tokens: int = 4
@@ -56,7 +57,8 @@ class Rig:
     async def state(self) -> dict[str, Any]:
         """GET /cache/state."""
         async with self.http.get(self.url + "/cache/state") as response:
-            return await response.json()
+            state: dict[str, Any] = await response.json()
+            return state
 
     async def records(self, event_type: str) -> list[dict[str, Any]]:
         """The sidecar's records of one type, oldest first."""

@@ -22,14 +22,16 @@ async def _through(s: Stack, content: str) -> dict[str, Any]:
     """One chat through the sidecar."""
     async with s.http.post(f"{s.url}/v1/chat/completions", json=chat(content, 2)) as resp:
         assert resp.status == 200
-        return await resp.json()
+        answer: dict[str, Any] = await resp.json()
+        return answer
 
 
 async def _straight(s: Stack, content: str) -> dict[str, Any]:
     """One chat straight to the engine's port: the sidecar never sees it."""
     status, body = await s.engine.post_json("/v1/chat/completions", chat(content, 2))
     assert status == 200
-    return body
+    answer: dict[str, Any] = body
+    return answer
 
 
 async def _reset(s: Stack) -> dict[str, Any]:
@@ -48,7 +50,8 @@ async def _close(s: Stack, case_id: str = "case-1") -> tuple[int, dict[str, Any]
 async def _state(s: Stack) -> dict[str, Any]:
     """GET /cache/state."""
     async with s.http.get(f"{s.url}/cache/state") as resp:
-        return await resp.json()
+        state: dict[str, Any] = await resp.json()
+        return state
 
 
 async def _records(s: Stack, event_type: str) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -17,7 +18,7 @@ from tests.support.sim import chat, fast, sim, slow, words
 TOKEN = "client-test-token"
 
 
-async def test_acknowledged_exits_0_with_one_readable_line(tmp_path) -> None:
+async def test_acknowledged_exits_0_with_one_readable_line(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path) as (_, url):
         run = await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")
     assert run.code == 0, run.stderr
@@ -26,7 +27,7 @@ async def test_acknowledged_exits_0_with_one_readable_line(tmp_path) -> None:
     assert lines[0].startswith("acknowledged: engine vllm 0.32.0, 1 attempt,")
 
 
-async def test_json_prints_the_answer_body(tmp_path) -> None:
+async def test_json_prints_the_answer_body(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path) as (_, url):
         run = await cli("reset", "--url", url, "--json", "--session-id", "s1")
     assert run.code == 0
@@ -34,7 +35,7 @@ async def test_json_prints_the_answer_body(tmp_path) -> None:
     assert answer["answer"] == "acknowledged" and answer["cache_state"]["session_id"] == "s1"
 
 
-async def test_bind_asks_to_bind_and_prints_the_case_token(tmp_path) -> None:
+async def test_bind_asks_to_bind_and_prints_the_case_token(tmp_path: Path) -> None:
     """`--bind`: the sidecar binds the verdict, and the one line shows the token to send."""
     async with (
         sidecar(fast("vllm"), tmp_path) as (_, url),
@@ -51,13 +52,13 @@ async def test_bind_asks_to_bind_and_prints_the_case_token(tmp_path) -> None:
     assert plain.code == 0 and "case_token" not in plain.stdout
 
 
-async def test_accepted_unverified_exits_3(tmp_path) -> None:
+async def test_accepted_unverified_exits_3(tmp_path: Path) -> None:
     async with sidecar(fast("vllm", legacy_empty_body=True), tmp_path) as (_, url):
         run = await cli("reset", "--url", url)
     assert run.code == 3 and run.stdout.startswith("accepted_unverified")
 
 
-async def test_refused_exits_4(tmp_path) -> None:
+async def test_refused_exits_4(tmp_path: Path) -> None:
     async with (
         sidecar(slow("vllm"), tmp_path) as (engine, url),
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
@@ -71,14 +72,14 @@ async def test_refused_exits_4(tmp_path) -> None:
     assert run.code == 4 and run.stdout.startswith("refused")
 
 
-async def test_unsupported_exits_5_and_prints_the_hint(tmp_path) -> None:
+async def test_unsupported_exits_5_and_prints_the_hint(tmp_path: Path) -> None:
     async with sidecar(fast("vllm", dev_mode=False), tmp_path) as (_, url):
         run = await cli("reset", "--url", url)
     assert run.code == 5
     assert "VLLM_SERVER_DEV_MODE=1" in run.stdout
 
 
-async def test_unreachable_engine_exits_6(tmp_path) -> None:
+async def test_unreachable_engine_exits_6(tmp_path: Path) -> None:
     async with serve_sidecar(closed_port_url(), tmp_path) as sidecar:
         run = await cli("reset", "--url", sidecar.url)
     assert run.code == 6 and run.stdout.startswith("unreachable")
@@ -92,7 +93,7 @@ async def test_unreachable_sidecar_exits_8_and_says_so(command: str) -> None:
 
 
 @pytest.mark.parametrize("command", ["reset", "evidence"])
-async def test_url_of_something_that_is_not_a_sidecar_exits_8(tmp_path, command: str) -> None:
+async def test_url_of_something_that_is_not_a_sidecar_exits_8(tmp_path: Path, command: str) -> None:
     # The engine itself at --url: it answers, but not as a sidecar (its own 404).
     async with sim(fast("vllm")) as engine:
         run = await cli(command, "--url", engine.url)
@@ -101,7 +102,7 @@ async def test_url_of_something_that_is_not_a_sidecar_exits_8(tmp_path, command:
 
 
 @pytest.mark.parametrize("command", ["reset", "evidence"])
-async def test_missing_token_exits_9_and_says_why(tmp_path, command: str) -> None:
+async def test_missing_token_exits_9_and_says_why(tmp_path: Path, command: str) -> None:
     async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
         run = await cli(command, "--url", url)
     assert run.code == 9
@@ -109,20 +110,20 @@ async def test_missing_token_exits_9_and_says_why(tmp_path, command: str) -> Non
 
 
 @pytest.mark.parametrize("command", ["reset", "evidence"])
-async def test_wrong_token_exits_9(tmp_path, command: str) -> None:
+async def test_wrong_token_exits_9(tmp_path: Path, command: str) -> None:
     async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
         run = await cli(command, "--url", url, env={"CACHEWITNESS_ADMIN_TOKEN": "not-" + TOKEN})
     assert run.code == 9 and "wrong admin token" in run.stderr
 
 
 @pytest.mark.parametrize("command", ["reset", "evidence"])
-async def test_unreadable_token_file_exits_2(tmp_path, command: str) -> None:
+async def test_unreadable_token_file_exits_2(tmp_path: Path, command: str) -> None:
     async with sidecar(fast("vllm"), tmp_path) as (_, url):
         run = await cli(command, "--url", url, "--token-file", str(tmp_path / "missing"))
     assert run.code == 2 and "--token-file" in run.stderr
 
 
-async def test_evidence_filter_the_sidecar_rejects_exits_2(tmp_path) -> None:
+async def test_evidence_filter_the_sidecar_rejects_exits_2(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path) as (_, url):
         run = await cli("evidence", "--url", url, "--event-type", "infer.nonsense")
     assert run.code == 2 and "event_type" in run.stderr
@@ -149,7 +150,7 @@ def test_cli_doc_exit_code_table_matches_the_client() -> None:
         assert f"`{answer}`" in documented[code], (answer, code)
 
 
-async def test_token_file_is_sent(tmp_path) -> None:
+async def test_token_file_is_sent(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
@@ -157,20 +158,20 @@ async def test_token_file_is_sent(tmp_path) -> None:
     assert run.code == 0, run.stderr
 
 
-async def test_token_and_url_come_from_the_environment(tmp_path) -> None:
+async def test_token_and_url_come_from_the_environment(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path, admin_token=TOKEN) as (_, url):
         run = await cli("reset", env={"CACHEWITNESS_URL": url, "CACHEWITNESS_ADMIN_TOKEN": TOKEN})
     assert run.code == 0, run.stderr
 
 
-async def test_input_the_sidecar_rejects_exits_2(tmp_path) -> None:
+async def test_input_the_sidecar_rejects_exits_2(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path) as (_, url):
         run = await cli("reset", "--url", url, "--session-id", "bad id!")
     assert run.code == 2
     assert "session_id" in run.stderr
 
 
-async def test_evidence_streams_the_records(tmp_path) -> None:
+async def test_evidence_streams_the_records(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path) as (_, url):
         assert (await cli("reset", "--url", url, "--session-id", "s1", "--case-id", "c1")).code == 0
         run = await cli("evidence", "--url", url, "--session-id", "s1", "--event-type", "infer.cache_state")
@@ -181,7 +182,7 @@ async def test_evidence_streams_the_records(tmp_path) -> None:
     ]
 
 
-async def test_evidence_summary_prints_a_row_per_case(tmp_path) -> None:
+async def test_evidence_summary_prints_a_row_per_case(tmp_path: Path) -> None:
     async with (
         sidecar(fast("vllm"), tmp_path) as (_, url),
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,7 +59,7 @@ def test_env_bool_and_number_parse() -> None:
         ({"retry_seconds": "500"}, {}, "retry_seconds"),
     ],
 )
-def test_bad_value_names_the_key(flags: dict, env: dict, key: str) -> None:
+def test_bad_value_names_the_key(flags: dict[str, Any], env: dict[str, str], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         load_settings(flags, env=env)
 
@@ -90,7 +91,7 @@ def test_serve_with_a_bad_value_exits_2_with_one_line() -> None:
     assert "drain_timeout" in lines[0] and "Traceback" not in done.stderr
 
 
-def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path) -> None:
+def test_serve_on_a_taken_port_exits_2_with_one_line(tmp_path: Path) -> None:
     import socket
 
     with socket.socket() as taken:
@@ -232,7 +233,7 @@ def test_trusted_peers_take_addresses_and_cidrs_from_every_layer(tmp_path: Path)
         ({"CACHEWITNESS_ADMIN_TOKEN": "same", "CACHEWITNESS_UPSTREAM_API_KEY": "same"}, "upstream_api_key"),
     ],
 )
-def test_bad_route_policy_config_names_the_key(env: dict, key: str) -> None:
+def test_bad_route_policy_config_names_the_key(env: dict[str, str], key: str) -> None:
     with pytest.raises(ConfigError, match=key):
         load_settings({}, env=env)
 

@@ -174,7 +174,7 @@ def _reached_any(s: Stack, dialect: str) -> list[str]:
 
 @pytest.mark.parametrize("dialect", sorted(CONTROL))
 async def test_stranger_without_token_is_403_and_the_engine_never_sees_it(
-    dialect: str, tmp_path, remote_host: str
+    dialect: str, tmp_path: Path, remote_host: str
 ) -> None:
     async with stack(dialect, tmp_path, host=remote_host) as s:
         for method, path in CONTROL[dialect]:
@@ -187,7 +187,7 @@ async def test_stranger_without_token_is_403_and_the_engine_never_sees_it(
 
 @pytest.mark.parametrize("dialect", sorted(CONTROL))
 async def test_stranger_without_the_token_is_401_when_one_is_set(
-    dialect: str, tmp_path, remote_host: str
+    dialect: str, tmp_path: Path, remote_host: str
 ) -> None:
     async with stack(dialect, tmp_path, host=remote_host, admin_token=TOKEN) as s:
         for method, path in CONTROL[dialect]:
@@ -200,7 +200,7 @@ async def test_stranger_without_the_token_is_401_when_one_is_set(
 
 
 @pytest.mark.parametrize("raw", [raw for raw in SPELLINGS if raw.startswith("/")])
-async def test_no_spelling_of_a_control_route_slips_past(raw: str, tmp_path, remote_host: str) -> None:
+async def test_no_spelling_of_a_control_route_slips_past(raw: str, tmp_path: Path, remote_host: str) -> None:
     async with stack("vllm", tmp_path, host=remote_host, admin_token=TOKEN) as s:
         for method in ("POST", "GET"):
             status, _ = await s.call(method, raw)
@@ -210,7 +210,7 @@ async def test_no_spelling_of_a_control_route_slips_past(raw: str, tmp_path, rem
         assert s.reached("reset_prefix") == [] and s.reached("collective") == []
 
 
-async def test_slot_spellings_with_encoded_slash_need_the_token(tmp_path, remote_host: str) -> None:
+async def test_slot_spellings_with_encoded_slash_need_the_token(tmp_path: Path, remote_host: str) -> None:
     async with stack("llamacpp", tmp_path, host=remote_host, admin_token=TOKEN) as s:
         for raw in (
             "/slots%2F0?action=erase",
@@ -223,26 +223,26 @@ async def test_slot_spellings_with_encoded_slash_need_the_token(tmp_path, remote
         assert s.reached("slots") == []
 
 
-async def test_the_token_lets_a_stranger_reach_a_control_route(tmp_path, remote_host: str) -> None:
+async def test_the_token_lets_a_stranger_reach_a_control_route(tmp_path: Path, remote_host: str) -> None:
     async with stack("llamacpp", tmp_path, host=remote_host, admin_token=TOKEN) as s:
         status, body = await s.call("GET", "/slots", bearer(TOKEN))
         assert status == 200, body
         assert s.reached("GET /slots")
 
 
-async def test_loopback_needs_no_token_when_none_is_set(tmp_path) -> None:
+async def test_loopback_needs_no_token_when_none_is_set(tmp_path: Path) -> None:
     async with stack("llamacpp", tmp_path) as s:
         status, _ = await s.call("GET", "/slots")
         assert status == 200
 
 
-async def test_engine_routes_open_is_the_old_unsafe_behaviour(tmp_path, remote_host: str) -> None:
+async def test_engine_routes_open_is_the_old_unsafe_behaviour(tmp_path: Path, remote_host: str) -> None:
     async with stack("llamacpp", tmp_path, host=remote_host, engine_routes="open") as s:
         status, _ = await s.call("GET", "/slots")
         assert status == 200 and s.reached("GET /slots")
 
 
-async def test_extra_admin_paths_need_the_token(tmp_path, remote_host: str) -> None:
+async def test_extra_admin_paths_need_the_token(tmp_path: Path, remote_host: str) -> None:
     async with stack(
         "vllm", tmp_path, host=remote_host, admin_token=TOKEN, extra_admin_paths=("/tokenize", "/debug/*")
     ) as s:
@@ -254,14 +254,18 @@ async def test_extra_admin_paths_need_the_token(tmp_path, remote_host: str) -> N
         assert status != 401
 
 
-async def test_unknown_engine_kind_guards_every_known_engines_routes(tmp_path, remote_host: str) -> None:
+async def test_unknown_engine_kind_guards_every_known_engines_routes(
+    tmp_path: Path, remote_host: str
+) -> None:
     async with stack("vllm", tmp_path, host=remote_host, admin_token=TOKEN, engine="generic") as s:
         for method, path in [("POST", "/collective_rpc"), ("POST", "/flush_cache"), ("GET", "/slots")]:
             status, _ = await s.call(method, path)
             assert status == 401, path
 
 
-async def test_an_engine_not_yet_detected_is_detected_before_its_reset_route_is_judged(tmp_path) -> None:
+async def test_an_engine_not_yet_detected_is_detected_before_its_reset_route_is_judged(
+    tmp_path: Path,
+) -> None:
     # The upstream is down when the sidecar starts (kind unknown) and comes up later; the
     # health watcher does not probe again in the test's time, so the route policy must detect.
     port = free_port()
@@ -293,7 +297,9 @@ async def test_an_engine_not_yet_detected_is_detected_before_its_reset_route_is_
         ("PUT", "/cache/evidence"),
     ],
 )
-async def test_other_cache_paths_are_forwarded_without_admin_auth(method: str, path: str, tmp_path) -> None:
+async def test_other_cache_paths_are_forwarded_without_admin_auth(
+    method: str, path: str, tmp_path: Path
+) -> None:
     async with stack("vllm", tmp_path, admin_token=TOKEN) as s:
         status, _ = await s.call(method, path)
         assert status == 404  # the engine's answer: the sidecar did not ask for a token
@@ -304,7 +310,7 @@ async def test_other_cache_paths_are_forwarded_without_admin_auth(method: str, p
         assert all(TOKEN not in value for x in seen for _, value in x.headers)
 
 
-async def test_the_sidecars_own_routes_still_need_the_token(tmp_path) -> None:
+async def test_the_sidecars_own_routes_still_need_the_token(tmp_path: Path) -> None:
     async with stack("vllm", tmp_path, admin_token=TOKEN) as s:
         for method, path in [("POST", "/cache/reset"), ("GET", "/cache/state"), ("HEAD", "/cache/state")]:
             status, _ = await s.call(method, path)
@@ -314,7 +320,7 @@ async def test_the_sidecars_own_routes_still_need_the_token(tmp_path) -> None:
 # -- the admin token never reaches the engine --------------------------------------------------
 
 
-async def test_the_admin_token_never_reaches_the_engine(tmp_path) -> None:
+async def test_the_admin_token_never_reaches_the_engine(tmp_path: Path) -> None:
     async with stack("llamacpp", tmp_path, admin_token=TOKEN, upstream_api_key=ENGINE_KEY) as s:
         auth = bearer(TOKEN)
 
@@ -354,10 +360,11 @@ def test_a_remembered_decision_is_for_the_engine_it_was_made_for() -> None:
     from proxy.admin.policy import RouteClass, RoutePolicy
     from proxy.config import Settings
     from proxy.engine_state import make_dialect
+    from proxy.vocabulary import EngineKind
 
     settings = Settings()
     policy = RoutePolicy(settings)
-    llamacpp, vllm = make_dialect("llamacpp", settings), make_dialect("vllm", settings)
+    llamacpp, vllm = make_dialect(EngineKind.LLAMACPP, settings), make_dialect(EngineKind.VLLM, settings)
     for _ in range(2):  # the second time from memory
         assert (
             policy.classify("POST", "/reset_prefix_cache", MultiDict(), llamacpp).route

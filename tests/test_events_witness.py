@@ -36,7 +36,7 @@ async def _traffic(s: Stack, tag: str, headers: dict[str, str] | None = None) ->
 
 
 def _records(tmp_path: Path) -> list[dict[str, Any]]:
-    found = []
+    found: list[dict[str, Any]] = []
     for path in (tmp_path / "evidence").glob("*.jsonl"):
         found.extend(orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip())
     return [r for r in found if r.get("event_type") == "infer.cache_blocks"]

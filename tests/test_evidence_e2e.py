@@ -38,7 +38,8 @@ async def post_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any],
 
 async def reset(http: aiohttp.ClientSession, proxy: str, **body: Any) -> dict[str, Any]:
     async with http.post(proxy + "/cache/reset", json=body) as response:
-        return await response.json()
+        answer: dict[str, Any] = await response.json()
+        return answer
 
 
 CACHED_FIELD = {
@@ -53,7 +54,7 @@ CACHED_FIELD = {
 @pytest.mark.parametrize("dialect", sorted(CACHED_FIELD))
 @pytest.mark.parametrize("stream", [False, True])
 async def test_cached_tokens_observed_zero_then_more(
-    sidecar: SidecarFactory, http, dialect: str, stream: bool
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, dialect: str, stream: bool
 ) -> None:
     async with running_sim(fast(dialect, slot_save_path="/tmp")) as engine:
         proxy = await sidecar(engine)
@@ -77,7 +78,7 @@ async def test_cached_tokens_observed_zero_then_more(
     assert first["usage_injected"] is (stream and dialect != "llamacpp")
 
 
-async def test_sglang_generate_reads_meta_info(sidecar: SidecarFactory, http) -> None:
+async def test_sglang_generate_reads_meta_info(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
     async with running_sim(fast("sglang")) as engine:
         proxy = await sidecar(engine)
         for _ in range(2):
@@ -90,7 +91,9 @@ async def test_sglang_generate_reads_meta_info(sidecar: SidecarFactory, http) ->
     assert first["cached_tokens"] == 0 and second["cached_tokens"] > 0
 
 
-async def test_engine_without_cached_field_records_null_not_zero(sidecar: SidecarFactory, http) -> None:
+async def test_engine_without_cached_field_records_null_not_zero(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm", prompt_tokens_details=False)) as engine:
         proxy = await sidecar(engine)
         await post_chat(http, proxy, chat(PROMPT))
@@ -109,7 +112,9 @@ def normalise(stream: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang", "mindnano", "openai", "llamacpp"])
-async def test_injected_usage_is_stripped_byte_for_byte(sidecar: SidecarFactory, http, dialect: str) -> None:
+async def test_injected_usage_is_stripped_byte_for_byte(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, dialect: str
+) -> None:
     # Two identical engines, so both requests meet the same (cold) cache.
     async with running_sim(fast(dialect)) as engine, running_sim(fast(dialect)) as twin:
         proxy = await sidecar(engine)
@@ -123,7 +128,9 @@ async def test_injected_usage_is_stripped_byte_for_byte(sidecar: SidecarFactory,
     assert normalise(through) == normalise(direct)
 
 
-async def test_client_asking_for_usage_gets_it_untouched(sidecar: SidecarFactory, http) -> None:
+async def test_client_asking_for_usage_gets_it_untouched(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm")) as engine, running_sim(fast("vllm")) as twin:
         proxy = await sidecar(engine)
         body = chat(PROMPT, stream=True, stream_options={"include_usage": True})
@@ -135,7 +142,7 @@ async def test_client_asking_for_usage_gets_it_untouched(sidecar: SidecarFactory
 
 
 async def test_stream_cut_before_usage_is_recorded_and_proxy_keeps_serving(
-    sidecar: SidecarFactory, http
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
     async with running_sim(slow("vllm")) as engine:
         proxy = await sidecar(engine)
@@ -156,7 +163,9 @@ async def test_stream_cut_before_usage_is_recorded_and_proxy_keeps_serving(
     assert records[0]["cached_tokens"] is None
 
 
-async def test_secrets_never_reach_the_evidence(sidecar: SidecarFactory, http, tmp_path: Path) -> None:
+async def test_secrets_never_reach_the_evidence(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
     secret_key, secret_user, secret_prompt = "sk-SECRETKEY123", "user-SECRET-42", "SECRETPROMPTWORD"
     async with running_sim(fast("mindnano")) as engine:
         proxy = await sidecar(engine)
@@ -174,7 +183,9 @@ async def test_secrets_never_reach_the_evidence(sidecar: SidecarFactory, http, t
             assert secret not in text
 
 
-async def test_verdict_consistent_after_a_real_reset(sidecar: SidecarFactory, http) -> None:
+async def test_verdict_consistent_after_a_real_reset(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)
         await post_chat(http, proxy, chat(PROMPT))
@@ -195,7 +206,7 @@ async def test_verdict_consistent_after_a_real_reset(sidecar: SidecarFactory, ht
 
 
 async def test_verdict_contradicted_when_llamacpp_ram_cache_survives_erase(
-    sidecar: SidecarFactory, http, tmp_path: Path
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     async with running_sim(fast("llamacpp", slot_save_path=str(tmp_path), ram_cache=True)) as engine:
         proxy = await sidecar(engine)
@@ -208,7 +219,9 @@ async def test_verdict_contradicted_when_llamacpp_ram_cache_survives_erase(
     assert verification["verdict"] == "contradicted" and verification["cached_tokens"] > 0
 
 
-async def test_verdict_unobservable_when_engine_reports_nothing(sidecar: SidecarFactory, http) -> None:
+async def test_verdict_unobservable_when_engine_reports_nothing(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm", prompt_tokens_details=False)) as engine:
         proxy = await sidecar(engine)
         answer = await reset(http, proxy, case_id="cold")
@@ -218,7 +231,7 @@ async def test_verdict_unobservable_when_engine_reports_nothing(sidecar: Sidecar
     assert verification["verdict"] == "unobservable" and verification["cached_tokens"] is None
 
 
-async def test_evidence_filters_select_records(sidecar: SidecarFactory, http) -> None:
+async def test_evidence_filters_select_records(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)
         await reset(http, proxy, session_id="s1", case_id="a")
@@ -237,7 +250,9 @@ async def test_evidence_filters_select_records(sidecar: SidecarFactory, http) ->
     assert all(r["at_ns"] >= states[1]["at_ns"] for r in later) and len(later) < len(everything)
 
 
-async def test_full_disk_is_counted_and_forwarding_goes_on(sidecar: SidecarFactory, http) -> None:
+async def test_full_disk_is_counted_and_forwarding_goes_on(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm")) as engine:
         # /dev/full: every write fails with ENOSPC, as a full disk does (root or not).
         proxy = await sidecar(engine, evidence="/dev/full")
@@ -255,7 +270,9 @@ async def test_full_disk_is_counted_and_forwarding_goes_on(sidecar: SidecarFacto
             assert "cachewitness_evidence_write_errors_total" in await response.text()
 
 
-async def test_evidence_larger_than_one_write_comes_back_whole(sidecar: SidecarFactory, http) -> None:
+async def test_evidence_larger_than_one_write_comes_back_whole(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)
         for index in range(300):
@@ -270,7 +287,9 @@ async def test_evidence_larger_than_one_write_comes_back_whole(sidecar: SidecarF
     assert [r["case_id"] for r in observed] == [f"case-{i}" for i in range(300)]
 
 
-async def test_evidence_filter_with_a_trailing_newline_is_400(sidecar: SidecarFactory, http) -> None:
+async def test_evidence_filter_with_a_trailing_newline_is_400(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)
         async with http.get(proxy + "/cache/evidence", params={"case_id": "a\n"}) as response:
@@ -278,7 +297,9 @@ async def test_evidence_filter_with_a_trailing_newline_is_400(sidecar: SidecarFa
             assert (await response.json())["error"]["param"] == "case_id"
 
 
-async def test_a_1000_character_session_id_is_recorded_cut_to_128(sidecar: SidecarFactory, http) -> None:
+async def test_a_1000_character_session_id_is_recorded_cut_to_128(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
     long_session, long_case = "s" * 127 + "-" * 873, "c" * 128 + "x" * 872
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)
@@ -293,7 +314,7 @@ async def test_a_1000_character_session_id_is_recorded_cut_to_128(sidecar: Sidec
 
 @pytest.mark.parametrize("since_ns", ["1_000", " 12 ", "\u0663", "+5", "-5", "", "1" * 21])
 async def test_evidence_since_ns_other_than_ascii_digits_is_400(
-    sidecar: SidecarFactory, http, since_ns: str
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, since_ns: str
 ) -> None:
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)
@@ -306,7 +327,9 @@ async def test_evidence_since_ns_other_than_ascii_digits_is_400(
 
 
 @pytest.mark.parametrize("name", ["session_id", "case_id", "event_type", "since_ns", "scope"])
-async def test_evidence_filter_given_twice_is_400(sidecar: SidecarFactory, http, name: str) -> None:
+async def test_evidence_filter_given_twice_is_400(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, name: str
+) -> None:
     value = {"event_type": "infer.cache_state", "scope": "pod"}.get(name, "1")
     async with running_sim(fast("vllm")) as engine:
         proxy = await sidecar(engine)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Any, TypedDict, Unpack
 
 import orjson
 import pytest
@@ -27,14 +28,23 @@ def record(n: int, **extra: object) -> dict[str, object]:
     }
 
 
-def lines(path: Path) -> list[dict[str, object]]:
+def lines(path: Path) -> list[dict[str, Any]]:
     """Every record given to the writer in one file, the chain checked line by line (tests/evidence_files.py)."""
     return unchained(path.read_bytes())
 
 
-async def collect(path: Path, keep: int, **filters: object) -> list[bytes]:
+class Filters(TypedDict, total=False):
+    """read_evidence's filters."""
+
+    session_id: str
+    case_id: str
+    event_type: str
+    since_ns: int
+
+
+async def collect(path: Path, keep: int, **filters: Unpack[Filters]) -> list[bytes]:
     """Everything read_evidence yields."""
-    return [line async for line in read_evidence(path, keep=keep, **filters)]  # type: ignore[arg-type]
+    return [line async for line in read_evidence(path, keep=keep, **filters)]
 
 
 async def test_flush_writes_queued_records_as_jsonl(tmp_path: Path) -> None:

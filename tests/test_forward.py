@@ -7,6 +7,7 @@ import hashlib
 import io
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -24,12 +25,12 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-def header_names(described: dict) -> list[str]:
+def header_names(described: dict[str, Any]) -> list[str]:
     return [name.lower() for name, _ in described["headers"]]
 
 
 async def test_query_string_reaches_upstream_byte_for_byte(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     raw = "/echo/a%2Fb?x=1&y=%2F%20&z&x=2&empty="
@@ -39,7 +40,7 @@ async def test_query_string_reaches_upstream_byte_for_byte(
 
 
 async def test_headers_pass_through_and_host_is_rewritten(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     headers = {"Authorization": "Bearer client-key", "X-Custom": "Value With Case", "User-Agent": "bench/1"}
@@ -53,7 +54,9 @@ async def test_headers_pass_through_and_host_is_rewritten(
     assert seen["host"] == upstream.removeprefix("http://")
 
 
-async def test_hop_by_hop_request_headers_are_dropped(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_hop_by_hop_request_headers_are_dropped(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
     headers = {
         "Connection": "keep-alive, X-Hop",
@@ -71,7 +74,7 @@ async def test_hop_by_hop_request_headers_are_dropped(sidecar: SidecarFactory, u
 
 
 async def test_no_headers_are_added_that_the_client_did_not_send(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     async with client.post(
@@ -86,7 +89,7 @@ async def test_no_headers_are_added_that_the_client_did_not_send(
 
 
 async def test_hop_by_hop_response_headers_are_dropped(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/hop") as response:
@@ -98,7 +101,7 @@ async def test_hop_by_hop_response_headers_are_dropped(
 
 
 async def test_large_bodies_stream_both_ways_unchanged(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     payload = os.urandom(24 * 1024 * 1024)
@@ -107,7 +110,9 @@ async def test_large_bodies_stream_both_ways_unchanged(
     assert hashlib.sha256(echoed).digest() == hashlib.sha256(payload).digest()
 
 
-async def test_chunked_request_body_is_streamed(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_chunked_request_body_is_streamed(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
 
     async def parts() -> AsyncIterator[bytes]:
@@ -122,28 +127,36 @@ async def test_chunked_request_body_is_streamed(sidecar: SidecarFactory, upstrea
     assert described["body_len"] == 500_000
 
 
-async def test_large_response_body_passes_unchanged(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_large_response_body_passes_unchanged(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/big?bytes=33554432") as response:
         body = await response.read()
     assert body == bytes(range(256)) * (33554432 // 256)
 
 
-async def test_gzip_body_is_not_decompressed(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_gzip_body_is_not_decompressed(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/gzip", headers={"Accept-Encoding": "gzip"}) as response:
         assert response.headers["Content-Encoding"] == "gzip"
         assert await response.read() == GZIPPED
 
 
-async def test_redirects_are_returned_not_followed(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_redirects_are_returned_not_followed(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/redirect", allow_redirects=False) as response:
         assert response.status == 302
         assert response.headers["Location"] == "/echo"
 
 
-async def test_no_request_id_is_added_by_default(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_no_request_id_is_added_by_default(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/echo") as response:
         seen = {name.lower() for name, _ in (await response.json())["headers"]}
@@ -151,7 +164,7 @@ async def test_no_request_id_is_added_by_default(sidecar: SidecarFactory, upstre
 
 
 async def test_request_id_header_opts_in_to_a_generated_id_both_ways(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream, request_id_header=True)
     async with client.get(proxy + "/echo") as response:
@@ -160,7 +173,9 @@ async def test_request_id_header_opts_in_to_a_generated_id_both_ways(
         assert len(response.headers["X-Request-Id"]) >= 16
 
 
-async def test_request_id_from_the_client_is_kept(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_request_id_from_the_client_is_kept(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/echo", headers={"X-Request-Id": "req-42"}) as response:
         seen = {name.lower(): value for name, value in (await response.json())["headers"]}
@@ -168,7 +183,7 @@ async def test_request_id_from_the_client_is_kept(sidecar: SidecarFactory, upstr
 
 
 async def test_sse_events_reach_the_client_one_by_one(
-    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client
+    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     state = upstream_app[STATE]
@@ -185,7 +200,9 @@ async def test_sse_events_reach_the_client_one_by_one(
         assert await response.content.read() == b"data: [DONE]\n\n"
 
 
-async def test_many_concurrent_streams_all_complete(sidecar: SidecarFactory, upstream: str, client) -> None:
+async def test_many_concurrent_streams_all_complete(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream)
 
     async def one() -> bytes:
@@ -198,7 +215,7 @@ async def test_many_concurrent_streams_all_complete(sidecar: SidecarFactory, ups
 
 
 async def test_rewritten_stream_request_carries_its_own_content_length(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m", "stream": true, "messages": []}'
@@ -213,7 +230,7 @@ async def test_rewritten_stream_request_carries_its_own_content_length(
 
 
 async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
-    sidecar: SidecarFactory, upstream: str, client
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m",  "stream": false, "messages": [], "user": "u"}'
@@ -226,7 +243,11 @@ async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
 
 @pytest.mark.parametrize("refusal", ["422", "400"])
 async def test_engine_refusing_injected_stream_options_gets_the_clients_own_request(
-    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, client, refusal: str
+    sidecar: SidecarFactory,
+    upstream: str,
+    upstream_app: web.Application,
+    client: aiohttp.ClientSession,
+    refusal: str,
 ) -> None:
     proxy = await sidecar(upstream)
     body = b'{"model": "m", "stream": true, "prompt": "x"}'

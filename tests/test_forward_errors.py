@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -19,15 +20,16 @@ async def still_serves(http: aiohttp.ClientSession, proxy: str) -> None:
         assert response.status == 200
 
 
-async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> dict:
+async def assert_openai_error(response: aiohttp.ClientResponse, status: int) -> dict[str, Any]:
     assert response.status == status
     assert response.content_type == "application/json"
     body = await response.json()
     assert set(body["error"]) >= {"message", "type", "code"}
-    return body["error"]
+    error: dict[str, Any] = body["error"]
+    return error
 
 
-async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, http) -> None:
+async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, http: aiohttp.ClientSession) -> None:
     proxy = await sidecar(f"http://127.0.0.1:{free_port()}")
     async with http.get(proxy + "/v1/models") as response:
         error = await assert_openai_error(response, 502)
@@ -36,7 +38,7 @@ async def test_unreachable_upstream_is_502(sidecar: SidecarFactory, http) -> Non
 
 
 async def test_upstream_that_drops_the_connection_is_502(
-    sidecar: SidecarFactory, upstream: str, http
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     async with http.get(proxy + "/cut") as response:
@@ -44,7 +46,9 @@ async def test_upstream_that_drops_the_connection_is_502(
     await still_serves(http, proxy)
 
 
-async def test_upstream_silent_past_read_timeout_is_504(sidecar: SidecarFactory, upstream: str, http) -> None:
+async def test_upstream_silent_past_read_timeout_is_504(
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream, read_timeout=0.3)
     async with http.get(proxy + "/slow?s=30") as response:
         await assert_openai_error(response, 504)
@@ -52,7 +56,7 @@ async def test_upstream_silent_past_read_timeout_is_504(sidecar: SidecarFactory,
 
 
 async def test_upstream_cut_mid_body_cuts_the_client_too(
-    sidecar: SidecarFactory, upstream: str, http
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     async with http.get(proxy + "/cut-mid-body") as response:
@@ -63,7 +67,7 @@ async def test_upstream_cut_mid_body_cuts_the_client_too(
 
 
 async def test_declared_body_over_limit_is_413(
-    sidecar: SidecarFactory, upstream: str, upstream_app, http
+    sidecar: SidecarFactory, upstream: str, upstream_app: web.Application, http: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream, max_body_bytes=1000)
     async with http.post(proxy + "/echo", data=b"x" * 1001) as response:
@@ -72,7 +76,9 @@ async def test_declared_body_over_limit_is_413(
     await still_serves(http, proxy)
 
 
-async def test_chunked_body_over_limit_is_413(sidecar: SidecarFactory, upstream: str, http) -> None:
+async def test_chunked_body_over_limit_is_413(
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream, max_body_bytes=100_000)
 
     async def parts() -> AsyncIterator[bytes]:
@@ -84,14 +90,16 @@ async def test_chunked_body_over_limit_is_413(sidecar: SidecarFactory, upstream:
     await still_serves(http, proxy)
 
 
-async def test_body_at_the_limit_passes(sidecar: SidecarFactory, upstream: str, http) -> None:
+async def test_body_at_the_limit_passes(
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
+) -> None:
     proxy = await sidecar(upstream, max_body_bytes=1000)
     async with http.post(proxy + "/echo", data=b"x" * 1000) as response:
         assert (await response.json())["body_len"] == 1000
 
 
 async def test_malformed_http_gets_400_and_proxy_keeps_serving(
-    sidecar: SidecarFactory, upstream: str, http
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(upstream)
     host, port = proxy.removeprefix("http://").split(":")
@@ -135,7 +143,7 @@ async def test_client_leaving_before_the_answer_closes_the_upstream_request(
 
 
 async def test_requests_the_sidecar_turns_away_are_counted_but_not_as_engine_errors(
-    sidecar: SidecarFactory, upstream: str, http
+    sidecar: SidecarFactory, upstream: str, http: aiohttp.ClientSession
 ) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -66,7 +67,7 @@ async def _bad_answers(http: aiohttp.ClientSession, proxy: str) -> float:
 
 
 async def _healthy_until(
-    done: asyncio.Task[tuple[int, dict]], http: aiohttp.ClientSession, proxy: str
+    done: asyncio.Task[tuple[int, dict[str, Any]]], http: aiohttp.ClientSession, proxy: str
 ) -> int:
     """Probe /-/healthy until `done` finishes, each probe within its own bound; how many answered."""
     probes = 0
@@ -89,7 +90,7 @@ async def test_answer_heads_past_the_leg_limits_are_502_while_the_sidecar_keeps_
         try:
             for count, path in enumerate(("/endless", "/block", "/many"), start=1):
 
-                async def attack(path: str = path) -> tuple[int, dict]:
+                async def attack(path: str = path) -> tuple[int, dict[str, Any]]:
                     async with http.get(f"{proxy}{path}") as response:
                         return response.status, await response.json()
 

@@ -80,7 +80,8 @@ async def post_chat(http: aiohttp.ClientSession, url: str, body: dict[str, Any])
     """POST a non-stream chat completion; return its usage."""
     async with http.post(url + "/v1/chat/completions", json=body) as resp:
         assert resp.status == 200
-        return (await resp.json())["usage"]
+        usage: dict[str, Any] = (await resp.json())["usage"]
+        return usage
 
 
 @asynccontextmanager

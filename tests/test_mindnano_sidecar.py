@@ -59,7 +59,8 @@ class MindnanoClient:
         """A chat completion that must succeed."""
         status, data = await self.call("POST", "/v1/chat/completions", chat(content, **extra))
         assert status == 200, data
-        return data
+        answer: dict[str, Any] = data
+        return answer
 
     async def cached(self, content: str, **extra: Any) -> int:
         """The cached tokens of a chat completion, checked for consistency with usage."""
@@ -67,7 +68,8 @@ class MindnanoClient:
         metrics, usage = data["mindnano_metrics"], data["usage"]
         assert usage["prompt_tokens_details"]["cached_tokens"] == metrics["cached_tokens"]
         assert metrics["cached_tokens"] + metrics["prompt_evaluated_tokens"] == usage["prompt_tokens"]
-        return metrics["cached_tokens"]
+        cached: int = metrics["cached_tokens"]
+        return cached
 
     async def wait_active(self) -> None:
         """Poll `/health` (unrecorded) until a request is active (bounded)."""

@@ -60,7 +60,7 @@ async def sidecar(config: SimConfig, tmp_path: Path, **overrides: Any) -> AsyncI
 # -- native_resets = "uniform" ------------------------------------------------------------------
 
 
-async def test_uniform_native_reset_drains_a_running_stream_first(tmp_path) -> None:
+async def test_uniform_native_reset_drains_a_running_stream_first(tmp_path: Path) -> None:
     async with sidecar(slow("vllm"), tmp_path, native_resets="uniform") as s:
         async with running_request(s, max_tokens=60) as running:
             status, body, headers = await native(s, "vllm")
@@ -75,7 +75,7 @@ async def test_uniform_native_reset_drains_a_running_stream_first(tmp_path) -> N
     assert state["reset"]["at_ns"] >= observation["finished_ns"]
 
 
-async def test_uniform_native_reset_retries_refusals(tmp_path) -> None:
+async def test_uniform_native_reset_retries_refusals(tmp_path: Path) -> None:
     async with sidecar(slow("mindnano"), tmp_path, native_resets="uniform", drain=False) as s:
         async with running_request(s, max_tokens=40) as running:
             status, body, _ = await native(s, "mindnano")
@@ -85,7 +85,7 @@ async def test_uniform_native_reset_retries_refusals(tmp_path) -> None:
     assert state["via"] == "native" and state["reset"]["attempts"] > 1 and state["acknowledged"] is True
 
 
-async def test_uniform_sglang_flush_answers_in_sglangs_words(tmp_path) -> None:
+async def test_uniform_sglang_flush_answers_in_sglangs_words(tmp_path: Path) -> None:
     async with sidecar(slow("sglang"), tmp_path, native_resets="uniform", drain=False) as s:
         async with running_request(s, max_tokens=40) as running:
             status, body, headers = await native(s, "sglang", query="?timeout=10")
@@ -101,7 +101,7 @@ async def test_uniform_sglang_flush_answers_in_sglangs_words(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dialect", sorted(NATIVE))
-async def test_engine_mode_gives_a_busy_engines_answer_exactly(dialect: str, tmp_path) -> None:
+async def test_engine_mode_gives_a_busy_engines_answer_exactly(dialect: str, tmp_path: Path) -> None:
     # A long drain_timeout: were the native call drained, it would wait for the stream to end
     # and then succeed, which the engine's own answer did not.
     async with sidecar(slow(dialect), tmp_path, drain_timeout=600.0) as s, running_request(s) as running:
@@ -117,7 +117,9 @@ async def test_engine_mode_gives_a_busy_engines_answer_exactly(dialect: str, tmp
 
 
 @pytest.mark.parametrize("dialect", sorted(NATIVE))
-async def test_engine_mode_on_an_idle_engine_is_acknowledged_and_recorded(dialect: str, tmp_path) -> None:
+async def test_engine_mode_on_an_idle_engine_is_acknowledged_and_recorded(
+    dialect: str, tmp_path: Path
+) -> None:
     async with sidecar(fast(dialect), tmp_path) as s:
         expected = await direct(s, dialect)
         status, body, _ = await native(s, dialect)
@@ -126,7 +128,7 @@ async def test_engine_mode_on_an_idle_engine_is_acknowledged_and_recorded(dialec
     assert state["via"] == "native" and state["acknowledged"] is True
 
 
-async def test_reset_running_requests_maps_to_force(tmp_path) -> None:
+async def test_reset_running_requests_maps_to_force(tmp_path: Path) -> None:
     async with sidecar(slow("vllm"), tmp_path) as s, running_request(s):
         status, body, _ = await native(s, "vllm", query="?reset_running_requests=true")
     assert (status, orjson.loads(body)) == (200, {"success": True})
@@ -144,20 +146,20 @@ async def test_reset_running_requests_maps_to_force(tmp_path) -> None:
     ],
 )
 async def test_bad_native_parameters_are_400_naming_them(
-    dialect: str, query: str, param: str, tmp_path
+    dialect: str, query: str, param: str, tmp_path: Path
 ) -> None:
     async with sidecar(fast(dialect), tmp_path) as s:
         status, body, _ = await native(s, dialect, query=query)
     assert status == 400 and orjson.loads(body)["error"]["param"] == param
 
 
-async def test_bad_session_header_is_400(tmp_path) -> None:
+async def test_bad_session_header_is_400(tmp_path: Path) -> None:
     async with sidecar(fast("vllm"), tmp_path) as s:
         status, body, _ = await native(s, "vllm", headers={"X-Session-Id": "bad id with spaces"})
     assert status == 400 and orjson.loads(body)["error"]["param"] == "X-Session-Id"
 
 
-async def test_api_resets_are_recorded_via_api(tmp_path) -> None:
+async def test_api_resets_are_recorded_via_api(tmp_path: Path) -> None:
     async with (
         sidecar(fast("vllm"), tmp_path) as s,
         s.http.post(f"{s.url}/cache/reset", headers=AUTH) as resp,
@@ -170,7 +172,7 @@ async def test_api_resets_are_recorded_via_api(tmp_path) -> None:
 # -- who may call them ----------------------------------------------------------------------------
 
 
-async def test_native_reset_auth_accepts_the_engine_key_on_reset_routes_only(tmp_path) -> None:
+async def test_native_reset_auth_accepts_the_engine_key_on_reset_routes_only(tmp_path: Path) -> None:
     key = "engine-key-for-bench-tools"
     async with sidecar(
         fast("vllm"), tmp_path, upstream_api_key=key, native_reset_auth="upstream_api_key", admin_open=False
@@ -182,7 +184,7 @@ async def test_native_reset_auth_accepts_the_engine_key_on_reset_routes_only(tmp
             assert resp.status == 401
 
 
-async def test_the_engine_key_is_refused_without_native_reset_auth(tmp_path) -> None:
+async def test_the_engine_key_is_refused_without_native_reset_auth(tmp_path: Path) -> None:
     key = "engine-key-for-bench-tools"
     async with (
         sidecar(fast("vllm"), tmp_path, upstream_api_key=key) as s,
@@ -194,7 +196,7 @@ async def test_the_engine_key_is_refused_without_native_reset_auth(tmp_path) -> 
 # -- llama.cpp slot erase -------------------------------------------------------------------------
 
 
-async def test_llamacpp_slot_erase_is_forwarded_and_recorded(tmp_path) -> None:
+async def test_llamacpp_slot_erase_is_forwarded_and_recorded(tmp_path: Path) -> None:
     config = fast("llamacpp", slot_save_path=str(tmp_path / "slots"))
     async with sidecar(config, tmp_path) as s:
         async with s.http.post(f"{s.url}/slots/1?action=erase", headers={**AUTH, **TAGS}) as resp:

@@ -179,7 +179,7 @@ def _tampered(bundle: Path, out: Path) -> Path:
     """The bundle with one cached-token count raised in its records (the chain no longer holds)."""
     with tarfile.open(bundle, "r:*") as source, tarfile.open(out, "w:gz") as target:
         for info in source:
-            data = source.extractfile(info).read() if info.isfile() else b""  # type: ignore[union-attr]
+            data = source.extractfile(info).read() if info.isfile() else b""  # type: ignore[union-attr]  # a file has a reader
             if info.name.startswith("pods/") and b'"cached_tokens":400' in data:
                 data = data.replace(b'"cached_tokens":400', b'"cached_tokens":401', 1)
             info.size = len(data)

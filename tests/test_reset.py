@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -63,7 +64,7 @@ async def reset_while_generating(
 
 
 @pytest.mark.parametrize("dialect", ["vllm", "sglang", "llamacpp", "mindnano"])
-async def test_idle_engine_reset_is_acknowledged(tmp_path, dialect: str) -> None:
+async def test_idle_engine_reset_is_acknowledged(tmp_path: Path, dialect: str) -> None:
     options = {"slot_save_path": str(tmp_path)} if dialect == "llamacpp" else {}
     async with stack(fast(dialect, **options), tmp_path) as s:
         status, body = await s.reset({"session_id": "s1", "case_id": "c1"})
@@ -74,7 +75,7 @@ async def test_idle_engine_reset_is_acknowledged(tmp_path, dialect: str) -> None
     assert stats["resets_total"] >= 1
 
 
-async def test_cache_state_record_has_the_reference_shape(tmp_path) -> None:
+async def test_cache_state_record_has_the_reference_shape(tmp_path: Path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         _, body = await s.reset({"session_id": "s1", "case_id": "c1", "warmup_requests": 0, "verify": "none"})
     record = body["cache_state"]
@@ -97,7 +98,7 @@ async def test_cache_state_record_has_the_reference_shape(tmp_path) -> None:
     )
 
 
-async def test_accepted_unverified_answer_has_no_success_key(tmp_path) -> None:
+async def test_accepted_unverified_answer_has_no_success_key(tmp_path: Path) -> None:
     async with stack(fast("vllm", legacy_empty_body=True), tmp_path, verify="none") as s:
         status, body = await s.reset()
     assert status == 200
@@ -117,7 +118,7 @@ async def test_accepted_unverified_answer_has_no_success_key(tmp_path) -> None:
     ],
     ids=["vllm-no-dev-mode", "llamacpp-no-slot-save-path", "openai"],
 )
-async def test_unsupported_reset_is_501_with_hint(tmp_path, config: SimConfig, hint_word: str) -> None:
+async def test_unsupported_reset_is_501_with_hint(tmp_path: Path, config: SimConfig, hint_word: str) -> None:
     async with stack(config, tmp_path) as s:
         status, body = await s.reset()
     assert status == 501
@@ -128,7 +129,7 @@ async def test_unsupported_reset_is_501_with_hint(tmp_path, config: SimConfig, h
     assert body["cache_state"]["run_kind"] == "unspecified"
 
 
-async def test_unreachable_engine_is_502(tmp_path) -> None:
+async def test_unreachable_engine_is_502(tmp_path: Path) -> None:
     async with (
         serve_sidecar(closed_port_url(), tmp_path) as sidecar,
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
@@ -146,7 +147,7 @@ async def test_unreachable_engine_is_502(tmp_path) -> None:
 
 @pytest.mark.parametrize(("dialect", "refusal_status"), [("vllm", 200), ("mindnano", 429)])
 async def test_refused_reset_is_retried_until_the_running_request_ends(
-    tmp_path, dialect: str, refusal_status: int
+    tmp_path: Path, dialect: str, refusal_status: int
 ) -> None:
     async with stack(slow(dialect), tmp_path) as s:
         status, body = await reset_while_generating(
@@ -160,14 +161,14 @@ async def test_refused_reset_is_retried_until_the_running_request_ends(
     assert body["calls"][-1]["status"] == 200
 
 
-async def test_sglang_waits_for_idle_and_acknowledges_on_the_first_attempt(tmp_path) -> None:
+async def test_sglang_waits_for_idle_and_acknowledges_on_the_first_attempt(tmp_path: Path) -> None:
     async with stack(slow("sglang"), tmp_path) as s:
         status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 30}, max_tokens=60)
     assert status == 200 and body["answer"] == "acknowledged"
     assert body["attempts"] == 1
 
 
-async def test_mindnano_refused_to_the_end_is_409(tmp_path) -> None:
+async def test_mindnano_refused_to_the_end_is_409(tmp_path: Path) -> None:
     async with stack(slow("mindnano"), tmp_path) as s:
         status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 1}, max_tokens=5000)
     assert status == 409 and body["answer"] == "refused"
@@ -175,7 +176,7 @@ async def test_mindnano_refused_to_the_end_is_409(tmp_path) -> None:
     assert all(call["status"] == 429 for call in body["calls"])
 
 
-async def test_llamacpp_busy_slot_is_refused_and_retried_until_it_is_idle(tmp_path) -> None:
+async def test_llamacpp_busy_slot_is_refused_and_retried_until_it_is_idle(tmp_path: Path) -> None:
     async with stack(slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path) as s:
         status, body = await reset_while_generating(
             s, {"drain": False, "retry_seconds": 30}, max_tokens=BUSY_CHAT_TOKENS
@@ -185,7 +186,7 @@ async def test_llamacpp_busy_slot_is_refused_and_retried_until_it_is_idle(tmp_pa
     assert [call["url"].rsplit("/", 1)[1] for call in body["calls"][:2]] == ["props", "slots"]
 
 
-async def test_llamacpp_busy_slot_past_the_retry_window_is_refused(tmp_path) -> None:
+async def test_llamacpp_busy_slot_past_the_retry_window_is_refused(tmp_path: Path) -> None:
     async with stack(slow("llamacpp", slot_save_path=str(tmp_path)), tmp_path) as s:
         status, body = await reset_while_generating(s, {"drain": False, "retry_seconds": 1}, max_tokens=5000)
     assert status == 409 and body["answer"] == "refused" and body["attempts"] >= 2
@@ -203,7 +204,7 @@ ATTEMPTS_IN_WINDOW = {1.25: 3, 2.25: 5}
 
 @pytest.mark.parametrize("retry_seconds", sorted(ATTEMPTS_IN_WINDOW))
 async def test_reset_refused_to_the_end_is_409_and_stops_at_the_deadline(
-    tmp_path, retry_seconds: float
+    tmp_path: Path, retry_seconds: float
 ) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
         status, body = await reset_while_generating(
@@ -220,7 +221,7 @@ async def test_reset_refused_to_the_end_is_409_and_stops_at_the_deadline(
     assert body["cache_state"]["run_kind"] == "unspecified"
 
 
-async def test_sglang_refusal_waits_through_the_timeout_param(tmp_path) -> None:
+async def test_sglang_refusal_waits_through_the_timeout_param(tmp_path: Path) -> None:
     async with stack(slow("sglang"), tmp_path) as s:
         status, body = await reset_while_generating(
             s, {"drain": False, "retry_seconds": 0.5}, max_tokens=5000
@@ -233,7 +234,7 @@ async def test_sglang_refusal_waits_through_the_timeout_param(tmp_path) -> None:
 # -- drain --------------------------------------------------------------------------------
 
 
-async def test_drain_lets_the_first_attempt_succeed_and_held_requests_complete(tmp_path) -> None:
+async def test_drain_lets_the_first_attempt_succeed_and_held_requests_complete(tmp_path: Path) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
         admission = s.app[ADMISSION]
         running = asyncio.create_task(s.chat(max_tokens=100))
@@ -255,7 +256,7 @@ async def test_drain_lets_the_first_attempt_succeed_and_held_requests_complete(t
 # -- coalescing ---------------------------------------------------------------------------
 
 
-async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path) -> None:
+async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path: Path) -> None:
     async with stack(slow("vllm"), tmp_path, verify="none") as s:
         service = s.app[RESETS]
         running = asyncio.create_task(s.chat(max_tokens=5000))
@@ -279,7 +280,7 @@ async def test_callers_arriving_during_a_reset_share_the_next_one(tmp_path) -> N
     assert a3["coalesced"] is True and a1["coalesced"] is False
 
 
-async def test_coalesced_round_drains_the_requests_the_round_before_it_let_in(tmp_path) -> None:
+async def test_coalesced_round_drains_the_requests_the_round_before_it_let_in(tmp_path: Path) -> None:
     """Round A releases a held request; round B, right behind it, waits for that request (docs/reset.md)."""
     async with stack(slow("vllm"), tmp_path) as s:
         admission, service = s.app[ADMISSION], s.app[RESETS]
@@ -303,7 +304,7 @@ async def test_coalesced_round_drains_the_requests_the_round_before_it_let_in(tm
     assert b["drain"]["inflight_at_start"] == 1 and b["drain"]["waited_s"] > 0
 
 
-async def test_every_caller_gets_its_own_evidence_record(tmp_path) -> None:
+async def test_every_caller_gets_its_own_evidence_record(tmp_path: Path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         _, body = await s.reset({"session_id": "s9", "case_id": "c9"})
     records = evidence_records(tmp_path / "evidence" / "cachewitness.jsonl")
@@ -311,7 +312,7 @@ async def test_every_caller_gets_its_own_evidence_record(tmp_path) -> None:
     assert states == [body["cache_state"]]
 
 
-async def test_reset_is_counted_in_metrics_by_engine_and_answer(tmp_path) -> None:
+async def test_reset_is_counted_in_metrics_by_engine_and_answer(tmp_path: Path) -> None:
     async with stack(fast("vllm", dev_mode=False), tmp_path) as s:
         await s.reset()
         async with s.http.get(f"{s.url}/metrics") as resp:
@@ -322,13 +323,13 @@ async def test_reset_is_counted_in_metrics_by_engine_and_answer(tmp_path) -> Non
 # -- engines through the sidecar ----------------------------------------------------------
 
 
-async def test_sglang_admin_key_goes_to_flush_cache(tmp_path) -> None:
+async def test_sglang_admin_key_goes_to_flush_cache(tmp_path: Path) -> None:
     async with stack(fast("sglang", admin_api_key="k3y"), tmp_path, engine_api_key="k3y") as s:
         status, body = await s.reset()
     assert status == 200 and body["answer"] == "acknowledged"
 
 
-async def test_llamacpp_reset_erases_every_slot_and_warns(tmp_path) -> None:
+async def test_llamacpp_reset_erases_every_slot_and_warns(tmp_path: Path) -> None:
     async with stack(fast("llamacpp", slots=3, slot_save_path=str(tmp_path)), tmp_path, verify="none") as s:
         for slot in range(3):
             await s.engine.post_json(
@@ -344,7 +345,7 @@ async def test_llamacpp_reset_erases_every_slot_and_warns(tmp_path) -> None:
     assert "--cache-ram 0" in body["warning"]
 
 
-async def test_generic_engine_with_configured_reset_path(tmp_path) -> None:
+async def test_generic_engine_with_configured_reset_path(tmp_path: Path) -> None:
     async with stack(
         fast("vllm"), tmp_path, engine="generic", reset_path="/reset_prefix_cache", success_field="success"
     ) as s:
@@ -353,7 +354,7 @@ async def test_generic_engine_with_configured_reset_path(tmp_path) -> None:
     assert body["engine"]["kind"] == "generic"
 
 
-async def test_engine_none_is_unsupported(tmp_path) -> None:
+async def test_engine_none_is_unsupported(tmp_path: Path) -> None:
     async with stack(fast("vllm"), tmp_path, engine="none") as s:
         status, body = await s.reset()
         stats = await s.engine.stats()
@@ -380,7 +381,7 @@ async def test_engine_none_is_unsupported(tmp_path) -> None:
         (None, "?colour=red", "colour"),
     ],
 )
-async def test_bad_input_is_400_naming_the_field(tmp_path, body: Any, query: str, param: str) -> None:
+async def test_bad_input_is_400_naming_the_field(tmp_path: Path, body: Any, query: str, param: str) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         data = orjson.dumps(body) if body is not None else None
         async with s.http.post(f"{s.url}/cache/reset{query}", data=data) as resp:
@@ -391,14 +392,14 @@ async def test_bad_input_is_400_naming_the_field(tmp_path, body: Any, query: str
     assert stats["resets_total"] == 0
 
 
-async def test_body_that_is_not_json_is_400(tmp_path) -> None:
+async def test_body_that_is_not_json_is_400(tmp_path: Path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         async with s.http.post(f"{s.url}/cache/reset", data=b"{not json") as resp:
             status, answer = resp.status, await resp.json()
     assert status == 400 and answer["error"]["code"] == "invalid_json"
 
 
-async def test_query_parameters_are_accepted(tmp_path) -> None:
+async def test_query_parameters_are_accepted(tmp_path: Path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         status, body = await s.reset(query="?session_id=q1&case_id=q2&drain=false&requested=unspecified")
     assert status == 200
@@ -406,7 +407,7 @@ async def test_query_parameters_are_accepted(tmp_path) -> None:
     assert body["cache_state"]["requested"] == "unspecified" and body["drain"]["enabled"] is False
 
 
-async def test_force_reaches_vllm_as_reset_running_requests(tmp_path) -> None:
+async def test_force_reaches_vllm_as_reset_running_requests(tmp_path: Path) -> None:
     async with stack(slow("vllm"), tmp_path) as s:
         status, body = await reset_while_generating(
             s, {"drain": False, "force": True, "retry_seconds": 0}, max_tokens=60

@@ -6,11 +6,11 @@ import pytest
 
 from proxy.engines.base import Attempt, CacheReset
 from proxy.evidence.records import cache_state_record, run_kind
-from proxy.vocabulary import ResetAnswer
+from proxy.vocabulary import Requested, ResetAnswer
 
 
 def folded(
-    outcome: str, *, status: int | None = 200, error: str | None = None, attempts: int = 1
+    outcome: ResetAnswer, *, status: int | None = 200, error: str | None = None, attempts: int = 1
 ) -> CacheReset:
     success = {ResetAnswer.ACKNOWLEDGED: True, ResetAnswer.ACCEPTED_UNVERIFIED: None}.get(outcome, False)
     last = Attempt(outcome, status=status, success=success, error=error, url="http://engine/r")
@@ -29,7 +29,7 @@ def folded(
     ],
 )
 def test_answer_words_and_status_by_outcome(
-    outcome: str, answer: str | None, succeeded: bool, http_status: int
+    outcome: ResetAnswer, answer: str | None, succeeded: bool, http_status: int
 ) -> None:
     reset = folded(outcome)
     assert reset.answer == answer
@@ -45,7 +45,7 @@ def test_refusal_error_counts_attempts_like_the_reference() -> None:
 
 
 @pytest.mark.parametrize("outcome", [ResetAnswer.UNSUPPORTED, ResetAnswer.UNREACHABLE, ResetAnswer.ERROR])
-def test_failure_error_starts_with_the_outcome(outcome: str) -> None:
+def test_failure_error_starts_with_the_outcome(outcome: ResetAnswer) -> None:
     assert folded(outcome, status=None, error="why").error == f"{outcome}: why"
 
 
@@ -73,7 +73,9 @@ def test_reset_block_has_exactly_the_reference_keys() -> None:
         (ResetAnswer.ERROR, None),
     ],
 )
-def test_reset_block_success_means_what_the_reference_means(outcome: str, success: bool | None) -> None:
+def test_reset_block_success_means_what_the_reference_means(
+    outcome: ResetAnswer, success: bool | None
+) -> None:
     # The reference reads `success` from a 2xx body only: an engine that could not serve
     # the reset records null there, even though the sidecar's answer says false.
     assert folded(outcome).to_record()["success"] is success
@@ -82,15 +84,15 @@ def test_reset_block_success_means_what_the_reference_means(outcome: str, succes
 @pytest.mark.parametrize(
     ("requested", "warmup", "outcome", "expected"),
     [
-        ("cold", 0, ResetAnswer.ACKNOWLEDGED, "cold_start"),
-        ("cold", 0, ResetAnswer.ACCEPTED_UNVERIFIED, "cold_start"),
-        ("cold", 0, ResetAnswer.REFUSED, "unspecified"),
-        ("cold", 0, ResetAnswer.UNSUPPORTED, "unspecified"),
-        ("cold", 2, ResetAnswer.ACKNOWLEDGED, "steady_state"),
-        ("unspecified", 0, ResetAnswer.ACKNOWLEDGED, "unspecified"),
+        (Requested.COLD, 0, ResetAnswer.ACKNOWLEDGED, "cold_start"),
+        (Requested.COLD, 0, ResetAnswer.ACCEPTED_UNVERIFIED, "cold_start"),
+        (Requested.COLD, 0, ResetAnswer.REFUSED, "unspecified"),
+        (Requested.COLD, 0, ResetAnswer.UNSUPPORTED, "unspecified"),
+        (Requested.COLD, 2, ResetAnswer.ACKNOWLEDGED, "steady_state"),
+        (Requested.UNSPECIFIED, 0, ResetAnswer.ACKNOWLEDGED, "unspecified"),
     ],
 )
-def test_run_kind(requested: str, warmup: int, outcome: str, expected: str) -> None:
+def test_run_kind(requested: Requested, warmup: int, outcome: ResetAnswer, expected: str) -> None:
     assert run_kind(requested, warmup, folded(outcome)) == expected
 
 
@@ -98,7 +100,7 @@ def test_reason_of_an_unconfirmed_reset_names_the_status() -> None:
     record = cache_state_record(
         session_id="s",
         case_id="c",
-        requested="cold",
+        requested=Requested.COLD,
         reset=folded(ResetAnswer.ACCEPTED_UNVERIFIED),
         warmup_requests=0,
     )
@@ -112,7 +114,7 @@ def test_reason_of_a_failed_reset_quotes_its_error() -> None:
     record = cache_state_record(
         session_id="s",
         case_id="c",
-        requested="cold",
+        requested=Requested.COLD,
         reset=folded(ResetAnswer.UNSUPPORTED, status=404, error="HTTP 404"),
         warmup_requests=0,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -37,7 +38,7 @@ def engine_that_resets_when_told(answer_after: asyncio.Event, called: asyncio.Ev
     return app
 
 
-def cache_states(tmp_path: Path) -> list[dict]:
+def cache_states(tmp_path: Path) -> list[dict[str, Any]]:
     """The infer.cache_state records the sidecar wrote."""
     records = evidence_records(tmp_path / "evidence" / "cachewitness.jsonl")
     return [r for r in records if r["event_type"] == "infer.cache_state"]
@@ -76,7 +77,7 @@ async def shut_down_during_a_reset(
                 stream.close()
 
 
-async def post_when_up(http: aiohttp.ClientSession, url: str, body: dict) -> None:
+async def post_when_up(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> None:
     """POST once the sidecar listens (bounded by WAIT_S)."""
     deadline = asyncio.get_running_loop().time() + WAIT_S
     while True:

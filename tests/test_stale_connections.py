@@ -9,10 +9,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
 from proxy.upstream import UpstreamLeg
@@ -45,7 +47,7 @@ def closes_every_idle_connection() -> web.Application:
     seen = Connections()
 
     @web.middleware
-    async def stale_after_first(request: web.Request, handler: web.Handler) -> web.StreamResponse:
+    async def stale_after_first(request: web.Request, handler: Handler) -> web.StreamResponse:
         assert request.transport is not None
         connection = request.transport
         if connection in seen.served:
@@ -94,7 +96,7 @@ async def test_a_reset_on_a_stale_pooled_connection_is_sent_again_not_unreachabl
 
 @pytest.mark.parametrize(("path", "body"), [("/v1/empty", None), ("/v1/chat/completions", CHAT)])
 async def test_a_forwarded_request_the_engine_read_before_closing_is_sent_once_and_is_502(
-    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict | None
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, path: str, body: dict[str, Any] | None
 ) -> None:
     """The engine read the request on a reused connection, then closed it unanswered: it may have
     acted on it, so it is not sent again (a body-less POST was, issue 27 L2); the client gets a 502."""

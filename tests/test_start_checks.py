@@ -14,7 +14,9 @@ from proxy.serve import points_at_itself
 from tests.support.sidecar import free_port
 
 
-def serve(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def serve(
+    args: list[str], tmp_path: Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """`cachewitness serve ARGS` with the environment's CACHEWITNESS_* settings removed."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("CACHEWITNESS_")}
     return subprocess.run(
@@ -26,7 +28,7 @@ def serve(args: list[str], tmp_path: Path, env: dict[str, str] | None = None) ->
     )
 
 
-def assert_refused_as_itself(done: subprocess.CompletedProcess) -> str:
+def assert_refused_as_itself(done: subprocess.CompletedProcess[str]) -> str:
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.strip().splitlines()
     assert "own listen address" in line and "Traceback" not in done.stderr

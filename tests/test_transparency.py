@@ -119,7 +119,7 @@ async def records(client: aiohttp.ClientSession, proxy: str) -> list[dict[str, A
 
 
 async def test_an_error_that_does_not_name_stream_options_is_relayed_not_retried(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client
+    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     state = engine_app[ENGINE]
     state.error = (400, b'{"error":{"message":"context too long"}}')
@@ -129,7 +129,7 @@ async def test_an_error_that_does_not_name_stream_options_is_relayed_not_retried
 
 
 async def test_a_refusal_naming_stream_options_is_retried_once_and_remembered(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client
+    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     state = engine_app[ENGINE]
     state.refuse = (422, b'{"detail":"extra fields not permitted: stream_options"}')
@@ -142,7 +142,7 @@ async def test_a_refusal_naming_stream_options_is_retried_once_and_remembered(
 
 
 async def test_an_injected_request_asks_for_identity_encoding(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client
+    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(engine)
     await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip, deflate"})
@@ -153,7 +153,7 @@ async def test_an_injected_request_asks_for_identity_encoding(
 
 
 async def test_an_engine_compressing_an_injected_stream_answers_the_clients_own_request(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client
+    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     state = engine_app[ENGINE]
     state.gzip_always = True
@@ -165,7 +165,7 @@ async def test_an_engine_compressing_an_injected_stream_answers_the_clients_own_
 
 
 async def test_a_stripped_stream_carries_no_stale_content_length(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client
+    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     engine_app[ENGINE].content_length = True
     proxy = await sidecar(engine)
@@ -179,7 +179,7 @@ async def test_a_stripped_stream_carries_no_stale_content_length(
 
 
 async def test_the_engines_own_id_is_recorded_for_streams_and_json(
-    sidecar: SidecarFactory, engine: str, client
+    sidecar: SidecarFactory, engine: str, client: aiohttp.ClientSession
 ) -> None:
     proxy = await sidecar(engine)
     await post(client, proxy, STREAM)
@@ -191,7 +191,7 @@ async def test_the_engines_own_id_is_recorded_for_streams_and_json(
 
 
 async def test_usage_at_the_end_of_a_large_json_answer_is_read(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client
+    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
 ) -> None:
     engine_app[ENGINE].padding = 8 * 1024 * 1024
     proxy = await sidecar(engine)
@@ -217,7 +217,7 @@ async def _silent_on_expect(reader: asyncio.StreamReader, writer: asyncio.Stream
 
 
 async def test_expect_100_continue_is_answered_by_the_sidecar_not_forwarded(
-    sidecar: SidecarFactory, client
+    sidecar: SidecarFactory, client: aiohttp.ClientSession
 ) -> None:
     server = await asyncio.start_server(_silent_on_expect, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]

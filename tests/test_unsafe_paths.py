@@ -101,7 +101,9 @@ U_SPELLINGS = [
 
 
 @pytest.mark.parametrize(("admin", "source"), [("token", "127.0.0.1"), ("no token", MESH_PEER)])
-async def test_llamacpp_control_routes_in_u_spellings_are_refused(tmp_path, admin: str, source: str) -> None:
+async def test_llamacpp_control_routes_in_u_spellings_are_refused(
+    tmp_path: Path, admin: str, source: str
+) -> None:
     overrides = {"admin_token": TOKEN} if admin == "token" else {}
     async with stack("llamacpp", tmp_path, source, **overrides) as s:
         for method, target in U_SPELLINGS:
@@ -116,7 +118,7 @@ async def test_llamacpp_control_routes_in_u_spellings_are_refused(tmp_path, admi
 # -- M2: two decoding passes, then 400 -------------------------------------------------------------
 
 
-async def test_a_deeply_encoded_path_is_refused_not_decoded(tmp_path) -> None:
+async def test_a_deeply_encoded_path_is_refused_not_decoded(tmp_path: Path) -> None:
     # 8 KB (aiohttp takes 8,190-byte request lines): decoded 4,081 times before, 2 bytes shorter each time.
     deep = "/%" + "25" * 4080 + "41"
     async with stack("vllm", tmp_path) as s:
@@ -133,7 +135,7 @@ async def test_a_deeply_encoded_path_is_refused_not_decoded(tmp_path) -> None:
         assert status == 404 and s.reached("/v1/%256dodels")  # forwarded: the engine decodes once
 
 
-async def test_refused_paths_are_counted_by_reason(tmp_path) -> None:
+async def test_refused_paths_are_counted_by_reason(tmp_path: Path) -> None:
     async with stack("llamacpp", tmp_path, admin_token=TOKEN) as s:
         for _ in range(3):
             assert (await s.call("GET", "/%u0073lots"))[0] == 400
@@ -183,7 +185,7 @@ def test_the_spellings_decode_to_their_route() -> None:
 
 # Each example is one request over a real socket: a quarter of the profile's examples per stack
 # (dialect x admin mode), 75 each in `dev`, 2,500 in `ci`.
-_EXAMPLES = max(50, settings.default.max_examples // 4)
+_EXAMPLES = max(50, settings().max_examples // 4)
 GUARDS = {
     "token": ({"admin_token": TOKEN}, "127.0.0.1", (400, 401)),
     "untrusted peer": ({}, MESH_PEER, (400, 403)),  # no token: only trusted_peers are admin

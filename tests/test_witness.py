@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any, TypedDict, Unpack
 
 from proxy.observe import Observation
 from proxy.vocabulary import Outcome, Verified
@@ -32,9 +33,20 @@ def accepted(witness: Witness, reset_id: str = "x1") -> Witness:
     return witness
 
 
+class Changed(TypedDict, total=False):
+    """The fields of BASE a test changes."""
+
+    cached_tokens: int | None
+    cached_tokens_source: str | None
+    first_byte_ns: int | None
+    outcome: Outcome
+    prompt_tokens: int | None
+    status: int | None
+
+
 def finished(
-    witness: Witness, reset_and_ordinal: tuple[str | None, int | None], **fields: object
-) -> dict | None:
+    witness: Witness, reset_and_ordinal: tuple[str | None, int | None], **fields: Unpack[Changed]
+) -> dict[str, Any] | None:
     """Observe a request that began with the given (reset_id, ordinal)."""
     reset_id, ordinal = reset_and_ordinal
     obs = replace(BASE, reset_id=reset_id, ordinal_since_reset=ordinal, request_id=f"r{ordinal}", **fields)
@@ -94,7 +106,7 @@ def test_later_ordinal_decides_once_the_earlier_one_fails() -> None:
     witness = accepted(Witness())
     first, second = witness.begin_request(), witness.begin_request()
     assert finished(witness, second, cached_tokens=50) is None
-    verification = finished(witness, first, outcome="client_disconnected", cached_tokens=None)
+    verification = finished(witness, first, outcome=Outcome.CLIENT_DISCONNECTED, cached_tokens=None)
     # The first request reached the engine before the second: its cached tokens prove nothing.
     assert verification is not None and (verification["verdict"], verification["request_id"]) == (
         "inconclusive",
@@ -174,7 +186,7 @@ def test_lowest_candidate_wins_after_many_later_requests() -> None:
     first = witness.begin_request()
     for _ in range(10_000):
         assert finished(witness, witness.begin_request(), cached_tokens=7) is None
-    verification = finished(witness, first, outcome="upstream_error", status=None, cached_tokens=None)
+    verification = finished(witness, first, outcome=Outcome.UPSTREAM_ERROR, status=None, cached_tokens=None)
     assert verification is not None and (verification["request_id"], verification["cached_tokens"]) == (
         "r2",
         7,

@@ -1,21 +1,17 @@
-"""The evidence writer: async, batched JSONL with size rotation, one file and its rotations (the
-two files the sidecar keeps are in proxy/evidence/log.py; reading them is proxy/evidence/reader.py)."""
+"""The evidence writer: async, batched, chained JSONL into one file and its rotations (the file
+itself is proxy/evidence/rotating.py's; the two files the sidecar keeps are in
+proxy/evidence/log.py; reading them is proxy/evidence/reader.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import errno
-import logging
-import os
+import contextlib
 import secrets
-import sys
 import time
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
-
-import orjson
 
 from proxy import __version__
 from proxy.evidence.chain import (
@@ -25,17 +21,11 @@ from proxy.evidence.chain import (
 )
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.lines import CHAIN_SUFFIX_MAX, encode_record
-from proxy.evidence.reader import evidence_files, rotated
+from proxy.evidence.reader import evidence_files
+from proxy.evidence.rotating import RotatingFile, log_event
 from proxy.vocabulary import EventType
 
 __all__ = ["DropReason", "EvidenceWriter"]
-
-log = logging.getLogger("cachewitness.evidence")
-
-
-def _log(event: str, **fields: Any) -> None:
-    """One structured (JSON) log line."""
-    log.warning(orjson.dumps({"event": event, **fields}).decode())
 
 
 class DropReason(StrEnum):
@@ -49,10 +39,6 @@ class DropReason(StrEnum):
     RATE = "rate"  # a refused request's record past evidence_rejected_per_s (proxy/evidence/log.py)
 
 
-# One os.write carries at most this much: a long backlog (a disk that was full) is written in
-# pieces, never joined into one copy of itself.
-_WRITE_BYTES = 1024 * 1024
-_IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 # Queued in place of a line: a checkpoint, built and signed by the writer's thread. A record's
 # line starts with "{"; a marker with NUL, then P (periodic) or F (final), then its at_ns, taken
 # when it is queued so that the file stays in at_ns order as far as the records do.
@@ -97,8 +83,8 @@ class EvidenceWriter:
         self.max_queue_bytes = max_queue_bytes
         self.checkpoint_interval_s = checkpoint_interval_s
         self.signer = signer
-        self.records_total: dict[str, int] = {}
-        self.write_errors_total = 0
+        self._file = RotatingFile(self.path, max_bytes=max_bytes, keep=keep, stdout=stdout)
+        self._flush_errors = 0  # flushes that failed outside the file's own writes
         self.dropped: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
         # (event type, encoded record or a checkpoint marker, records dropped just before it)
         self._queue: collections.deque[tuple[str, bytes, int]] = collections.deque()
@@ -113,15 +99,22 @@ class EvidenceWriter:
         self._flushed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
-        self._fd: int | None = None
-        self._size = 0
-        self._logged_errors: set[str] = set()  # touched by the worker thread only
         self._logged_drops: set[str] = set()  # touched by the event loop only
         self._gap = 0  # records dropped since the last one queued (event loop)
         self._since_checkpoint = 0  # records queued since the last checkpoint (event loop)
         self._checkpoint_at = time.monotonic()
         self._chain: Chain | None = None  # the writer's thread's, from its first batch on
         self._mark: Mark | None = None  # the last line written, while nothing chained waits
+
+    @property
+    def records_total(self) -> dict[str, int]:
+        """Records written to the file whole, by event type."""
+        return self._file.records_total
+
+    @property
+    def write_errors_total(self) -> int:
+        """Failed writes, fsyncs and flushes."""
+        return self._file.write_errors_total + self._flush_errors
 
     @property
     def dropped_total(self) -> int:
@@ -219,7 +212,7 @@ class EvidenceWriter:
             self._task = None
         self._queue_checkpoint(_FINAL)
         await self.flush()
-        await asyncio.to_thread(self._close_file)
+        await asyncio.to_thread(self._file.close)
         for event_type, _ in self._unwritten:  # the disk still refuses: these are lost
             self.drop(DropReason.UNWRITABLE_AT_CLOSE, event_type)
         self._unwritten, self._unwritten_bytes = [], 0
@@ -227,10 +220,8 @@ class EvidenceWriter:
     async def _run(self) -> None:
         """Flush every flush_interval_s (sooner on a burst)."""
         while not self._closed:
-            try:
+            with contextlib.suppress(TimeoutError):  # the interval passed: flush anyway
                 await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
-            except TimeoutError:
-                pass
             self._wake.clear()
             if (
                 self._since_checkpoint
@@ -240,8 +231,8 @@ class EvidenceWriter:
             try:
                 await self.flush()
             except Exception as exc:
-                self.write_errors_total += 1
-                _log("evidence_flush_failed", error=type(exc).__name__, path=str(self.path))
+                self._flush_errors += 1
+                log_event("evidence_flush_failed", error=type(exc).__name__, path=str(self.path))
             async with self._flushed:
                 self._periodic_flushes += 1
                 self._flushed.notify_all()
@@ -259,7 +250,7 @@ class EvidenceWriter:
             self._gap += 1
         if kind not in self._logged_drops:
             self._logged_drops.add(kind)
-            _log("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
+            log_event("evidence_record_dropped", reason=kind, event_type=event_type, path=str(self.path))
 
     # --- worker thread ------------------------------------------------------------
 
@@ -285,7 +276,7 @@ class EvidenceWriter:
                 )
             else:
                 batch.append((event_type, chain.link(line, event_type, gap)))
-        left = self._write_batch(batch)
+        left = self._file.write_batch(batch)
         self._mark = None if left else Mark(chain.seq, chain.head)
         return left
 
@@ -294,127 +285,5 @@ class EvidenceWriter:
         or foreign last line, which stays as it is: old files are never rewritten)."""
         predecessor = find_predecessor(evidence_files(self.path, self.keep), self.path)
         if predecessor.broken:
-            _log("evidence_chain_broken_predecessor", path=str(self.path), detail=predecessor.detail)
+            log_event("evidence_chain_broken_predecessor", path=str(self.path), detail=predecessor.detail)
         return Chain(predecessor, writer_id=secrets.token_hex(8), signer=self.signer)
-
-    def _write_batch(self, batch: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
-        """Append a batch, rotating by size; return what could not be written."""
-        written = 0
-        try:
-            while written < len(batch):
-                fd = self._open()
-                if self._size > 0 and self._size + len(batch[written][1]) > self.max_bytes:
-                    self._rotate()
-                    fd = self._open()
-                # The lines that fit in the current file go down in one write of at most
-                # _WRITE_BYTES (a syscall per record costs more than the record): at least one.
-                end, size = written + 1, len(batch[written][1])
-                while (
-                    end < len(batch)
-                    and self._size + size + len(batch[end][1]) <= self.max_bytes
-                    and size + len(batch[end][1]) <= _WRITE_BYTES
-                ):
-                    size += len(batch[end][1])
-                    end += 1
-                chunk = batch[written:end]
-                whole, error = self._write_lines(fd, [line for _, line in chunk])
-                for event_type, _ in chunk[:whole]:
-                    self.records_total[event_type] = self.records_total.get(event_type, 0) + 1
-                written += whole
-                if error is not None:
-                    raise error
-        except OSError as exc:
-            self.write_errors_total += 1
-            kind = errno.errorcode.get(exc.errno or 0, type(exc).__name__)
-            if kind not in self._logged_errors:
-                self._logged_errors.add(kind)
-                _log("evidence_write_failed", error=kind, detail=str(exc), path=str(self.path))
-            self._close_file(sync=False)  # reopen next time: the path may have been fixed
-        else:
-            if self._logged_errors:
-                _log("evidence_write_recovered", path=str(self.path))
-                self._logged_errors.clear()
-        finally:
-            self._copy_to_stdout(batch[:written] if written < len(batch) else batch)
-        return batch[written:]
-
-    def _write_lines(self, fd: int, lines: list[bytes]) -> tuple[int, OSError | None]:
-        """Write the lines (writev: no joined copy) as far as the disk takes them: how many went
-        down whole, and the error that stopped the rest (a line cut part-way is truncated off)."""
-        start, done = self._size, 0
-        index, offset = 0, 0  # the first line not yet written whole, and how much of it is
-        try:
-            while index < len(lines):
-                views: list[bytes | memoryview] = [memoryview(lines[index])[offset:]]
-                views += lines[index + 1 : index + _IOV_MAX]
-                written = os.writev(fd, views)
-                done += written
-                while index < len(lines) and written >= len(lines[index]) - offset:
-                    written -= len(lines[index]) - offset
-                    index, offset = index + 1, 0
-                offset += written
-        except OSError as exc:
-            try:
-                os.ftruncate(fd, start + done - offset)
-            except OSError:
-                pass
-            self._size = start + done - offset
-            return index, exc
-        self._size = start + done
-        return len(lines), None
-
-    def _open(self) -> int:
-        """The current file's descriptor, opening (and creating its directory) when needed."""
-        if self._fd is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            self._size = os.fstat(fd).st_size
-            self._fd = fd
-        return self._fd
-
-    def _rotate(self) -> None:
-        """fsync and close the current file, shift `.1`…`.N`, drop what falls off."""
-        self._close_file()
-        if self.keep <= 0:
-            self.path.unlink(missing_ok=True)
-            return
-        oldest = rotated(self.path, self.keep)
-        oldest.unlink(missing_ok=True)
-        for index in range(self.keep - 1, 0, -1):
-            source = rotated(self.path, index)
-            if source.exists():
-                source.replace(rotated(self.path, index + 1))
-        self.path.replace(rotated(self.path, 1))
-
-    def _close_file(self, sync: bool = True) -> None:
-        """fsync (when asked) and close the current file, if open."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            if sync:
-                os.fsync(fd)
-        except OSError as exc:
-            self.write_errors_total += 1
-            _log(
-                "evidence_fsync_failed",
-                error=errno.errorcode.get(exc.errno or 0, "OSError"),
-                path=str(self.path),
-            )
-        finally:
-            os.close(fd)
-
-    def _copy_to_stdout(self, batch: list[tuple[str, bytes]]) -> None:
-        """Copy lines to stdout for log shippers, when configured."""
-        if not self.stdout or not batch:
-            return
-        data = b"".join(line for _, line in batch)
-        try:
-            buffer = getattr(sys.stdout, "buffer", None)
-            if buffer is not None:
-                buffer.write(data)
-            else:
-                sys.stdout.write(data.decode())
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass  # stdout gone (closed pipe): the file is the evidence of record

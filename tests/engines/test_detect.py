@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -10,7 +11,7 @@ from proxy.engine_state import EngineState
 from proxy.engines.base import AttemptPlan
 from proxy.engines.detect import detect_engine, probe_version
 from proxy.sim import build_sim_app
-from proxy.vocabulary import ResetAnswer
+from proxy.vocabulary import EngineKind, ResetAnswer
 from tests.support.sidecar import closed_port_url, serve_app
 from tests.support.sim import fast, sim
 from tests.support.upstream import in_two_pieces
@@ -28,7 +29,7 @@ TIMEOUT_S = 5.0
     ],
 )
 async def test_each_engine_is_detected_with_its_version(
-    http, dialect: str, kind: str, version: str | None
+    http: aiohttp.ClientSession, dialect: str, kind: str, version: str | None
 ) -> None:
     async with sim(fast(dialect)) as engine:
         info = await detect_engine(http, engine.url, TIMEOUT_S)
@@ -37,7 +38,7 @@ async def test_each_engine_is_detected_with_its_version(
         assert info.version == version
 
 
-async def test_detection_reads_an_answer_that_arrives_in_two_pieces(http) -> None:
+async def test_detection_reads_an_answer_that_arrives_in_two_pieces(http: aiohttp.ClientSession) -> None:
     app = web.Application()
     app.router.add_get("/server_info", in_two_pieces({"version": "0.5.10", "padding": "x" * 500}))
     async with serve_app(app) as url:
@@ -45,23 +46,23 @@ async def test_detection_reads_an_answer_that_arrives_in_two_pieces(http) -> Non
     assert (info.kind, info.version) == ("sglang", "0.5.10")
 
 
-async def test_plain_openai_engine_is_generic(http) -> None:
+async def test_plain_openai_engine_is_generic(http: aiohttp.ClientSession) -> None:
     async with sim(fast("openai")) as engine:
         info = await detect_engine(http, engine.url, TIMEOUT_S)
     assert info.to_json() == {"kind": "generic", "version": None}
 
 
-async def test_unreachable_upstream_is_unknown(http) -> None:
+async def test_unreachable_upstream_is_unknown(http: aiohttp.ClientSession) -> None:
     info = await detect_engine(http, closed_port_url(), TIMEOUT_S)
     assert info.kind == "unknown"
 
 
-async def test_explicit_kind_gets_its_version_probed(http) -> None:
+async def test_explicit_kind_gets_its_version_probed(http: aiohttp.ClientSession) -> None:
     async with sim(fast("sglang", version="0.5.11")) as engine:
-        assert await probe_version(http, engine.url, "sglang", TIMEOUT_S) == "0.5.11"
+        assert await probe_version(http, engine.url, EngineKind.SGLANG, TIMEOUT_S) == "0.5.11"
 
 
-async def test_engine_state_detects_and_picks_the_dialect(http) -> None:
+async def test_engine_state_detects_and_picks_the_dialect(http: aiohttp.ClientSession) -> None:
     async with sim(fast("llamacpp")) as engine:
         state = EngineState(Settings(upstream=engine.url))
         await state.detect(http)
@@ -70,14 +71,14 @@ async def test_engine_state_detects_and_picks_the_dialect(http) -> None:
     assert state.health_path == "/health"
 
 
-async def test_engine_state_configured_kind_is_kept_without_detection(http) -> None:
+async def test_engine_state_configured_kind_is_kept_without_detection(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm", version="0.9.2")) as engine:
         state = EngineState(Settings(upstream=engine.url, engine="vllm"))
         await state.detect(http)
     assert state.info.to_json() == {"kind": "vllm", "version": "0.9.2"}
 
 
-async def test_engine_state_redetects_when_the_upstream_comes_back(http) -> None:
+async def test_engine_state_redetects_when_the_upstream_comes_back(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm")) as first:
         state = EngineState(Settings(upstream=first.url))
         await state.detect(http)
@@ -95,7 +96,7 @@ async def test_engine_state_redetects_when_the_upstream_comes_back(http) -> None
     assert state.dialect.kind == "mindnano"
 
 
-async def test_undetected_engine_answers_resets_unreachable(http) -> None:
+async def test_undetected_engine_answers_resets_unreachable(http: aiohttp.ClientSession) -> None:
     state = EngineState(Settings(upstream=closed_port_url()))
     await state.detect(http)
     attempt = await state.dialect.reset_once(http, AttemptPlan(closed_port_url(), timeout_s=1))
@@ -103,7 +104,7 @@ async def test_undetected_engine_answers_resets_unreachable(http) -> None:
     assert attempt.hint and "--engine" in attempt.hint
 
 
-async def test_health_path_comes_from_settings_for_generic(http) -> None:
+async def test_health_path_comes_from_settings_for_generic(http: aiohttp.ClientSession) -> None:
     async with sim(fast("openai")) as engine:
         state = EngineState(Settings(upstream=engine.url, health_path="/v1/models"))
         await state.detect(http)

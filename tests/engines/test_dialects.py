@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -58,7 +59,7 @@ async def running_request(
 # -- vLLM ----------------------------------------------------------------------------------
 
 
-async def test_vllm_idle_reset_is_acknowledged(http) -> None:
+async def test_vllm_idle_reset_is_acknowledged(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm")) as engine:
         attempt = await reset(VllmDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status, attempt.success) == (ResetAnswer.ACKNOWLEDGED, 200, True)
@@ -66,21 +67,21 @@ async def test_vllm_idle_reset_is_acknowledged(http) -> None:
         assert (await engine.stats())["resets_total"] == 1
 
 
-async def test_vllm_success_false_while_a_request_runs_is_refused(http) -> None:
+async def test_vllm_success_false_while_a_request_runs_is_refused(http: aiohttp.ClientSession) -> None:
     async with sim(slow("vllm")) as engine, running_request(engine):
         attempt = await reset(VllmDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status, attempt.success) == (ResetAnswer.REFUSED, 200, False)
         assert '"success":false' in attempt.calls[0].body_excerpt.replace(" ", "")
 
 
-async def test_vllm_force_sends_reset_running_requests(http) -> None:
+async def test_vllm_force_sends_reset_running_requests(http: aiohttp.ClientSession) -> None:
     async with sim(slow("vllm")) as engine, running_request(engine):
         attempt = await reset(VllmDialect(), http, engine.url, force=True)
         assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
         assert "reset_running_requests=true" in attempt.url and "reset_external=true" in attempt.url
 
 
-async def test_vllm_legacy_empty_body_is_accepted_unverified(http) -> None:
+async def test_vllm_legacy_empty_body_is_accepted_unverified(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm", legacy_empty_body=True)) as engine:
         attempt = await reset(VllmDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status, attempt.success) == (
@@ -91,7 +92,7 @@ async def test_vllm_legacy_empty_body_is_accepted_unverified(http) -> None:
         assert attempt.warning and "0.26" in attempt.warning
 
 
-async def test_vllm_without_dev_mode_is_unsupported_with_hint(http) -> None:
+async def test_vllm_without_dev_mode_is_unsupported_with_hint(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm", dev_mode=False)) as engine:
         attempt = await reset(VllmDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.UNSUPPORTED, 404)
@@ -101,21 +102,21 @@ async def test_vllm_without_dev_mode_is_unsupported_with_hint(http) -> None:
 # -- SGLang --------------------------------------------------------------------------------
 
 
-async def test_sglang_idle_flush_is_acknowledged_with_timeout_param(http) -> None:
+async def test_sglang_idle_flush_is_acknowledged_with_timeout_param(http: aiohttp.ClientSession) -> None:
     async with sim(fast("sglang")) as engine:
         attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=7)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.ACKNOWLEDGED, 200)
         assert attempt.url.endswith("/flush_cache?timeout=7")
 
 
-async def test_sglang_400_while_busy_is_refused_and_its_body_kept(http) -> None:
+async def test_sglang_400_while_busy_is_refused_and_its_body_kept(http: aiohttp.ClientSession) -> None:
     async with sim(slow("sglang")) as engine, running_request(engine):
         attempt = await reset(SglangDialect(), http, engine.url, retry_seconds=0)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.REFUSED, 400)
         assert "Flush cache failed" in attempt.calls[0].body_excerpt
 
 
-async def test_sglang_timeout_waits_for_the_running_request_to_end(http) -> None:
+async def test_sglang_timeout_waits_for_the_running_request_to_end(http: aiohttp.ClientSession) -> None:
     async with sim(slow("sglang")) as engine:
         request = asyncio.create_task(engine.post_json("/v1/chat/completions", chat(words(8), max_tokens=20)))
         await engine.wait_stats(lambda s: s["running"] == 1)
@@ -125,13 +126,13 @@ async def test_sglang_timeout_waits_for_the_running_request_to_end(http) -> None
         assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
 
 
-async def test_sglang_admin_key_is_sent_as_bearer(http) -> None:
+async def test_sglang_admin_key_is_sent_as_bearer(http: aiohttp.ClientSession) -> None:
     async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
         attempt = await reset(SglangDialect(api_key="s3cret"), http, engine.url)
         assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
 
 
-async def test_sglang_missing_admin_key_is_an_error_with_hint(http) -> None:
+async def test_sglang_missing_admin_key_is_an_error_with_hint(http: aiohttp.ClientSession) -> None:
     async with sim(fast("sglang", admin_api_key="s3cret")) as engine:
         attempt = await reset(SglangDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.ERROR, 401)
@@ -141,7 +142,7 @@ async def test_sglang_missing_admin_key_is_an_error_with_hint(http) -> None:
 # -- llama.cpp -----------------------------------------------------------------------------
 
 
-async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
+async def test_llamacpp_erases_every_slot(http: aiohttp.ClientSession, tmp_path: Path) -> None:
     async with sim(fast("llamacpp", slots=3, slot_save_path=str(tmp_path))) as engine:
         for slot in range(3):
             await engine.post_json(
@@ -161,14 +162,18 @@ async def test_llamacpp_erases_every_slot(http, tmp_path) -> None:
         assert (await engine.stats())["slot_tokens"] == [0, 0, 0]
 
 
-async def test_llamacpp_answer_always_warns_about_cache_ram(http, tmp_path) -> None:
+async def test_llamacpp_answer_always_warns_about_cache_ram(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
     async with sim(fast("llamacpp", slot_save_path=str(tmp_path))) as engine:
         attempt = await reset(LlamacppDialect(), http, engine.url)
         assert attempt.outcome == ResetAnswer.ACKNOWLEDGED
         assert attempt.warning and "--cache-ram 0" in attempt.warning
 
 
-async def test_llamacpp_generating_slot_is_refused_without_an_erase(http, tmp_path) -> None:
+async def test_llamacpp_generating_slot_is_refused_without_an_erase(
+    http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
     """A busy slot's erase would block until its generation ends: /slots says so first."""
     async with (
         sim(slow("llamacpp", slot_save_path=str(tmp_path))) as engine,
@@ -200,7 +205,7 @@ def erase_that_blocks() -> web.Application:
     return app
 
 
-async def test_llamacpp_erase_is_bounded_by_the_retry_window_and_refused(http) -> None:
+async def test_llamacpp_erase_is_bounded_by_the_retry_window_and_refused(http: aiohttp.ClientSession) -> None:
     async with serve_app(erase_that_blocks()) as url:
         attempt = await reset(LlamacppDialect(), http, url, retry_seconds=1.0, timeout_s=TIMEOUT_S)
     assert attempt.outcome == ResetAnswer.REFUSED
@@ -208,7 +213,9 @@ async def test_llamacpp_erase_is_bounded_by_the_retry_window_and_refused(http) -
     assert attempt.calls[-1].elapsed_s < TIMEOUT_S / 2  # the window, not the attempt timeout
 
 
-async def test_llamacpp_erase_that_times_out_is_retried_while_the_window_lasts(http) -> None:
+async def test_llamacpp_erase_that_times_out_is_retried_while_the_window_lasts(
+    http: aiohttp.ClientSession,
+) -> None:
     """An attempt timeout shorter than the window: each timed-out erase is a refusal, retried."""
     async with serve_app(erase_that_blocks()) as url:
         reset_ = await retry_reset(
@@ -219,7 +226,7 @@ async def test_llamacpp_erase_that_times_out_is_retried_while_the_window_lasts(h
     assert len(erases) == reset_.attempts and all(call.error for call in erases)
 
 
-async def test_llamacpp_answers_that_arrive_in_two_pieces_are_read_whole(http) -> None:
+async def test_llamacpp_answers_that_arrive_in_two_pieces_are_read_whole(http: aiohttp.ClientSession) -> None:
     app = web.Application()
     app.router.add_get("/props", in_two_pieces({"total_slots": 2, "build_info": "b1-" + "x" * 200}))
     app.router.add_get("/slots", in_two_pieces([{"id": i, "is_processing": False} for i in range(2)]))
@@ -230,7 +237,7 @@ async def test_llamacpp_answers_that_arrive_in_two_pieces_are_read_whole(http) -
     assert len(attempt.calls) == 4
 
 
-async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) -> None:
+async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http: aiohttp.ClientSession) -> None:
     async with sim(fast("llamacpp")) as engine:
         attempt = await reset(LlamacppDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.UNSUPPORTED, 501)
@@ -241,14 +248,14 @@ async def test_llamacpp_without_slot_save_path_is_unsupported_with_hint(http) ->
 # -- mindnano ------------------------------------------------------------------------------
 
 
-async def test_mindnano_idle_clear_is_acknowledged(http) -> None:
+async def test_mindnano_idle_clear_is_acknowledged(http: aiohttp.ClientSession) -> None:
     async with sim(fast("mindnano")) as engine:
         attempt = await reset(MindnanoDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.ACKNOWLEDGED, 200)
         assert (await engine.stats())["resets_total"] == 1
 
 
-async def test_mindnano_429_while_busy_is_refused(http) -> None:
+async def test_mindnano_429_while_busy_is_refused(http: aiohttp.ClientSession) -> None:
     async with sim(slow("mindnano")) as engine, running_request(engine):
         attempt = await reset(MindnanoDialect(), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.REFUSED, 429)
@@ -257,7 +264,7 @@ async def test_mindnano_429_while_busy_is_refused(http) -> None:
 # -- generic and none ----------------------------------------------------------------------
 
 
-async def test_generic_without_reset_path_is_unsupported_with_hint(http) -> None:
+async def test_generic_without_reset_path_is_unsupported_with_hint(http: aiohttp.ClientSession) -> None:
     async with sim(fast("openai")) as engine:
         attempt = await reset(GenericDialect(), http, engine.url)
         assert attempt.outcome == ResetAnswer.UNSUPPORTED
@@ -265,27 +272,27 @@ async def test_generic_without_reset_path_is_unsupported_with_hint(http) -> None
         assert attempt.calls == ()
 
 
-async def test_generic_configured_route_reads_the_success_field(http) -> None:
+async def test_generic_configured_route_reads_the_success_field(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm")) as engine:
         dialect = GenericDialect(reset_path="/reset_prefix_cache", success_field="success")
         attempt = await reset(dialect, http, engine.url)
         assert (attempt.outcome, attempt.success) == (ResetAnswer.ACKNOWLEDGED, True)
 
 
-async def test_generic_busy_status_is_refused(http) -> None:
+async def test_generic_busy_status_is_refused(http: aiohttp.ClientSession) -> None:
     async with sim(slow("mindnano")) as engine, running_request(engine):
         dialect = GenericDialect(reset_path="/v1/cache/clear", busy_statuses=(429,))
         attempt = await reset(dialect, http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.REFUSED, 429)
 
 
-async def test_generic_2xx_without_success_field_is_accepted_unverified(http) -> None:
+async def test_generic_2xx_without_success_field_is_accepted_unverified(http: aiohttp.ClientSession) -> None:
     async with sim(fast("mindnano")) as engine:
         attempt = await reset(GenericDialect(reset_path="/v1/cache/clear"), http, engine.url)
         assert (attempt.outcome, attempt.status) == (ResetAnswer.ACCEPTED_UNVERIFIED, 200)
 
 
-async def test_none_dialect_is_unsupported_without_calling(http) -> None:
+async def test_none_dialect_is_unsupported_without_calling(http: aiohttp.ClientSession) -> None:
     attempt = await reset(NoResetDialect(), http, closed_port_url())
     assert attempt.outcome == ResetAnswer.UNSUPPORTED and attempt.calls == ()
     assert attempt.hint and "--engine" in attempt.hint
@@ -294,13 +301,13 @@ async def test_none_dialect_is_unsupported_without_calling(http) -> None:
 # -- transport -----------------------------------------------------------------------------
 
 
-async def test_no_connection_is_unreachable(http) -> None:
+async def test_no_connection_is_unreachable(http: aiohttp.ClientSession) -> None:
     attempt = await reset(VllmDialect(), http, closed_port_url())
     assert attempt.outcome == ResetAnswer.UNREACHABLE and attempt.status is None
     assert attempt.calls[0].error
 
 
-async def test_5xx_is_an_error(http) -> None:
+async def test_5xx_is_an_error(http: aiohttp.ClientSession) -> None:
     async def broken(request: web.Request) -> web.Response:
         return web.Response(status=500, text="boom")
 
@@ -312,7 +319,7 @@ async def test_5xx_is_an_error(http) -> None:
     assert attempt.calls[0].body_excerpt == "boom"
 
 
-async def test_other_4xx_is_an_error_that_names_the_status(http) -> None:
+async def test_other_4xx_is_an_error_that_names_the_status(http: aiohttp.ClientSession) -> None:
     async def teapot(request: web.Request) -> web.Response:
         return web.Response(status=418)
 
@@ -323,7 +330,7 @@ async def test_other_4xx_is_an_error_that_names_the_status(http) -> None:
     assert attempt.outcome == ResetAnswer.ERROR and attempt.error and "418" in attempt.error
 
 
-async def test_engine_call_urls_are_redacted(http) -> None:
+async def test_engine_call_urls_are_redacted(http: aiohttp.ClientSession) -> None:
     async with sim(fast("vllm")) as engine:
         with_credentials = engine.url.replace("http://", "http://user:pw@")
         attempt = await reset(VllmDialect(), http, with_credentials)

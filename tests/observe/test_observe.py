@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from typing import Any
 
 import orjson
 import pytest
@@ -25,6 +26,7 @@ from proxy.observe import (
 )
 from proxy.observe.json_body import KEEP_BYTES
 from proxy.observe.rules import InjectionRefusals, RuleEntry, rules_for
+from proxy.vocabulary import EngineKind, Outcome
 
 # --- streams as the engines write them -------------------------------------------
 
@@ -336,7 +338,9 @@ def test_native_and_event_routes_are_not_injected() -> None:
         ),
     ],
 )
-def test_each_dialect_cached_field_is_read(body: dict, cached: int, source: str, prompt: int) -> None:
+def test_each_dialect_cached_field_is_read(
+    body: dict[str, Any], cached: int, source: str, prompt: int
+) -> None:
     usage = usage_from_json(orjson.dumps(body))
     assert (usage.cached_tokens, usage.cached_tokens_source, usage.prompt_tokens) == (cached, source, prompt)
 
@@ -603,7 +607,7 @@ def test_observation_record_has_schema_header_and_every_field() -> None:
         request_id="r1", session_id="s", case_id="c", method="POST", path="/v1/chat/completions",
         status=200, stream=True, model="m", prompt_tokens=10, completion_tokens=2, cached_tokens=0,
         cached_tokens_source="usage.prompt_tokens_details.cached_tokens", reset_id="x", ordinal_since_reset=1,
-        started_ns=1, first_byte_ns=2, finished_ns=3, outcome="ok", usage_injected=True,
+        started_ns=1, first_byte_ns=2, finished_ns=3, outcome=Outcome.OK, usage_injected=True,
     )  # fmt: skip
     record = obs.to_record()
     assert list(record)[:3] == ["schema_version", "event_type", "at_ns"]
@@ -644,10 +648,12 @@ def test_a_small_json_answer_is_decoded_whole() -> None:
 
 
 def test_each_engine_kind_gets_its_own_stream_rules() -> None:
-    assert rules_for(EngineInfo("llamacpp", "b7000")).inject is False
-    assert rules_for(EngineInfo("sglang", "0.4.6")).null_usage_added is False
-    assert rules_for(EngineInfo("vllm", "0.32.0")).last_event_members == frozenset({b'"system_fingerprint"'})
-    assert rules_for(EngineInfo("generic")) == rules_for(None) == StreamRules()
+    assert rules_for(EngineInfo(EngineKind.LLAMACPP, "b7000")).inject is False
+    assert rules_for(EngineInfo(EngineKind.SGLANG, "0.4.6")).null_usage_added is False
+    assert rules_for(EngineInfo(EngineKind.VLLM, "0.32.0")).last_event_members == frozenset(
+        {b'"system_fingerprint"'}
+    )
+    assert rules_for(EngineInfo(EngineKind.GENERIC)) == rules_for(None) == StreamRules()
 
 
 def test_a_version_entry_applies_from_its_version_on() -> None:
@@ -656,14 +662,14 @@ def test_a_version_entry_applies_from_its_version_on() -> None:
         RuleEntry("sglang", (), StreamRules(null_usage_added=False)),
         RuleEntry("sglang", (0, 5, 10), later),
     )
-    assert rules_for(EngineInfo("sglang", "0.5.9"), table).null_usage_added is False
-    assert rules_for(EngineInfo("sglang", "0.5.10rc1"), table) == later
-    assert rules_for(EngineInfo("sglang", "0.6"), table) == later
-    assert rules_for(EngineInfo("sglang", None), table).null_usage_added is False
+    assert rules_for(EngineInfo(EngineKind.SGLANG, "0.5.9"), table).null_usage_added is False
+    assert rules_for(EngineInfo(EngineKind.SGLANG, "0.5.10rc1"), table) == later
+    assert rules_for(EngineInfo(EngineKind.SGLANG, "0.6"), table) == later
+    assert rules_for(EngineInfo(EngineKind.SGLANG, None), table).null_usage_added is False
 
 
 def test_an_engine_that_refused_the_injection_is_remembered_by_kind_and_version() -> None:
     refusals = InjectionRefusals()
-    refusals.remember(EngineInfo("generic", "1.0"))
-    assert refusals.refused(EngineInfo("generic", "1.0"))
-    assert not refusals.refused(EngineInfo("generic", "1.1")) and not refusals.refused(None)
+    refusals.remember(EngineInfo(EngineKind.GENERIC, "1.0"))
+    assert refusals.refused(EngineInfo(EngineKind.GENERIC, "1.0"))
+    assert not refusals.refused(EngineInfo(EngineKind.GENERIC, "1.1")) and not refusals.refused(None)

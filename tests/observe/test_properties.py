@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from proxy.engines.base import EngineInfo
 from proxy.observe import StreamScanner, Usage, rules_for
+from proxy.vocabulary import EngineKind
 
 ABSENT = object()
 
@@ -34,7 +35,7 @@ ABSENT = object()
 class Shape:
     """How one engine writes a chat/completions stream, in the facts that matter to injection."""
 
-    kind: str
+    kind: EngineKind
     version: str | None
     null_usage: str  # "with_include_usage" | "always" | "never"
     last_event: tuple[tuple[str, Any], ...] = ()  # members on the stream's last event
@@ -42,12 +43,17 @@ class Shape:
 
 
 INJECTED_SHAPES = {
-    "vllm": Shape("vllm", "0.32.0", "never", last_event=(("system_fingerprint", "vllm-0.32.0"),)),
-    "sglang-pydantic": Shape("sglang", "0.4.6", "always"),
-    "sglang-msgspec": Shape("sglang", "0.5.10", "never"),
-    "openai": Shape("generic", None, "with_include_usage", last_event=(("system_fingerprint", "fp_1"),)),
+    "vllm": Shape(EngineKind.VLLM, "0.32.0", "never", last_event=(("system_fingerprint", "vllm-0.32.0"),)),
+    "sglang-pydantic": Shape(EngineKind.SGLANG, "0.4.6", "always"),
+    "sglang-msgspec": Shape(EngineKind.SGLANG, "0.5.10", "never"),
+    "openai": Shape(
+        EngineKind.GENERIC, None, "with_include_usage", last_event=(("system_fingerprint", "fp_1"),)
+    ),
     "mindnano": Shape(
-        "mindnano", None, "with_include_usage", finish_extra=(("mindnano_metrics", {"cached_tokens": 3}),)
+        EngineKind.MINDNANO,
+        None,
+        "with_include_usage",
+        finish_extra=(("mindnano_metrics", {"cached_tokens": 3}),),
     ),
 }
 
@@ -217,7 +223,8 @@ def cuts(data: bytes, reads: Reads) -> list[bytes]:
         ends = [match.end() for match in BLANK_LINE.finditer(data)]
         if not ends or ends[-1] != len(data):
             ends.append(len(data))
-        out, pos, index = [], 0, 0
+        out: list[bytes] = []
+        pos, index = 0, 0
         for count in itertools.cycle(counts):
             if index >= len(ends):
                 return out

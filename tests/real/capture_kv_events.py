@@ -118,11 +118,12 @@ async def follow(base: str, pub: str, replay: str, restart: Callable[[], str] | 
 def main() -> int:
     """Start vLLM with events on, capture, follow (restart it with --restart), write the fixture."""
     pub, replay = engines.free_port(), engines.free_port()
+    endpoint, replay_endpoint = f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}"
     config = {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://127.0.0.1:{pub}",
-        "replay_endpoint": f"tcp://127.0.0.1:{replay}",
+        "endpoint": endpoint,
+        "replay_endpoint": replay_endpoint,
         "topic": "kv",
     }
     args = ["--kv-events-config", json.dumps(config)]
@@ -134,14 +135,14 @@ def main() -> int:
         return procs[-1].base_url
 
     try:
-        got = asyncio.run(capture(procs[0].base_url, config["endpoint"], config["replay_endpoint"]))
+        got = asyncio.run(capture(procs[0].base_url, endpoint, replay_endpoint))
         for name, messages in got.items():
             print(f"{name}: {len(messages)} messages")
             for frames in messages:
                 sizes = [len(part) for part in frames]
                 print("   ", sizes, decode_batch(frames[-1]) if frames[-1] else "(end marker)")
         with_restart = restart if "--restart" in sys.argv else None
-        asyncio.run(follow(procs[0].base_url, config["endpoint"], config["replay_endpoint"], with_restart))
+        asyncio.run(follow(procs[0].base_url, endpoint, replay_endpoint, with_restart))
     finally:
         for proc in procs:
             engines.stop(proc)

@@ -147,4 +147,5 @@ def vllm_without_dev_mode(tiny_hf: Path) -> Iterator[Pair]:
 @pytest.fixture(params=["llama", "vllm"])
 def any_engine(request: pytest.FixtureRequest) -> Pair:
     """Each main engine in turn (llama-server, then vLLM)."""
-    return request.getfixturevalue(request.param)
+    pair: Pair = request.getfixturevalue(request.param)
+    return pair

@@ -62,7 +62,8 @@ async def complete(
     ) as resp:
         text = await resp.text()
         assert resp.status == 200, f"{resp.status}: {text[:500]}"
-        return json.loads(text)
+        answer: JSON = json.loads(text)
+        return answer
 
 
 async def stream(
@@ -108,7 +109,8 @@ async def cache_state(s: aiohttp.ClientSession, base: str) -> JSON:
     async with s.get(f"{base}/cache/state", timeout=REQUEST_TIMEOUT) as resp:
         text = await resp.text()
         assert resp.status == 200, f"{resp.status}: {text[:500]}"
-        return json.loads(text)
+        state: JSON = json.loads(text)
+        return state
 
 
 async def evidence(s: aiohttp.ClientSession, base: str, **query: str) -> list[JSON]:

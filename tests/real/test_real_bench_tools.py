@@ -15,6 +15,7 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -130,11 +131,11 @@ def cachewitness_reset_argv(url: str, session: str, case: str) -> list[str]:
     return [sys.executable, "-m", "proxy", "reset", "--url", url, "--session-id", session, "--case-id", case]
 
 
-async def session_records(url: str, session: str, *, observations: int = 0) -> list[dict]:
+async def session_records(url: str, session: str, *, observations: int = 0) -> list[dict[str, Any]]:
     """The session's evidence once it holds `observations` observation records (bounded wait)."""
     async with aiohttp.ClientSession() as s:
 
-        async def probe() -> list[dict] | None:
+        async def probe() -> list[dict[str, Any]] | None:
             records = await evidence(s, url, session_id=session)
             seen = sum(1 for r in records if r["event_type"] == "infer.cache_observation")
             return records if seen >= observations else None
@@ -142,7 +143,7 @@ async def session_records(url: str, session: str, *, observations: int = 0) -> l
         return await eventually(probe, 10.0, f"{observations} observations of session {session}")
 
 
-def of_kind(records: list[dict], kind: str) -> list[dict]:
+def of_kind(records: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [r for r in records if r["event_type"] == f"infer.{kind}"]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 
 from tests.real.conftest import Pair
@@ -19,7 +21,7 @@ async def _earlier_traffic(s: aiohttp.ClientSession, pair: Pair) -> None:
         )
 
 
-def _assert_verified(status: int, answer: dict) -> None:
+def _assert_verified(status: int, answer: dict[str, Any]) -> None:
     """A reset the canary proved: cached before, cold on both probes after."""
     assert status == 200 and answer["answer"] == "acknowledged" and answer["success"] is True, answer
     assert answer["verified"] == "verified", answer["verification"]

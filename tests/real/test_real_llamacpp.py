@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import aiohttp
 
@@ -30,16 +31,18 @@ MODEL = "tiny"
 LONG_GENERATION = 7000
 
 
-async def _props(s: aiohttp.ClientSession, pair: Pair) -> dict:
+async def _props(s: aiohttp.ClientSession, pair: Pair) -> dict[str, Any]:
     """The engine's own GET /props."""
     async with s.get(f"{pair.engine_url}/props") as resp:
-        return await resp.json()
+        props: dict[str, Any] = await resp.json()
+        return props
 
 
-async def _slots(s: aiohttp.ClientSession, pair: Pair) -> list[dict]:
+async def _slots(s: aiohttp.ClientSession, pair: Pair) -> list[dict[str, Any]]:
     """The engine's own GET /slots."""
     async with s.get(f"{pair.engine_url}/slots") as resp:
-        return await resp.json()
+        slots: list[dict[str, Any]] = await resp.json()
+        return slots
 
 
 async def test_auto_detects_llamacpp_and_its_build(llama: Pair) -> None:
@@ -71,7 +74,7 @@ async def test_reset_erases_every_slot_and_is_acknowledged(llama: Pair) -> None:
 CHAT = "/v1/chat/completions"
 
 
-def _chat(max_tokens: int = 8) -> dict:
+def _chat(max_tokens: int = 8) -> dict[str, Any]:
     """A chat request with a fresh long prompt."""
     return {
         "model": MODEL,
@@ -159,7 +162,7 @@ async def test_client_disconnect_mid_stream_frees_the_slot(llama: Pair) -> None:
             assert busy[0]["is_processing"] is True
             resp.close()  # drop the connection mid-stream
 
-        async def slot_idle() -> dict | None:
+        async def slot_idle() -> dict[str, Any] | None:
             """Slot 0 once it stopped processing."""
             slot = (await _slots(s, llama))[0]
             return None if slot["is_processing"] else slot

@@ -50,7 +50,7 @@ def _spellings(path: str) -> list[str]:
 
 def _targets() -> list[tuple[str, str]]:
     """(method, target) for every llama.cpp control route the sidecar lists, in every spelling."""
-    targets = []
+    targets: list[tuple[str, str]] = []
     for rule in CONTROL_ROUTES:
         path = rule.path + "/0" if rule.path == "/slots" else rule.path
         methods = sorted(rule.methods) or ["GET", "POST"]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.real.conftest import Pair
 
 MODEL = "tiny"
-MESSAGES = [{"role": "user", "content": "Say something."}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say something."}]
 MAX_TOKENS = 8
 
 

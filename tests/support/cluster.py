@@ -29,7 +29,7 @@ def shared_port(hosts: list[str]) -> int:
     for _ in range(50):
         with socket.socket() as first:
             first.bind((hosts[0], 0))
-            port = first.getsockname()[1]
+            port: int = first.getsockname()[1]
             others = [socket.socket() for _ in hosts[1:]]
             try:
                 for sock, host in zip(others, hosts[1:], strict=True):

@@ -45,7 +45,8 @@ class DnsServer:
                     reply.add_answer(RR(name, QTYPE.A, rdata=A(address), ttl=TTL_S))
                 elif request.q.qtype == QTYPE.AAAA and version == 6:
                     reply.add_answer(RR(name, QTYPE.AAAA, rdata=AAAA(address), ttl=TTL_S))
-        return reply.pack()
+        packed: bytes = reply.pack()
+        return packed
 
 
 class _Protocol(asyncio.DatagramProtocol):

@@ -105,7 +105,8 @@ def _render_cached(args: tuple[str, ...]) -> tuple[str, str]:
 
 def render(*args: str) -> list[Manifest]:
     """The chart's manifests for these `helm template` arguments (a fresh copy)."""
-    return json.loads(_render_cached(args)[1])
+    manifests: list[Manifest] = json.loads(_render_cached(args)[1])
+    return manifests
 
 
 def render_text(*args: str) -> str:
@@ -149,13 +150,15 @@ def pod_spec(manifests: list[Manifest]) -> Manifest:
 
 def sidecar(manifests: list[Manifest]) -> Manifest:
     """The cachewitness init container."""
-    (container,) = [c for c in pod_spec(manifests).get("initContainers", []) if c["name"] == "cachewitness"]
+    containers: list[Manifest] = pod_spec(manifests).get("initContainers", [])
+    (container,) = [c for c in containers if c["name"] == "cachewitness"]
     return container
 
 
 def engine(manifests: list[Manifest]) -> Manifest:
     """The engine container."""
-    (container,) = [c for c in pod_spec(manifests)["containers"] if c["name"] == "engine"]
+    containers: list[Manifest] = pod_spec(manifests)["containers"]
+    (container,) = [c for c in containers if c["name"] == "engine"]
     return container
 
 

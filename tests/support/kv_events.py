@@ -27,7 +27,7 @@ def free_ports(n: int) -> int:
     for _ in range(100):
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
+            base: int = sock.getsockname()[1]
         if base + n < 65536 and all(_bindable(base + i) for i in range(n)):
             return base
     raise AssertionError(f"no run of {n} free ports")

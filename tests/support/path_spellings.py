@@ -34,7 +34,11 @@ class Decoder:
 
 STARLETTE = Decoder("starlette (uvicorn: urllib.parse.unquote)", unicode_escape=False, drops_surrogates=False)
 CPP_HTTPLIB = Decoder("cpp-httplib decode_path_component", unicode_escape=True, drops_surrogates=True)
-DECODERS = {"vllm": (STARLETTE,), "sglang": (STARLETTE,), "llamacpp": (CPP_HTTPLIB,)}
+DECODERS: dict[str, tuple[Decoder, ...]] = {
+    "vllm": (STARLETTE,),
+    "sglang": (STARLETTE,),
+    "llamacpp": (CPP_HTTPLIB,),
+}
 # mindnano's server is not named by its docs: both rule sets.
 DECODERS["mindnano"] = (STARLETTE, CPP_HTTPLIB)
 

@@ -44,7 +44,7 @@ async def serve_app(app: web.Application, host: str = "127.0.0.1", port: int = 0
         await runner.setup()
         site = web.TCPSite(runner, host, port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     try:
         yield f"http://{host}:{port}"
     finally:
@@ -55,7 +55,8 @@ def free_port() -> int:
     """A loopback port nothing listens on (until someone binds it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def closed_port_url() -> str:
@@ -67,7 +68,9 @@ def non_loopback_ipv4() -> str | None:
     """One of this machine's own non-loopback IPv4 addresses (traffic to it never leaves the machine)."""
     candidates: list[str] = []
     with contextlib.suppress(OSError):
-        candidates += [info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)]
+        candidates += [
+            str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET)
+        ]
     for target in ("192.0.2.1", "10.254.254.254"):
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:

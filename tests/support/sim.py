@@ -55,7 +55,8 @@ class Sim:
     async def stats(self) -> dict[str, Any]:
         """GET /sim/stats."""
         async with self.http.get(self.url + "/sim/stats") as resp:
-            return await resp.json()
+            stats: dict[str, Any] = await resp.json()
+            return stats
 
     async def wait_stats(self, predicate: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
         """Poll /sim/stats until predicate holds (bounded by WAIT_S)."""
@@ -78,7 +79,8 @@ class Sim:
         """Cached tokens that a non-stream request reports."""
         status, data = await self.post_json(path, body)
         assert status == 200, data
-        return data["usage"]["prompt_tokens_details"]["cached_tokens"]
+        cached: int = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+        return cached
 
 
 @asynccontextmanager
@@ -98,7 +100,8 @@ async def read_events(resp: aiohttp.ClientResponse) -> list[bytes]:
 def event_json(event: bytes) -> dict[str, Any]:
     """Decode one `data: {json}` event."""
     assert event.startswith(b"data: "), event
-    return orjson.loads(event[len(b"data: ") :])
+    decoded: dict[str, Any] = orjson.loads(event[len(b"data: ") :])
+    return decoded
 
 
 async def next_event(resp: aiohttp.ClientResponse) -> bytes:

@@ -8,6 +8,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
@@ -16,7 +17,7 @@ from aiohttp import web
 class UpstreamState:
     """What the test upstream saw, and the gates a test opens to pace it."""
 
-    seen: list[dict] = field(default_factory=list)
+    seen: list[dict[str, Any]] = field(default_factory=list)
     gates: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event() for _ in range(64)])
     sent: list[asyncio.Event] = field(default_factory=lambda: [asyncio.Event() for _ in range(64)])
     started: asyncio.Event = field(default_factory=asyncio.Event)

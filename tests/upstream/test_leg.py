@@ -296,7 +296,7 @@ async def test_an_https_engine_is_reached_over_verified_tls(
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=context)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    port = runner.addresses[0][1]
     try:
         untrusted = await sidecar(f"https://127.0.0.1:{port}", engine="vllm", health_interval=3600)
         async with http.get(f"{untrusted}/v1/models") as response:

@@ -62,7 +62,12 @@ async def test_a_cleared_vllm_reset_clears_every_tier_by_its_counters(tmp_path: 
         status, body = await s.reset()
         assert status == 200 and body["verified"] == "verified", body
         assert body["verification"]["tiers"] == ALL_CLEARED
-        assert body["verification"]["probe_cached_by_tier"] == {"device": 0, "host": 0, "disk": 0, "external": 0}
+        assert body["verification"]["probe_cached_by_tier"] == {
+            "device": 0,
+            "host": 0,
+            "disk": 0,
+            "external": 0,
+        }
         assert "ranks" not in body["verification"]  # one rank: no list
 
 
@@ -120,7 +125,9 @@ async def test_sglang_storage_tier_left_alone_keeps_the_canary(tmp_path: Path) -
 
 
 async def test_sglang_remote_storage_is_the_external_tier(tmp_path: Path) -> None:
-    async with stack(fast("sglang", hicache_storage_backend="mooncake"), tmp_path, clear_storage_tier=False) as s:
+    async with stack(
+        fast("sglang", hicache_storage_backend="mooncake"), tmp_path, clear_storage_tier=False
+    ) as s:
         _status, body = await s.reset()
         assert body["verification"]["tiers"]["external"] == "not_requested"
         assert body["verification"]["tiers"]["disk"] == "unknown"

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
-from tests.support.sidecar import Stack, stack
-from tests.support.sim import POLL_S, WAIT_S, chat, fast, words
+from tests.support.capture import capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import Stack, free_port, serve_sidecar, stack
+from tests.support.sim import POLL_S, WAIT_S, chat, fast, sim, words
 
 
 async def _through(s: Stack, content: str) -> dict[str, Any]:
@@ -215,3 +218,29 @@ async def test_sleep_and_wake_are_engine_events(tmp_path: Path, dialect: str) ->
             assert resp.status == 200
         state = await _wait_state(s, lambda st: "woke" in _kinds(st))
         assert _kinds(state)[-2:] == ["slept", "woke"]
+
+
+async def test_an_engine_gone_and_back_is_recorded(tmp_path: Path) -> None:
+    # The sidecar reaches the engine through a hop on a fixed port: closing the hop takes the
+    # engine away, opening it again on the same port brings it back.
+    port = free_port()
+    async with (
+        sim(fast("vllm")) as engine,
+        serve_sidecar(f"http://127.0.0.1:{port}", tmp_path) as side,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
+        s = Stack(engine, side.url, side.app, http)
+        async with capturing(engine.url, port=port):
+            await _reset(s)
+            assert _kinds(await _state(s)) == []
+        state = await _wait_state(s, lambda st: "unreachable" in _kinds(st))
+        async with capturing(engine.url, port=port):
+            state = await _wait_state(s, lambda st: "back" in _kinds(st))
+        assert _kinds(state) == ["unreachable", "back"]
+        records = await _records(s, "infer.engine_event")
+        assert [(r["kind"], r["case_id"], r["seen_by"]) for r in records] == [
+            ("unreachable", "case-1", "its /metrics"),
+            ("back", "case-1", "its /metrics"),
+        ]
+        assert await _metric(s, 'cachewitness_engine_events_total{kind="unreachable"}') == 1
+        assert await _metric(s, 'cachewitness_engine_events_total{kind="back"}') == 1

@@ -244,3 +244,40 @@ async def test_an_engine_gone_and_back_is_recorded(tmp_path: Path) -> None:
         ]
         assert await _metric(s, 'cachewitness_engine_events_total{kind="unreachable"}') == 1
         assert await _metric(s, 'cachewitness_engine_events_total{kind="back"}') == 1
+
+
+async def test_the_reset_window_is_only_the_canary(tmp_path: Path) -> None:
+    async with stack(fast("vllm"), tmp_path) as s:
+        body = await _reset(s)
+        counters = body["verification"]["witnesses"]["counters"]
+        assert counters["result"] == "consistent", counters
+        assert counters["engine"]["requests"] == counters["canary"]["requests"] == 5
+        assert counters["bypass"] == {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        [state] = await _records(s, "infer.cache_state")
+        assert state["verification"]["witnesses"]["counters"]["result"] == "consistent"
+
+
+async def test_traffic_straight_to_the_engine_during_the_reset_contradicts_its_counters(
+    tmp_path: Path,
+) -> None:
+    async with stack(fast("vllm"), tmp_path) as s:
+        prompt = words(40, "sneak")
+        stop = asyncio.Event()
+        sent = 0
+
+        async def sneak() -> None:
+            nonlocal sent
+            while not stop.is_set() and sent < 5000:
+                await _straight(s, prompt)
+                sent += 1
+
+        task = asyncio.create_task(sneak())
+        try:
+            body = await _reset(s)
+        finally:
+            stop.set()
+            await task
+        counters = body["verification"]["witnesses"]["counters"]
+        assert counters["result"] == "contradicted", counters
+        assert counters["bypass"]["requests"] > 0 and counters["bypass"]["cached_tokens"] > 0
+        assert body["verified"] == "verified"  # the canary's own prompts ran cold: the counters only say so

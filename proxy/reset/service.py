@@ -235,12 +235,17 @@ class ResetService:
                     bind=params.bind,
                 )
             if recorder.case is not None:
-                await recorder.case.reset_finished(
+                counters = await recorder.case.reset_finished(
                     recorder.witness.sequence_ids(),
                     spent([c for c in ranked if isinstance(c, Canary)] or [canary])
                     if isinstance(canary, Canary)
                     else Sums(),
                 )
+                # Inside a drain window only; not with the events witness, whose flush probe has no token counts.
+                if counters is not None and params.drain and events is None:
+                    verification = replace(
+                        verification, witnesses={**verification.witnesses, "counters": counters}
+                    )
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,
             # while the evidence writer is still open.

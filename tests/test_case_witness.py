@@ -251,6 +251,7 @@ async def test_the_reset_window_is_only_the_canary(tmp_path: Path) -> None:
         body = await _reset(s)
         counters = body["verification"]["witnesses"]["counters"]
         assert counters["result"] == "consistent", counters
+        assert body["verification"]["witnesses"]["canary"]["result"] == "verified"
         assert counters["engine"]["requests"] == counters["canary"]["requests"] == 5
         assert counters["bypass"] == {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
         [state] = await _records(s, "infer.cache_state")

@@ -35,7 +35,7 @@ from proxy.witnesses.events_index import CACHE_INDEX
 from proxy.witnesses.events_witness import EventsCheck, merged
 from proxy.witnesses.ranks import spent, verify_ranks
 from proxy.witnesses.tiers import read_by_tier
-from proxy.witnesses.verification import not_run
+from proxy.witnesses.verification import Verification, not_run
 
 __all__ = ["RESETS", "ResetService", "setup_reset"]
 
@@ -243,9 +243,7 @@ class ResetService:
                 )
                 # Inside a drain window only; not with the events witness, whose flush probe has no token counts.
                 if counters is not None and params.drain and events is None:
-                    verification = replace(
-                        verification, witnesses={**verification.witnesses, "counters": counters}
-                    )
+                    verification = with_counters(verification, counters)
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,
             # while the evidence writer is still open.
@@ -338,6 +336,16 @@ class ResetService:
         for caller, answer in zip(current.callers, answers, strict=True):
             if not caller.answer.done():
                 caller.answer.set_result(answer)
+
+
+def with_counters(verification: Verification, counters: dict[str, Any]) -> Verification:
+    """`witnesses` with the counters block, and the canary's own where only the canary ran before."""
+    named = dict(verification.witnesses)
+    if verification.method == VerifyMode.CANARY and "canary" not in named:
+        own = replace(verification, witnesses={}, tiers=None, ranks=()).to_json()
+        named["canary"] = {"result": verification.verified.value, **own}
+    named["counters"] = counters
+    return replace(verification, witnesses=named)
 
 
 RESETS = web.AppKey("resets", ResetService)

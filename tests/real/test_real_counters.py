@@ -40,3 +40,7 @@ async def test_vllm_reset_names_every_tier_from_its_per_source_counter(vllm: Pai
     assert verification["probe_cached_by_tier"] == {"device": 0, "host": 0, "disk": 0, "external": 0}
     assert verification["tiers"] == dict.fromkeys(("device", "host", "disk", "external"), "cleared")
     assert "ranks" not in verification  # one engine: engine="0" only
+    # Inside the drain window the engine served the canary's five requests and nothing else.
+    counters = verification["witnesses"]["counters"]
+    assert counters["result"] == "consistent", counters
+    assert counters["engine"]["requests"] == counters["canary"]["requests"] == 5

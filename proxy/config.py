@@ -112,6 +112,8 @@ class Settings:
     retry_seconds: float = 10.0
     reset_attempt_timeout: float = 30.0
     case_idle_s: float = 30.0
+    # SGLang: also clear the HiCache storage tier at each reset, where the engine runs one.
+    clear_storage_tier: bool = True
     verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None
@@ -476,6 +478,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("retry_seconds", _positive_float, "default retry window for refused resets", "seconds 0..120"),
     Option("reset_attempt_timeout", _positive_float, "timeout of one engine reset call", "seconds > 0"),
     Option("case_idle_s", _positive_float, "a case with no request this long has ended", "seconds > 0"),
+    Option(
+        "clear_storage_tier",
+        _bool,
+        "SGLang: each reset also clears the HiCache storage tier (POST /hicache/storage-backend/clear) "
+        "where /server_info names a hicache_storage_backend",
+        "true or false",
+    ),
     Option(
         "verify",
         VerifyMode,

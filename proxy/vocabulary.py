@@ -11,6 +11,7 @@ from __future__ import annotations
 from enum import StrEnum
 
 __all__ = [
+    "TIERS",
     "CanaryOutcome",
     "EngineKind",
     "EventType",
@@ -19,6 +20,7 @@ __all__ = [
     "ResetAnswer",
     "RunKind",
     "Scope",
+    "TierState",
     "Verdict",
     "Verified",
     "VerifyMode",
@@ -114,6 +116,19 @@ class CanaryOutcome(StrEnum):
     OK = "ok"  # answered with a cached-token count
     UNREPORTED = "unreported"  # answered 2xx without one
     FAILED = "failed"  # no 2xx answer
+
+
+class TierState(StrEnum):
+    """One cache tier in a reset's `verification.tiers` (docs/reset.md)."""
+
+    CLEARED = "cleared"  # the reset asked for it and the canary's probes found nothing cached there
+    WARM = "warm"  # a canary probe after the reset was served from it
+    NOT_REQUESTED = "not_requested"  # the reset did not ask the engine to clear it
+    UNKNOWN = "unknown"  # no witness could tell
+
+
+# The tiers every verification names, nearest the accelerator first.
+TIERS: tuple[str, ...] = ("device", "host", "disk", "external")
 
 
 class Verdict(StrEnum):

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
 
-from tests.support.sidecar import Stack, stack
-from tests.support.sim import POLL_S, WAIT_S, chat, fast, words
+from tests.support.capture import capturing
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import Stack, free_port, serve_sidecar, stack
+from tests.support.sim import POLL_S, WAIT_S, chat, fast, sim, words
 
 
 async def _through(s: Stack, content: str) -> dict[str, Any]:
@@ -218,3 +221,67 @@ async def test_sleep_and_wake_are_engine_events(tmp_path: Path, dialect: str) ->
             assert resp.status == 200
         state = await _wait_state(s, lambda st: "woke" in _kinds(st))
         assert _kinds(state)[-2:] == ["slept", "woke"]
+
+
+async def test_an_engine_gone_and_back_is_recorded(tmp_path: Path) -> None:
+    # The sidecar reaches the engine through a hop on a fixed port: closing the hop takes the
+    # engine away, opening it again on the same port brings it back.
+    port = free_port()
+    async with (
+        sim(fast("vllm")) as engine,
+        serve_sidecar(f"http://127.0.0.1:{port}", tmp_path) as side,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
+        s = Stack(engine, side.url, side.app, http)
+        async with capturing(engine.url, port=port):
+            await _reset(s)
+            assert _kinds(await _state(s)) == []
+        state = await _wait_state(s, lambda st: "unreachable" in _kinds(st))
+        async with capturing(engine.url, port=port):
+            state = await _wait_state(s, lambda st: "back" in _kinds(st))
+        assert _kinds(state) == ["unreachable", "back"]
+        records = await _records(s, "infer.engine_event")
+        assert [(r["kind"], r["case_id"], r["seen_by"]) for r in records] == [
+            ("unreachable", "case-1", "its /metrics"),
+            ("back", "case-1", "its /metrics"),
+        ]
+        assert await _metric(s, 'cachewitness_engine_events_total{kind="unreachable"}') == 1
+        assert await _metric(s, 'cachewitness_engine_events_total{kind="back"}') == 1
+
+
+async def test_the_reset_window_is_only_the_canary(tmp_path: Path) -> None:
+    async with stack(fast("vllm"), tmp_path) as s:
+        body = await _reset(s)
+        counters = body["verification"]["witnesses"]["counters"]
+        assert counters["result"] == "consistent", counters
+        assert body["verification"]["witnesses"]["canary"]["result"] == "verified"
+        assert counters["engine"]["requests"] == counters["canary"]["requests"] == 5
+        assert counters["bypass"] == {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        [state] = await _records(s, "infer.cache_state")
+        assert state["verification"]["witnesses"]["counters"]["result"] == "consistent"
+
+
+async def test_traffic_straight_to_the_engine_during_the_reset_contradicts_its_counters(
+    tmp_path: Path,
+) -> None:
+    async with stack(fast("vllm"), tmp_path) as s:
+        prompt = words(40, "sneak")
+        stop = asyncio.Event()
+        sent = 0
+
+        async def sneak() -> None:
+            nonlocal sent
+            while not stop.is_set() and sent < 5000:
+                await _straight(s, prompt)
+                sent += 1
+
+        task = asyncio.create_task(sneak())
+        try:
+            body = await _reset(s)
+        finally:
+            stop.set()
+            await task
+        counters = body["verification"]["witnesses"]["counters"]
+        assert counters["result"] == "contradicted", counters
+        assert counters["bypass"]["requests"] > 0 and counters["bypass"]["cached_tokens"] > 0
+        assert body["verified"] == "verified"  # the canary's own prompts ran cold: the counters only say so

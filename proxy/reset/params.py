@@ -88,12 +88,14 @@ class ResetParams:
     retry: bool = True
 
 
-def worst_case_seconds(settings: Settings, params: ResetParams, *, canary: bool) -> float:
+def worst_case_seconds(settings: Settings, params: ResetParams, *, canary: bool, ranks: int = 1) -> float:
     """The longest one pod's reset can take: the drain, the retry window (SGLang's `?timeout=`
     wait inside an attempt doubles it), the last attempt, and a canary's five requests and two
-    more resets. Held requests wait this long at most; a cluster reset waits this long for a pod."""
+    more resets (once per data-parallel rank). Held requests wait this long at most; a cluster
+    reset waits this long for a pod."""
     one_reset = 2 * params.retry_seconds + settings.reset_attempt_timeout
-    canary_s = 5 * settings.reset_attempt_timeout + 2 * one_reset if canary else 0.0
+    per_rank = 5 * settings.reset_attempt_timeout + 2 * one_reset
+    canary_s = ranks * per_rank + (ranks - 1) * one_reset if canary else 0.0
     drain = settings.drain_timeout if params.drain else 0.0
     return drain + one_reset + canary_s
 

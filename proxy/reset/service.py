@@ -20,9 +20,11 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.engines.base import CacheReset, EngineInfo
+from proxy.engines.topology import read_topology
 from proxy.logs import log_event
 from proxy.recorder import RECORDER
 from proxy.reset.answer import Caller, Round, RoundOutcome, answer_all, caller_answer, reset_summary
+from proxy.reset.layout import StorageClear, judged
 from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
 from proxy.upstream.pools import UPSTREAM_POOL
@@ -31,7 +33,9 @@ from proxy.witnesses.canary import Canary, verify_reset
 from proxy.witnesses.counters import Sums
 from proxy.witnesses.events_index import CACHE_INDEX
 from proxy.witnesses.events_witness import EventsCheck, merged
-from proxy.witnesses.verification import not_run
+from proxy.witnesses.ranks import spent, verify_ranks
+from proxy.witnesses.tiers import read_by_tier
+from proxy.witnesses.verification import Verification, not_run
 
 __all__ = ["RESETS", "ResetService", "setup_reset"]
 
@@ -149,16 +153,37 @@ class ResetService:
             # Detection first: traffic is not held while an unreachable upstream is probed.
             await engine.ensure_detected(session)
             info, dialect = engine.info, engine.dialect
+            # The layout (ranks, SGLang's storage tier) before any traffic is held.
+            topology = await read_topology(
+                session,
+                settings.upstream_base,
+                info.kind,
+                settings.reset_attempt_timeout,
+                settings.engine_key,
+            )
             canary = self._canary(params, info)
+            ranked = (
+                [self._canary(params, info, rank) for rank in topology.ranks] if topology.multi_rank else []
+            )
+            storage = (
+                StorageClear(
+                    session, settings.upstream_base, settings.reset_attempt_timeout, settings.engine_key
+                )
+                if info.kind == EngineKind.SGLANG and topology.storage_backend and settings.clear_storage_tier
+                else None
+            )
             if params.drain:
                 # A held request waits out the whole reset at worst: the drain, the retry window,
                 # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
-                hold = admission.hold(worst_case_seconds(settings, params, canary=isinstance(canary, Canary)))
+                worst = worst_case_seconds(
+                    settings, params, canary=isinstance(canary, Canary), ranks=max(1, len(ranked))
+                )
+                hold = admission.hold(worst)
                 drained = await admission.wait_idle(settings.drain_timeout)
                 drain = {**drained.to_json(), "enabled": True, "inflight_at_end": drained.inflight_at_end}
 
             async def engine_reset() -> CacheReset:
-                return await retry_reset(
+                done = await retry_reset(
                     dialect,
                     session,
                     settings.upstream_base,
@@ -167,6 +192,7 @@ class ResetService:
                     timeout_s=settings.reset_attempt_timeout,
                     retry=params.retry,
                 )
+                return await storage.after(done) if storage is not None else done
 
             # The case before this reset ends here: its engine counters are read (proxy/witnesses/case.py).
             if recorder.case is not None:
@@ -176,7 +202,11 @@ class ResetService:
             events = self._events(params)
             witnessed = events.wrap(engine_reset) if events is not None else engine_reset
             if isinstance(canary, Canary):
-                reset, verification = await verify_reset(canary, witnessed)
+                canaries = [c for c in ranked if isinstance(c, Canary)] or [canary]
+                if len(canaries) > 1:  # every data-parallel rank proven on its own
+                    reset, verification = await verify_ranks(canaries, witnessed)
+                else:
+                    reset, verification = await verify_reset(canary, witnessed)
                 if events is not None and reset.succeeded:
                     await events.settle()  # the canary's last reset: its clear, before a case starts
             else:
@@ -184,6 +214,7 @@ class ResetService:
             if events is not None:
                 verification = merged(params.verify, verification, events.report)
                 reset = replace(reset, calls=(*reset.calls, *events.calls))
+            verification = judged(verification, info, topology, storage, events_ran=events is not None)
             index = app.get(CACHE_INDEX)
             if index is not None and reset.succeeded:
                 index.reset_answered(
@@ -204,9 +235,15 @@ class ResetService:
                     bind=params.bind,
                 )
             if recorder.case is not None:
-                await recorder.case.reset_finished(
-                    recorder.witness.sequence_ids(), canary.spent if isinstance(canary, Canary) else Sums()
+                counters = await recorder.case.reset_finished(
+                    recorder.witness.sequence_ids(),
+                    spent([c for c in ranked if isinstance(c, Canary)] or [canary])
+                    if isinstance(canary, Canary)
+                    else Sums(),
                 )
+                # Inside a drain window only; not with the events witness, whose flush probe has no token counts.
+                if counters is not None and params.drain and events is None:
+                    verification = with_counters(verification, counters)
         except asyncio.CancelledError:
             # Only close() cancels a round, past the grace period: answer and record it now,
             # while the evidence writer is still open.
@@ -218,8 +255,8 @@ class ResetService:
                 admission.release(hold)
         self._finish(current, RoundOutcome(reset, info, drain, verification))
 
-    def _canary(self, params: ResetParams, engine: EngineInfo) -> Canary | str:
-        """The canary that will prove this reset, or why none is sent."""
+    def _canary(self, params: ResetParams, engine: EngineInfo, rank: int | None = None) -> Canary | str:
+        """The canary that will prove this reset (on one data-parallel rank), or why none is sent."""
         settings = self._app[SETTINGS]
         if params.verify in (VerifyMode.NONE, VerifyMode.EVENTS):
             return f"verify {params.verify.value}: no canary was sent"
@@ -229,13 +266,22 @@ class ResetService:
             return "the engine was not reached: no canary was sent"
         if engine.kind == EngineKind.NONE or (engine.kind == EngineKind.GENERIC and not settings.reset_path):
             return "the engine has no reset to verify"
-        return Canary(
+        session, base, kind, timeout_s, key = (
             self._app[UPSTREAM_POOL],
             settings.upstream_base,
             engine.kind,
             settings.reset_attempt_timeout,
+            settings.engine_key,
+        )
+        return Canary(
+            session,
+            base,
+            kind,
+            timeout_s,
             count=self._app[RECORDER].canary_request,
-            api_key=settings.engine_key,
+            api_key=key,
+            read_tiers=lambda: read_by_tier(session, base, kind, timeout_s, key),
+            rank=rank,
         )
 
     def _events(self, params: ResetParams) -> EventsCheck | None:
@@ -290,6 +336,16 @@ class ResetService:
         for caller, answer in zip(current.callers, answers, strict=True):
             if not caller.answer.done():
                 caller.answer.set_result(answer)
+
+
+def with_counters(verification: Verification, counters: dict[str, Any]) -> Verification:
+    """`witnesses` with the counters block, and the canary's own where only the canary ran before."""
+    named = dict(verification.witnesses)
+    if verification.method == VerifyMode.CANARY and "canary" not in named:
+        own = replace(verification, witnesses={}, tiers=None, ranks=()).to_json()
+        named["canary"] = {"result": verification.verified.value, **own}
+    named["counters"] = counters
+    return replace(verification, witnesses=named)
 
 
 RESETS = web.AppKey("resets", ResetService)

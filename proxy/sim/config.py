@@ -60,8 +60,17 @@ class SimConfig:
     omit_zero_cached: bool = False
     # A CPU-offload tier that /reset_prefix_cache leaves warm (vLLM #57727).
     host_tier: bool = False
+    # Data parallelism (vllm, sglang): one prefix cache per rank; requests go where the routing
+    # hint says (vLLM's X-data-parallel-rank header, SGLang's too or its body fields), else round-robin.
+    dp_size: int = 1
+    # The rank whose cache every reset leaves warm, while the reset answers success (SGLang's
+    # /flush_cache answers with the first rank's result only).
+    refusing_rank: int | None = None
     # sglang
     admin_api_key: str | None = None
+    # A HiCache storage tier (`file`, `mooncake`, ...): /flush_cache leaves it warm,
+    # POST /hicache/storage-backend/clear empties it.
+    hicache_storage_backend: str | None = None
     # llamacpp
     slots: int = 2
     slot_save_path: str | None = None
@@ -94,6 +103,14 @@ class SimConfig:
             raise ValueError("keepalive_timeout must be > 0 seconds")
         if self.default_max_tokens < 0:
             raise ValueError("default_max_tokens must be >= 0")
+        if self.dp_size < 1:
+            raise ValueError("dp_size must be >= 1")
+        if self.dp_size > 1 and self.dialect not in ("vllm", "sglang"):
+            raise ValueError("--dp-size is for the vllm and sglang dialects")
+        if self.refusing_rank is not None and not 0 <= self.refusing_rank < self.dp_size:
+            raise ValueError("--refusing-rank must be one of the ranks 0 .. dp_size-1")
+        if self.hicache_storage_backend is not None and self.dialect != "sglang":
+            raise ValueError("--hicache-storage-backend is for the sglang dialect")
         if self.reset_leaves_warm and self.dialect not in ("vllm", "sglang"):
             raise ValueError("reset_leaves_warm is for the vllm and sglang dialects (llamacpp: ram_cache)")
         self._check_kv_events()
@@ -224,8 +241,24 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a CPU-offload (host) tier that /reset_prefix_cache leaves warm",
     )
+    parser.add_argument(
+        "--dp-size", type=int, default=d.dp_size, metavar="N", help="vllm, sglang: data-parallel ranks"
+    )
+    parser.add_argument(
+        "--refusing-rank",
+        type=int,
+        default=None,
+        metavar="K",
+        help="vllm, sglang: the rank whose cache every reset leaves warm (the reset still answers success)",
+    )
     sglang = parser.add_argument_group("sglang dialect")
     sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
+    sglang.add_argument(
+        "--hicache-storage-backend",
+        default=None,
+        metavar="NAME",
+        help="a HiCache storage tier that /flush_cache leaves warm (file: the disk tier)",
+    )
     kv = parser.add_argument_group("KV cache events (vllm, sglang)")
     kv.add_argument(
         "--kv-events-endpoint",
@@ -286,7 +319,10 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         prompt_tokens_details=not ns.no_prompt_tokens_details,
         omit_zero_cached=ns.omit_zero_cached,
         host_tier=ns.host_tier,
+        dp_size=ns.dp_size,
+        refusing_rank=ns.refusing_rank,
         admin_api_key=ns.admin_api_key,
+        hicache_storage_backend=ns.hicache_storage_backend,
         slots=ns.slots,
         slot_save_path=ns.slot_save_path,
         ram_cache=ns.ram_cache,

@@ -52,6 +52,11 @@ class SimDialect:
         self.config = config
         self.engine = Engine(config, self)
         self.cache = PrefixCache(self.config.block_size, self.config.cache_blocks)
+        # One cache per data-parallel rank; rank 0's is `cache` (the one the KV events follow).
+        self.rank_caches = [self.cache] + [
+            PrefixCache(self.config.block_size, self.config.cache_blocks) for _ in range(config.dp_size - 1)
+        ]
+        self._next_rank = 0
         self.kv_events = self._kv_publisher()
         self.cache.listener = self.kv_events
         self._places: Scheduler | None = (
@@ -88,7 +93,8 @@ class SimDialect:
         """
         self.engine.restart()
         self.cache.listener = None
-        self.cache.clear()
+        for cache in self.rank_caches:
+            cache.clear()
         self.cache.listener = self.kv_events
         if self.kv_events is not None:
             self.kv_events.forget()
@@ -114,19 +120,19 @@ class SimDialect:
         if self._places is not None:
             self._places.leave()
         if seq.cache_prompt:
-            self.cache.insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt)
+            self.cache_of(seq).insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt)
         self.end_step()
 
     def lookup(self, seq: Sequence) -> int:
         """Cached prompt tokens for a sequence about to prefill."""
         if not seq.cache_prompt:
             return 0
-        return self.cache.lookup(seq.prompt)
+        return self.cache_of(seq).lookup(seq.prompt)
 
     def prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists now: its full blocks become hits for later requests."""
         if seq.cache_prompt:
-            self.cache.insert(seq.kv_tokens())
+            self.cache_of(seq).insert(seq.kv_tokens())
         self.end_step()
 
     def decoded(self, seq: Sequence, token: str) -> None:
@@ -134,6 +140,30 @@ class SimDialect:
 
     def parse_options(self, body: dict[str, Any], seq: Sequence) -> web.Response | None:
         """Read dialect-specific request fields into the sequence; an error answer if bad."""
+        return None
+
+    # -- data parallelism ------------------------------------------------------------------
+    def cache_of(self, seq: Sequence) -> PrefixCache:
+        """The prefix cache of the rank `seq` runs on."""
+        return self.rank_caches[seq.rank]
+
+    def rank_hint(self, request: web.Request, body: dict[str, Any]) -> object:
+        """The request's data-parallel routing hint: vLLM's `X-data-parallel-rank` header."""
+        return request.headers.get("X-data-parallel-rank")
+
+    def route(self, request: web.Request, body: dict[str, Any], seq: Sequence) -> web.Response | None:
+        """Put `seq` on the rank its hint names, else the next one round-robin; 400 for a bad rank."""
+        size = self.config.dp_size
+        if size == 1:
+            return None
+        hint = self.rank_hint(request, body)
+        if hint is None:
+            seq.rank, self._next_rank = self._next_rank, (self._next_rank + 1) % size
+            return None
+        text = str(hint).strip()
+        if isinstance(hint, bool) or not text.isdigit() or int(text) >= size:
+            return error_response(400, f"data parallel rank must be 0 .. {size - 1}, not {text[:20]!r}")
+        seq.rank = int(text)
         return None
 
     # -- response hooks --------------------------------------------------------------------
@@ -190,6 +220,8 @@ class SimDialect:
     def stats(self) -> dict[str, object]:
         """Dialect-specific members of `/sim/stats`."""
         stats: dict[str, object] = {"cache_blocks": len(self.cache)}
+        if self.config.dp_size > 1:
+            stats["rank_cache_blocks"] = [len(cache) for cache in self.rank_caches]
         if self.kv_events is not None:
             stats.update(self.kv_events.stats())
         return stats
@@ -199,7 +231,10 @@ class SimDialect:
         self.engine.resets_total += 1
         if self.config.reset_leaves_warm:
             return 0  # the blocks stay, so no event says they went
-        dropped = self.cache.clear()
+        dropped = 0
+        for rank, cache in enumerate(self.rank_caches):
+            if rank != self.config.refusing_rank:
+                dropped += cache.clear()
         if self.publishes_when_idle:
             self.end_step()
         return dropped

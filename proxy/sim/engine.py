@@ -49,6 +49,7 @@ class Sequence:
     cached: int = 0
     output: list[str] = field(default_factory=list)  # token texts, each with its leading space
     slot: int = -1  # llama.cpp: the slot it runs on
+    rank: int = 0  # vllm, sglang: the data-parallel rank it runs on (its prefix cache)
     preempted: bool = False  # vLLM reset_running_requests: blocks freed, recompute needed
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel()
     finished: bool = False  # decoding ran to max_tokens

@@ -99,7 +99,7 @@ class OpenAIRoutes:
         if isinstance(max_tokens, web.Response):
             return max_tokens
         seq = Sequence(prompt=prompt, max_tokens=max_tokens)
-        bad = self.dialect.parse_options(body, seq)
+        bad = self.dialect.parse_options(body, seq) or self.dialect.route(request, body, seq)
         if bad is not None:
             return bad
         requested_model = body.get("model")

@@ -13,6 +13,7 @@ import orjson
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from proxy.sim.cache import PrefixCache
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
 from proxy.sim.text import PromptError, completion_prompt_tokens
@@ -24,6 +25,7 @@ FLUSHED = "Cache flushed.\nPlease check backend logs for more details. (When the
 FLUSH_FAILED = "Flush cache failed.\n"
 FLUSH_IN_PROGRESS = "Another flush_cache is already in progress."
 FLUSH_TIMEOUT = "Timed out waiting for idle state."
+STORAGE_CLEARED = "Hierarchical cache storage backend cleared.\n"
 MAX_FLUSH_TIMEOUT_S = 300.0
 
 
@@ -42,6 +44,32 @@ class SglangDialect(SimDialect):
         """Add the single-flush guard."""
         super().__init__(*args, **kwargs)
         self._flushing = False
+        # HiCache's storage tier (L3): written through on every prefill, untouched by /flush_cache,
+        # and kept by a restart (a file or remote store outlives the process).
+        storage = self.config.hicache_storage_backend
+        self.storage = PrefixCache(self.config.block_size, self.config.cache_blocks) if storage else None
+
+    def lookup(self, seq: Sequence) -> int:
+        """Device hits first, then the storage tier's longer prefix (prefetched back)."""
+        device = super().lookup(seq)
+        stored = self.storage.lookup(seq.prompt) if self.storage is not None and seq.cache_prompt else 0
+        return max(device, stored)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """Blocks go to the device cache and are backed up to the storage tier."""
+        super().prefilled(seq)
+        if self.storage is not None and seq.cache_prompt:
+            self.storage.insert(seq.kv_tokens())
+
+    def rank_hint(self, request: web.Request, body: dict[str, Any]) -> object:
+        """The header (which wins, as SGLang's serving_base), else `routed_dp_rank`, else `data_parallel_rank`."""
+        header = request.headers.get("X-Data-Parallel-Rank")
+        if header is not None:
+            return header
+        for name in ("routed_dp_rank", "data_parallel_rank"):
+            if body.get(name) is not None:
+                return body[name]
+        return None
 
     def add_routes(self, app: web.Application) -> None:
         """/health, /server_info, /get_server_info, /get_model_info, /flush_cache, /generate."""
@@ -53,6 +81,7 @@ class SglangDialect(SimDialect):
         app.router.add_route("GET", "/flush_cache", self.handle_flush)
         app.router.add_route("POST", "/flush_cache", self.handle_flush)
         app.router.add_post("/generate", self.handle_generate)
+        app.router.add_post("/hicache/storage-backend/clear", self.handle_storage_clear)
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
         """GET /server_info (0.5.10+) and /get_server_info (0.4+): both carry `version`."""
@@ -64,6 +93,9 @@ class SglangDialect(SimDialect):
                 "page_size": self.config.block_size,
                 "max_running_requests": self.config.max_concurrency or None,
                 "enable_cache_report": True,
+                "dp_size": self.config.dp_size,
+                "enable_hierarchical_cache": self.storage is not None,
+                "hicache_storage_backend": self.config.hicache_storage_backend,
             }
         )
 
@@ -106,6 +138,15 @@ class SglangDialect(SimDialect):
             return web.Response(status=200, text=FLUSHED)
         finally:
             self._flushing = False
+
+    async def handle_storage_clear(self, request: web.Request) -> web.Response:
+        """POST /hicache/storage-backend/clear: 200 once cleared; 400 without a storage tier or while busy."""
+        if not self._authorized(request):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        if self.storage is None or not self.engine.is_idle():
+            return web.Response(status=400, text=STORAGE_CLEARED)  # SGLang's text, whatever the result
+        self.storage.clear()
+        return web.Response(status=200, text=STORAGE_CLEARED)
 
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
         """POST /generate: SGLang's native route, `meta_info.cached_tokens` always."""

@@ -30,15 +30,19 @@ class VllmDialect(SimDialect):
         """The device cache, and with --host-tier an offload tier that resets leave warm."""
         super().__init__(config)
         self.host = PrefixCache(config.block_size, config.cache_blocks) if config.host_tier else None
-        self.cached_by_source = dict.fromkeys(self.sources, 0)
+        self.cached_by_source = self._no_hits()
         self.sleeping = False
+
+    def _no_hits(self) -> list[dict[str, int]]:
+        """Cached tokens by source, per data-parallel rank (each its own `engine` label), all 0."""
+        return [dict.fromkeys(self.sources, 0) for _ in range(self.config.dp_size)]
 
     def lookup(self, seq: Sequence) -> int:
         """Device hits first, then the host tier's longer prefix (each counted by source)."""
         device = super().lookup(seq)
         host = self.host.lookup(seq.prompt) if self.host is not None and seq.cache_prompt else 0
-        self.cached_by_source["device"] += device
-        self.cached_by_source["host"] += max(0, host - device)
+        self.cached_by_source[seq.rank]["device"] += device
+        self.cached_by_source[seq.rank]["host"] += max(0, host - device)
         return max(device, host)
 
     def prefilled(self, seq: Sequence) -> None:
@@ -50,7 +54,7 @@ class VllmDialect(SimDialect):
     async def restart(self, reconnect: bool = False) -> None:
         """Every tier empty, counters at 0."""
         await super().restart(reconnect)
-        self.cached_by_source = dict.fromkeys(self.sources, 0)
+        self.cached_by_source = self._no_hits()
         self.sleeping = False
         if self.host is not None:
             self.host.clear()
@@ -104,7 +108,8 @@ class VllmDialect(SimDialect):
     async def handle_sleep(self, request: web.Request) -> web.Response:
         """POST /sleep: the KV cache is discarded."""
         self.sleeping = True
-        self.cache.clear()
+        for cache in self.rank_caches:
+            cache.clear()
         return web.Response(status=200)
 
     async def handle_wake(self, request: web.Request) -> web.Response:
@@ -171,10 +176,11 @@ class VllmDialect(SimDialect):
         by_source = CounterMetricFamily(
             "vllm:prompt_tokens_cached_by_source",
             "Number of cached prompt tokens by source.",
-            labels=["model_name", "source"],
+            labels=["model_name", "engine", "source"],
         )
-        for source, tokens in self.cached_by_source.items():
-            by_source.add_metric([model, source], tokens)
+        for rank, counts in enumerate(self.cached_by_source):
+            for source, tokens in counts.items():
+                by_source.add_metric([model, str(rank), source], tokens)
         # One bucket is enough for the count: requests whose prompt was processed.
         request_prompt = HistogramMetricFamily(
             "vllm:request_prompt_tokens",

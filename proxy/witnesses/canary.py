@@ -21,7 +21,7 @@ import re
 import secrets
 import string
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -34,10 +34,12 @@ from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.observe import usage_from_json
 from proxy.vocabulary import CanaryOutcome, EngineKind, Verified, VerifyMode
 from proxy.witnesses.counters import Sums
+from proxy.witnesses.tiers import tier_delta
 from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
     "DEFAULT_CANARY_TOKENS",
+    "RANK_HEADER",
     "Canary",
     "canary_text",
     "verify_reset",
@@ -46,6 +48,8 @@ __all__ = [
 
 # Without a block size from the engine (docs/reset.md): long enough for any block we know of.
 DEFAULT_CANARY_TOKENS = 512
+# vLLM's data-parallel routing header (vllm/entrypoints/generate/base/serving.py); SGLang reads it too.
+RANK_HEADER = "X-data-parallel-rank"
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 # The engine flag that makes it report cached tokens.
 _REPORT_FLAGS: dict[str, str] = {
@@ -80,6 +84,11 @@ def _letters(n: int) -> str:
     return "".join(secrets.choice(string.ascii_lowercase) for _ in range(n))
 
 
+async def _no_tiers() -> Mapping[str, int] | None:
+    """No per-tier counter read."""
+    return None
+
+
 @dataclass
 class Canary:
     """Sends canary requests to one engine and keeps every call for the answer."""
@@ -97,6 +106,10 @@ class Canary:
     failure: str = ""  # what went wrong with the last failed canary request
     # What the canary's answered requests added to the engine's counters (the counter witness's `canary`).
     spent: Sums = field(default_factory=Sums)
+    # The engine's cached tokens per tier (proxy/witnesses/tiers.py), read around the probes.
+    read_tiers: Callable[[], Awaitable[Mapping[str, int] | None]] = field(default=_no_tiers, repr=False)
+    # A multi-rank engine: the data-parallel rank every request of this canary is routed to.
+    rank: int | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -126,6 +139,12 @@ class Canary:
         }
         if self.kind == EngineKind.MINDNANO:
             body["user"] = self.user  # mindnano caches per user
+        headers = {"Content-Type": "application/json", **(bearer(self.api_key) or {})}
+        if self.rank is not None:
+            # The engines' DP routing hints: vLLM's header (SGLang reads it too), SGLang's body fields.
+            headers[RANK_HEADER] = str(self.rank)
+            if self.kind == EngineKind.SGLANG:
+                body["routed_dp_rank"] = body["data_parallel_rank"] = self.rank
         # No `id_slot` on llama.cpp, though C2 "on C1's slot" was the plan: a pinned request
         # skips the host-RAM prompt cache both ways (llama-server 7e4c0a9, skulk wheel 0.10434.0:
         # pinned, C1 never reached the RAM cache; unpinned, C1 was cached there and its probe hit).
@@ -134,7 +153,7 @@ class Canary:
             "POST",
             f"{self.base_url}/v1/chat/completions",
             timeout_s=self.timeout_s,
-            headers={"Content-Type": "application/json", **(bearer(self.api_key) or {})},
+            headers=headers,
             body=orjson.dumps(body),
         )
         reading = None
@@ -201,15 +220,17 @@ async def _run(canary: Canary, reset: ResetCall) -> tuple[CacheReset, Verificati
     if not main.succeeded:
         reason = "the engine did not accept the reset, so the canary was not probed"
         return _with_calls(main, before_calls, []), _unverified(reason, repeat)
+    tiers_before = await canary.read_tiers()
     probes = [await canary.ask("C1 probe", c1)]
     between = await reset()  # each probe meets a cache a reset just emptied
     probes.append(await canary.ask("C2 probe", c2))
     final = await reset()  # nothing of the canaries is left for the benchmark's first request
+    by_tier = tier_delta(tiers_before, await canary.read_tiers())
     after_calls = canary.take_calls()
     # Order of the calls as they were made: probe, reset, probe, reset.
     after_calls[1:1] = between.calls
     after_calls.extend(final.calls)
-    verification = _judge(canary, repeat, probes, (between, final))
+    verification = replace(_judge(canary, repeat, probes, (between, final)), cached_by_tier=by_tier)
     return _with_calls(main, before_calls, after_calls), verification
 
 

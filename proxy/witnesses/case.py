@@ -154,17 +154,23 @@ class CaseWitness:
         await self._close_with(totals, "reset")
         self._baseline = totals
 
-    async def reset_finished(self, ids: tuple[str | None, str | None, str | None], canary: Sums) -> None:
+    async def reset_finished(
+        self, ids: tuple[str | None, str | None, str | None], canary: Sums
+    ) -> dict[str, Any] | None:
         """The reset ended: the sequence it leaves (`ids`: a new one if it was accepted) starts at its first read.
 
-        A second read, after the canary, is where a restart during the case is measured from.
+        A second read, after the canary, is where a restart during the case is measured from; the
+        two reads around the reset are its `witnesses.counters` block (None without counters).
         """
         reset_id, session_id, case_id = ids
+        interim = self._segment  # what the sidecar itself forwarded since the first read
+        seen = interim.observed.add(interim.unobserved) if interim is not None else Sums()
         self._segment = _Segment(reset_id, session_id, case_id, time.time_ns(), self._baseline, canary=canary)
-        await self.read()
+        _reachable, after = await self.read()
         if self.kind() == EngineKind.VLLM and self._sleeping is None:
             # The state a later change is measured from, before the watcher's first look.
             self._sleeping = await fetch_sleeping(self.session(), self.base_url, self.timeout_s, self.api_key)
+        return reset_window(self._baseline, after, seen, canary, self.in_flight())
 
     async def close(self, case_id: str | None, closed_by: str = "close") -> Reconciliation | None:
         """End the current case (`case_id` must be its own, or None for any); its reconciliation."""
@@ -293,6 +299,37 @@ class CaseWitness:
             "reconciliation": done.to_record() if done is not None else None,
             "engine_events": [event.to_record() for event in self.events],
         }
+
+
+def reset_window(
+    before: Totals | None, after: Totals | None, seen: Sums, canary: Sums, in_flight: int
+) -> dict[str, Any] | None:
+    """The counter witness of the reset itself: inside its drain window only the canary may reach the engine.
+
+    `consistent`: the engine's deltas are the canary's (and what the sidecar forwarded); `contradicted`:
+    other traffic hit the cache while the canary measured it; `inconclusive`: other traffic without
+    cached tokens, or a restart.
+    """
+    if before is None or after is None:
+        return None
+    engine, bypass, _restarted, verdict, reason = reconcile(
+        before,
+        after,
+        seen=seen,
+        canary=canary,
+        in_flight_at_read=in_flight,
+        restart_seen=None,
+        restart_before_traffic=False,
+    )
+    return {
+        "result": verdict.value,
+        "reason": reason,
+        "engine": engine,
+        "canary": canary.to_json(),
+        "observed": seen.to_json(),
+        "bypass": bypass,
+        "in_flight_at_read": in_flight,
+    }
 
 
 def _went_down(before: Totals, after: Totals) -> bool:

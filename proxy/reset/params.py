@@ -13,6 +13,7 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.vocabulary import Requested, Scope, VerifyMode, Via
+from proxy.witnesses.canary import MOST_CANARY_CALLS
 
 __all__ = [
     "INPUT_FIELDS",
@@ -90,10 +91,10 @@ class ResetParams:
 
 def worst_case_seconds(settings: Settings, params: ResetParams, *, canary: bool) -> float:
     """The longest one pod's reset can take: the drain, the retry window (SGLang's `?timeout=`
-    wait inside an attempt doubles it), the last attempt, and a canary's five requests and two
-    more resets. Held requests wait this long at most; a cluster reset waits this long for a pod."""
+    wait inside an attempt doubles it), the last attempt, and a canary's calls and two more
+    resets. Held requests wait this long at most; a cluster reset waits this long for a pod."""
     one_reset = 2 * params.retry_seconds + settings.reset_attempt_timeout
-    canary_s = 5 * settings.reset_attempt_timeout + 2 * one_reset if canary else 0.0
+    canary_s = MOST_CANARY_CALLS * settings.reset_attempt_timeout + 2 * one_reset if canary else 0.0
     drain = settings.drain_timeout if params.drain else 0.0
     return drain + one_reset + canary_s
 

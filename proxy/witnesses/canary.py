@@ -34,6 +34,7 @@ from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.observe import usage_from_json
 from proxy.vocabulary import CanaryOutcome, EngineKind, Verified, VerifyMode
 from proxy.witnesses.canary_size import (
+    FIT_ROUNDS,
     CanaryFit,
     Sized,
     count_in_answer,
@@ -47,6 +48,7 @@ from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
     "DEFAULT_CANARY_TOKENS",
+    "MOST_CANARY_CALLS",
     "Canary",
     "CanaryFit",
     "verify_reset",
@@ -55,6 +57,9 @@ __all__ = [
 
 # Without a block size from the engine (docs/reset.md): long enough for any block we know of.
 DEFAULT_CANARY_TOKENS = 512
+# Engine calls of one canary besides its resets, each bounded: C1, C1 resized, C1 again, C2, two
+# probes, and the counts of C1's and C2's words.
+MOST_CANARY_CALLS = 6 + 2 * FIT_ROUNDS
 # The first letters of C1's and C2's first words: the two differ from their first token on.
 _C1_LETTERS = "abcdefghijklm"
 _C2_LETTERS = "nopqrstuvwxyz"

@@ -27,6 +27,7 @@ from typing import Any
 from proxy.vocabulary import EngineKind
 
 __all__ = [
+    "FIT_ROUNDS",
     "CanaryFit",
     "Sized",
     "canary_words",
@@ -38,7 +39,7 @@ __all__ = [
 ]
 
 # Rounds of counting per canary: a first guess, a trim or an extension, and two to spare.
-_FIT_ROUNDS = 4
+FIT_ROUNDS = 4
 # A canary sized without a tokenizer is sent again when its words' tokens are off the target
 # by more than this share of it.
 _RESIZE_SLACK = 0.25
@@ -132,7 +133,7 @@ async def fit_words(target: int, first_letters: str, count: Count, fit: CanaryFi
     words = canary_words(fit.first_guess(target), first_letters)
     best: Sized | None = None
     tokens = 0
-    for _ in range(_FIT_ROUNDS):
+    for _ in range(FIT_ROUNDS):
         tokens = await count(" ".join(words)) or 0
         if tokens <= 0:
             return best or Sized(tuple(words), None)

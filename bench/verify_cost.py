@@ -42,6 +42,9 @@ async def timed_reset(http: aiohttp.ClientSession, base: str, verify: str) -> tu
     return time.perf_counter() - started, answer
 
 
+CANARY_TOKENS: list[int] = []  # the canary's prompt tokens (C1, as the engine counted them), per canary reset
+
+
 async def measure(base: str, rounds: int) -> dict[str, tuple[float, str]]:
     """Per mode: the median wait (s) and the `verified` words seen."""
     waits: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -53,7 +56,19 @@ async def measure(base: str, rounds: int) -> dict[str, tuple[float, str]]:
                 elapsed, answer = await timed_reset(http, base, mode)
                 waits[mode].append(elapsed)
                 words[mode].add(answer["verified"])
+                if mode == "canary" and answer["verification"].get("canary_tokens"):
+                    CANARY_TOKENS.append(answer["verification"]["canary_tokens"])
     return {mode: (statistics.median(waits[mode]), ",".join(sorted(words[mode]))) for mode in MODES}
+
+
+def canary_line() -> str:
+    """The canary's size in the engine's tokens, under the table."""
+    if not CANARY_TOKENS:
+        return "canary: none ran"
+    return (
+        f"canary prompt tokens (C1's repeat, usage.prompt_tokens): median {statistics.median(CANARY_TOKENS):.0f}"
+        f", {min(CANARY_TOKENS)}-{max(CANARY_TOKENS)} over {len(CANARY_TOKENS)} resets"
+    )
 
 
 def row(label: str, result: dict[str, tuple[float, str]]) -> str:
@@ -83,6 +98,7 @@ async def main_async(ns: argparse.Namespace) -> None:
             async with serving(settings) as base:
                 await asyncio.sleep(1.0)
                 print(row(ns.label, await measure(base, ns.rounds)), flush=True)
+            print(canary_line())
             return
         ports = Ports()
         config = SimConfig(
@@ -99,6 +115,7 @@ async def main_async(ns: argparse.Namespace) -> None:
             async with serving(dataclasses.replace(settings, upstream=engine)) as base:
                 await asyncio.sleep(1.0)
                 print(row("simulator vllm", await measure(base, ns.rounds)), flush=True)
+                print(canary_line())
 
 
 def main() -> int:

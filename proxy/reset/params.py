@@ -13,6 +13,7 @@ from aiohttp import web
 
 from proxy.config import Settings
 from proxy.vocabulary import Requested, Scope, VerifyMode, Via
+from proxy.witnesses.canary import MOST_CANARY_CALLS
 
 __all__ = [
     "INPUT_FIELDS",
@@ -90,11 +91,11 @@ class ResetParams:
 
 def worst_case_seconds(settings: Settings, params: ResetParams, *, canary: bool, ranks: int = 1) -> float:
     """The longest one pod's reset can take: the drain, the retry window (SGLang's `?timeout=`
-    wait inside an attempt doubles it), the last attempt, and a canary's five requests and two
-    more resets (once per data-parallel rank). Held requests wait this long at most; a cluster
-    reset waits this long for a pod."""
+    wait inside an attempt doubles it), the last attempt, and a canary's calls and two more resets
+    (once per data-parallel rank). Held requests wait this long at most; a cluster reset waits
+    this long for a pod."""
     one_reset = 2 * params.retry_seconds + settings.reset_attempt_timeout
-    per_rank = 5 * settings.reset_attempt_timeout + 2 * one_reset
+    per_rank = MOST_CANARY_CALLS * settings.reset_attempt_timeout + 2 * one_reset
     canary_s = ranks * per_rank + (ranks - 1) * one_reset if canary else 0.0
     drain = settings.drain_timeout if params.drain else 0.0
     return drain + one_reset + canary_s

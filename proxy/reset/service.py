@@ -29,7 +29,7 @@ from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
-from proxy.witnesses.canary import Canary, verify_reset
+from proxy.witnesses.canary import Canary, CanaryFit, verify_reset
 from proxy.witnesses.counters import Sums
 from proxy.witnesses.events_index import CACHE_INDEX
 from proxy.witnesses.events_witness import EventsCheck, merged
@@ -52,6 +52,7 @@ class ResetService:
         self._next: Round | None = None
         self._driver: asyncio.Task[None] | None = None
         self._stop_by: float | None = None  # monotonic end of the shutdown's grace period
+        self._canary_fit = CanaryFit()  # the engine's tokens per canary word, learned reset by reset
 
     @property
     def busy(self) -> bool:
@@ -282,6 +283,7 @@ class ResetService:
             api_key=key,
             read_tiers=lambda: read_by_tier(session, base, kind, timeout_s, key),
             rank=rank,
+            fit=self._canary_fit,
         )
 
     def _events(self, params: ResetParams) -> EventsCheck | None:

@@ -44,6 +44,8 @@ class SimConfig:
     max_concurrency: int = 0  # running requests at once; 0 = unlimited; extra ones wait
     scheduling_policy: str = "fcfs"  # who of the waiting runs next: fcfs, or priority (lowest first)
     default_max_tokens: int = 16
+    # Words split into 1 to 3 tokens (proxy/sim/text.py piece_tokenize), not one token per word.
+    word_pieces: bool = False
     # Seconds an idle client connection stays open (uvicorn, under vLLM and SGLang: 5);
     # None: aiohttp's default.
     keepalive_timeout: float | None = None
@@ -111,6 +113,8 @@ class SimConfig:
             raise ValueError("--refusing-rank must be one of the ranks 0 .. dp_size-1")
         if self.hicache_storage_backend is not None and self.dialect != "sglang":
             raise ValueError("--hicache-storage-backend is for the sglang dialect")
+        if self.word_pieces and self.dialect == "mindnano":
+            raise ValueError("word_pieces is for the word-tokenizer dialects (mindnano counts characters)")
         if self.reset_leaves_warm and self.dialect not in ("vllm", "sglang"):
             raise ValueError("reset_leaves_warm is for the vllm and sglang dialects (llamacpp: ram_cache)")
         self._check_kv_events()
@@ -215,6 +219,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         help="strict validation: any stream_options is an unknown field (400)",
     )
     parser.add_argument(
+        "--word-pieces",
+        action="store_true",
+        help="split words into 1 to 3 tokens (as a subword tokenizer), not one token per word",
+    )
+    parser.add_argument(
         "--reset-leaves-warm",
         action="store_true",
         help="vllm, sglang: the reset answers success but the cache stays warm",
@@ -313,6 +322,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         keepalive_timeout=ns.keepalive_timeout,
         reject_stream_options=ns.reject_stream_options,
         reset_leaves_warm=ns.reset_leaves_warm,
+        word_pieces=ns.word_pieces,
         scheduling_policy=ns.scheduling_policy,
         legacy_empty_body=ns.legacy_empty_body,
         dev_mode=not ns.no_dev_mode,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
@@ -13,8 +14,8 @@ from proxy.sim.config import SimConfig
 from proxy.sim.engine import Engine, Sequence
 from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.scheduler import Scheduler
-from proxy.sim.text import CHATML, ChatTemplate
-from proxy.sim.wire import error_response, json_body
+from proxy.sim.text import CHATML, ChatTemplate, PromptError, piece_tokenize, token_ids
+from proxy.sim.wire import error_response, json_body, read_json
 
 __all__ = ["NullUsage", "SimDialect"]
 
@@ -50,6 +51,8 @@ class SimDialect:
     def __init__(self, config: SimConfig) -> None:
         """Build this dialect's engine, with this dialect as its hooks, and the prefix cache."""
         self.config = config
+        if config.word_pieces:
+            self.template = replace(self.template, tokenize=piece_tokenize)
         self.engine = Engine(config, self)
         self.cache = PrefixCache(self.config.block_size, self.config.cache_blocks)
         # One cache per data-parallel rank; rank 0's is `cache` (the one the KV events follow).
@@ -204,6 +207,27 @@ class SimDialect:
     async def handle_health(self, request: web.Request) -> web.Response:
         """Health probe: 200 with an empty body, as vLLM's."""
         return web.Response(status=200)
+
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize as vLLM and SGLang answer it: `prompt` (vLLM: or `messages`) → count and ids.
+
+        The count is the one the chat and completion routes use, so a caller can size a prompt
+        by it. vLLM's `messages` form counts the chat template too; `add_special_tokens` changes
+        nothing here (the simulated tokenizer adds no BOS).
+        """
+        body = await read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        try:
+            if "messages" in body and self.name == "vllm":
+                tokens = self.template.chat(body["messages"])
+            elif isinstance(body.get("prompt"), str):
+                tokens = self.template.tokenize(body["prompt"])
+            else:
+                raise PromptError("'prompt' must be a string")
+        except PromptError as exc:
+            return error_response(400, str(exc))
+        return json_body({"count": len(tokens), "max_model_len": 4096, "tokens": token_ids(tokens)})
 
     def not_found(self) -> web.Response:
         """The 404 of an unknown route (FastAPI's body: vLLM, SGLang and most OpenAI servers)."""

@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from proxy.sim.dialect import SimDialect
 from proxy.sim.engine import Sequence
-from proxy.sim.text import PromptError, common_prefix, completion_prompt_tokens
+from proxy.sim.text import PromptError, common_prefix, token_ids
 from proxy.sim.wire import (
     json_body,
     read_json,
@@ -240,13 +240,14 @@ class LlamacppDialect(SimDialect):
 
     # -- routes ----------------------------------------------------------------------------
     def add_routes(self, app: web.Application) -> None:
-        """/health, /props, /slots, /slots/{id}?action=, native /completion."""
+        """/health, /props, /slots, /slots/{id}?action=, native /completion, /tokenize."""
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/props", self.handle_props)
         app.router.add_get("/slots", self.handle_slots)
         app.router.add_post("/slots/{id_slot}", self.handle_slot_action)
         app.router.add_post("/completion", self.handle_completion)
         app.router.add_post("/completions", self.handle_completion)
+        app.router.add_post("/tokenize", self.handle_tokenize)
 
     async def handle_health(self, request: web.Request) -> web.Response:
         """GET /health."""
@@ -361,13 +362,29 @@ class LlamacppDialect(SimDialect):
         finally:
             self._give(slot)
 
+    async def handle_tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize: `content` → `tokens` (ids, or {id, piece} with `with_pieces`), as llama-server.
+
+        Only the content's tokens: llama-server applies no chat template here.
+        """
+        body = await read_json(request)
+        if isinstance(body, web.Response):
+            return body
+        content = body.get("content")
+        # Without `content` llama-server answers an empty list (seen on 7e4c0a9), not an error.
+        tokens = self.template.tokenize(content) if isinstance(content, str) else []
+        ids = token_ids(tokens)
+        if body.get("with_pieces") is True:
+            return json_body({"tokens": [{"id": i, "piece": t} for i, t in zip(ids, tokens, strict=True)]})
+        return json_body({"tokens": ids})
+
     async def handle_completion(self, request: web.Request) -> web.StreamResponse:
         """POST /completion: native route; `tokens_cached` is the slot's length, not a hit count."""
         body = await read_json(request)
         if isinstance(body, web.Response):
             return body
         try:
-            prompt = completion_prompt_tokens(body.get("prompt"))
+            prompt = self.template.completion(body.get("prompt"))
         except PromptError as exc:
             return _llama_error(400, str(exc))
         n_predict = body.get("n_predict", body.get("max_tokens", -1))

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.sim.cache import PrefixCache
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
-from proxy.sim.text import PromptError, completion_prompt_tokens
+from proxy.sim.text import PromptError
 from proxy.sim.wire import DONE, error_response, read_json, send_event, sse_response
 
 __all__ = ["SglangDialect"]
@@ -72,7 +72,7 @@ class SglangDialect(SimDialect):
         return None
 
     def add_routes(self, app: web.Application) -> None:
-        """/health, /server_info, /get_server_info, /get_model_info, /flush_cache, /generate."""
+        """/health, /server_info, /get_server_info, /get_model_info, /flush_cache, /generate, /tokenize."""
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/health_generate", self.handle_health)
         app.router.add_get("/server_info", self.handle_server_info)
@@ -82,6 +82,8 @@ class SglangDialect(SimDialect):
         app.router.add_route("POST", "/flush_cache", self.handle_flush)
         app.router.add_post("/generate", self.handle_generate)
         app.router.add_post("/hicache/storage-backend/clear", self.handle_storage_clear)
+        app.router.add_post("/tokenize", self.handle_tokenize)
+        app.router.add_post("/v1/tokenize", self.handle_tokenize)
 
     async def handle_server_info(self, request: web.Request) -> web.Response:
         """GET /server_info (0.5.10+) and /get_server_info (0.4+): both carry `version`."""
@@ -155,9 +157,9 @@ class SglangDialect(SimDialect):
             return body
         try:
             if "input_ids" in body and body["input_ids"] is not None:
-                prompt = completion_prompt_tokens(body["input_ids"])
+                prompt = self.template.completion(body["input_ids"])
             else:
-                prompt = completion_prompt_tokens(body.get("text"))
+                prompt = self.template.completion(body.get("text"))
         except PromptError:
             return error_response(400, "'text' must be a string or 'input_ids' a list of token ids")
         params = body.get("sampling_params") or {}

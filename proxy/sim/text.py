@@ -16,6 +16,8 @@ __all__ = [
     "common_prefix",
     "completion_prompt_tokens",
     "output_tokens",
+    "piece_tokenize",
+    "token_ids",
     "tokenize",
 ]
 
@@ -40,6 +42,30 @@ class PromptError(ValueError):
 def tokenize(text: str) -> list[str]:
     """Split text into word and punctuation tokens."""
     return _TOKEN_RE.findall(text)
+
+
+def piece_tokenize(text: str) -> list[str]:
+    """Word tokens split into 1 to 3 pieces by a hash of the word, as a subword tokenizer splits rare words.
+
+    The count per word varies the way a real tokenizer's does, so a caller that sizes text by
+    the engine's tokens (the sidecar's canary) cannot get it right by counting words.
+    """
+    pieces: list[str] = []
+    for token in _TOKEN_RE.findall(text):
+        n = min(len(token), 1 + _stable(token) % 3)
+        step = -(-len(token) // n)
+        pieces.extend(token[i : i + step] for i in range(0, len(token), step))
+    return pieces
+
+
+def token_ids(tokens: Sequence[str]) -> list[int]:
+    """Stable ids for tokens (the shape of a `/tokenize` answer); equal tokens get equal ids."""
+    return [_stable(token) % 50_000 for token in tokens]
+
+
+def _stable(token: str) -> int:
+    """A hash of a token that is the same in every process (Python's `hash` of a str is not)."""
+    return int.from_bytes(hashlib.blake2b(token.encode(), digest_size=4).digest(), "little")
 
 
 def _content_text(content: Any) -> str:

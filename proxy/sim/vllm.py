@@ -87,11 +87,12 @@ class VllmDialect(SimDialect):
         return {"root": self.config.served_model, "parent": None, "max_model_len": 4096}
 
     def add_routes(self, app: web.Application) -> None:
-        """/health, /ping, /version, and /reset_prefix_cache only in dev mode."""
+        """/health, /ping, /version, /tokenize, and /reset_prefix_cache only in dev mode."""
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/ping", self.handle_health)
         app.router.add_post("/ping", self.handle_health)
         app.router.add_get("/version", self.handle_version)
+        app.router.add_post("/tokenize", self.handle_tokenize)
         if self.config.dev_mode:
             # Registered only under VLLM_SERVER_DEV_MODE=1
             # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.

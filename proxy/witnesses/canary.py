@@ -9,8 +9,9 @@ engine is reset between the two probes and once more at the end, so no canary to
 show up as cached in a later request (SGLang and llama.cpp match per token, and the two
 canaries share their chat template's first tokens).
 
-Canary prompts are fresh random words per reset, never logged; the answer's `calls`
-list each canary request with its token counts only. Canary requests go straight to
+Canary prompts are fresh random words per reset, never logged, sized by the engine's own
+tokens (proxy/witnesses/canary_size.py); the answer's `calls` list each canary request, and
+each count of its words on the engine's tokenizer route, with token counts only. Canary requests go straight to
 the engine, not through `forward`: they are no client traffic (no observation, no
 ordinal, no request metrics).
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import re
 import secrets
-import string
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -33,15 +33,26 @@ from proxy.engines.call import EngineCall, bearer, engine_call
 from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.observe import usage_from_json
 from proxy.vocabulary import CanaryOutcome, EngineKind, Verified, VerifyMode
+from proxy.witnesses.canary_size import (
+    FIT_ROUNDS,
+    CanaryFit,
+    Sized,
+    count_in_answer,
+    fit_words,
+    learn_template,
+    resized,
+    tokenize_request,
+)
 from proxy.witnesses.counters import Sums
 from proxy.witnesses.tiers import tier_delta
 from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
     "DEFAULT_CANARY_TOKENS",
+    "MOST_CANARY_CALLS",
     "RANK_HEADER",
     "Canary",
-    "canary_text",
+    "CanaryFit",
     "verify_reset",
 ]
 
@@ -50,6 +61,12 @@ __all__ = [
 DEFAULT_CANARY_TOKENS = 512
 # vLLM's data-parallel routing header (vllm/entrypoints/generate/base/serving.py); SGLang reads it too.
 RANK_HEADER = "X-data-parallel-rank"
+# Engine calls of one canary besides its resets, each bounded: C1, C1 resized, C1 again, C2, two
+# probes, and the counts of C1's and C2's words.
+MOST_CANARY_CALLS = 6 + 2 * FIT_ROUNDS
+# The first letters of C1's and C2's first words: the two differ from their first token on.
+_C1_LETTERS = "abcdefghijklm"
+_C2_LETTERS = "nopqrstuvwxyz"
 _BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 # The engine flag that makes it report cached tokens.
 _REPORT_FLAGS: dict[str, str] = {
@@ -67,21 +84,6 @@ _CONTRADICTED_HINTS: dict[str, str] = {
     ),
 }
 _DEFAULT_HINT = "the engine's reset left the canary cached: check the engine's cache tiers and reset route"
-
-
-def canary_text(n_words: int, first_letters: str) -> str:
-    """Fresh random words; each is at least one token in every tokenizer we know of.
-
-    The first letter comes from `first_letters`, so two canaries differ from their first token on.
-    """
-    words = [secrets.choice(first_letters) + _letters(3)]
-    words.extend(_letters(4) for _ in range(n_words - 1))
-    return " ".join(words)
-
-
-def _letters(n: int) -> str:
-    """n random lowercase letters."""
-    return "".join(secrets.choice(string.ascii_lowercase) for _ in range(n))
 
 
 async def _no_tiers() -> Mapping[str, int] | None:
@@ -110,11 +112,48 @@ class Canary:
     read_tiers: Callable[[], Awaitable[Mapping[str, int] | None]] = field(default=_no_tiers, repr=False)
     # A multi-rank engine: the data-parallel rank every request of this canary is routed to.
     rank: int | None = None
+    # What the engine's tokens cost per word, learned at earlier resets (one per sidecar).
+    fit: CanaryFit = field(default_factory=CanaryFit)
 
     @property
     def n_tokens(self) -> int:
-        """Canary length: two of the engine's cache blocks where it says, else the default."""
+        """The canary's words' length in the engine's tokens: two of its cache blocks where it says, else the default."""
         return 2 * self.block_size if self.block_size else DEFAULT_CANARY_TOKENS
+
+    async def sized(self, name: str, first_letters: str) -> Sized:
+        """Fresh words that just reach `n_tokens`, counted on the engine's tokenizer route where it has one."""
+
+        async def count(text: str) -> int | None:
+            return await self.count_tokens(name, text)
+
+        return await fit_words(self.n_tokens, first_letters, count, self.fit)
+
+    async def count_tokens(self, name: str, text: str) -> int | None:
+        """The engine's token count of `text` (its tokenizer route), None when it has no such route."""
+        request = None if self.fit.tokenizer is False else tokenize_request(self.kind, self.model, text)
+        if request is None:
+            return None
+        path, body = request
+        reply = await engine_call(
+            self.session,
+            "POST",
+            f"{self.base_url}{path}",
+            timeout_s=self.timeout_s,
+            headers={"Content-Type": "application/json", **(bearer(self.api_key) or {})},
+            body=orjson.dumps(body),
+        )
+        ok = reply.status is not None and 200 <= reply.status < 300
+        tokens = count_in_answer(self.kind, reply.json()) if ok else None
+        if tokens is not None and tokens <= 0:
+            tokens = None  # no count of words that are there
+        if tokens is not None:
+            self.fit.tokenizer = True
+        elif reply.status in (404, 405):
+            self.fit.tokenizer = False  # no such route (an older SGLang): ask no more, the usage tells
+        # Never the words or their token ids: the excerpt holds the count only.
+        excerpt = orjson.dumps({"tokenize": name, "tokens": tokens}).decode()
+        self.calls.append(replace(reply.call, body_excerpt=excerpt))
+        return tokens
 
     async def prepare(self) -> str | None:
         """Learn the model (and vLLM's block size); a reason when the canary cannot run."""
@@ -122,6 +161,7 @@ class Canary:
         if not models:
             return "the engine lists no model at /v1/models, so no canary could be sent"
         self.model = models[0]
+        self.fit.serving(self.kind, self.model)
         if self.kind == EngineKind.VLLM:
             text = await fetch_engine_metrics(self.session, self.base_url, self.timeout_s)
             found = _BLOCK_SIZE.search(text or b"")
@@ -197,13 +237,12 @@ async def _run(canary: Canary, reset: ResetCall) -> tuple[CacheReset, Verificati
     problem = await canary.prepare()
     if problem is not None:
         return await _reset_unprobed(canary, reset, problem)
-    c1 = canary_text(canary.n_tokens, "abcdefghijklm")
-    c2 = canary_text(canary.n_tokens, "nopqrstuvwxyz")
-    first = await canary.ask("C1", c1)
+    c1, first = await _first_canary(canary)
     if first is None:
         return await _reset_unprobed(canary, reset, f"the canary request failed ({canary.failure})")
     if first.cached is None:
         return await _reset_unprobed(canary, reset, _unreported_reason(canary.kind))
+    c2 = (await canary.sized("C2", _C2_LETTERS)).text
     repeat = await canary.ask("C1 again", c1)
     if repeat is None or not repeat.cached:
         why = (
@@ -232,6 +271,21 @@ async def _run(canary: Canary, reset: ResetCall) -> tuple[CacheReset, Verificati
     after_calls.extend(final.calls)
     verification = replace(_judge(canary, repeat, probes, (between, final)), cached_by_tier=by_tier)
     return _with_calls(main, before_calls, after_calls), verification
+
+
+async def _first_canary(canary: Canary) -> tuple[str, Reading | None]:
+    """C1 sized and sent; sent again at the target's length when its usage shows it far off (no tokenizer)."""
+    c1 = await canary.sized("C1", _C1_LETTERS)
+    first = await canary.ask("C1", c1.text)
+    if first is None or first.prompt is None:
+        return c1.text, first
+    again = resized(c1, first.prompt, canary.n_tokens, _C1_LETTERS, canary.fit)
+    if again is None:
+        return c1.text, first
+    second = await canary.ask("C1 resized", again.text)
+    if second is not None and second.prompt is not None:
+        learn_template(c1, first.prompt, again, second.prompt, canary.fit)
+    return again.text, second
 
 
 async def _reset_unprobed(

@@ -20,6 +20,7 @@ from proxy.cluster.peers import discover_peers
 from proxy.config import SETTINGS, ConfigError, Settings
 from proxy.config_load import load_settings
 from proxy.evidence.log import EVIDENCE
+from proxy.witnesses.canary import MOST_CANARY_CALLS
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.cluster import RESETS_PER_VERIFIED, SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.support.dns_server import dns_server
@@ -363,7 +364,7 @@ async def test_cluster_deadline_covers_each_pods_canary(tmp_path: Path) -> None:
         status, without = await c.reset({"scope": "cluster", "verify": "none"}, query="")
         assert status == 200, without
         settings = c.pods[0].app[SETTINGS]
-        canary_s = 5 * settings.reset_attempt_timeout + 2 * (
+        canary_s = MOST_CANARY_CALLS * settings.reset_attempt_timeout + 2 * (
             2 * settings.retry_seconds + settings.reset_attempt_timeout
         )
         assert with_canary["deadline_s"] - without["deadline_s"] == pytest.approx(canary_s)

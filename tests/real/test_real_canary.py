@@ -40,6 +40,17 @@ async def test_llamacpp_with_cache_ram_0_is_verified(llama: Pair) -> None:
     _assert_verified(status, answer)
 
 
+async def test_llamacpp_canary_is_sized_by_its_tokenizer(llama: Pair) -> None:
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
+        status, answer = await reset(s, llama.url)
+    _assert_verified(status, answer)
+    # No block size from llama-server: 512 of its tokens (the byte-level tiny model's bytes) and the
+    # chat template, not 512 words (2,560 tokens).
+    counts = [c for c in answer["calls"] if c["url"].endswith("/tokenize")]
+    assert counts and all(c["status"] == 200 for c in counts), counts
+    assert 512 <= answer["verification"]["canary_tokens"] < 512 + 64, answer["verification"]
+
+
 async def test_llamacpp_default_ram_cache_after_traffic_is_contradicted(llama_ram_cache: Pair) -> None:
     pair = llama_ram_cache
     session_id, case_id = new_case()
@@ -63,6 +74,11 @@ async def test_vllm_dev_mode_is_verified_with_its_block_size(vllm: Pair) -> None
         await _earlier_traffic(s, vllm)
         status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id)
     _assert_verified(status, answer)
-    # Two of vLLM's CPU blocks (128 tokens) at least; block-granular hits on the repeat.
+    # The words span two of vLLM's CPU blocks (128 tokens) in its own tokens, and no third one:
+    # 256 + the chat template (19 tokens on the tiny model) + at most one word (5 bytes). Sized
+    # by words the canary was 1,298 tokens. Block-granular hits on the repeat.
     before = answer["verification"]["before"]
-    assert answer["verification"]["canary_tokens"] >= 256 and before["cached"] % 128 == 0, before
+    assert 256 <= answer["verification"]["canary_tokens"] < 3 * 128, answer["verification"]
+    assert before["cached"] % 128 == 0, before
+    counts = [c for c in answer["calls"] if c["url"].endswith("/tokenize")]
+    assert counts and all(c["status"] == 200 for c in counts), counts

@@ -1,22 +1,16 @@
-"""llama.cpp `llama-server` dialect: slots with their own KV, erase that waits, RAM prompt cache."""
+"""llama.cpp `llama-server` dialect: slots with their own KV (llamacpp_slots.py), RAM prompt cache."""
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import json
-import os
-import time
 from collections import OrderedDict
 from contextlib import aclosing
-from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from proxy.sim.dialect import SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.llamacpp_slots import N_CTX, SlotsDialect, llama_error
 from proxy.sim.text import PromptError, common_prefix, token_ids
 from proxy.sim.wire import (
     json_body,
@@ -27,36 +21,10 @@ from proxy.sim.wire import (
 
 __all__ = ["LlamacppDialect"]
 
-N_CTX = 4096
 RAM_CACHE_ENTRIES = 64
-NOT_SUPPORTED = {
-    "error": {
-        "code": 501,
-        "message": "This server does not support slots action. Start it with `--slot-save-path`",
-        "type": "not_supported_error",
-    }
-}
 
 
-def _llama_error(status: int, message: str, err_type: str = "invalid_request_error") -> web.Response:
-    """llama-server's error shape."""
-    return json_body({"error": {"code": status, "message": message, "type": err_type}}, status)
-
-
-@dataclass(eq=False)
-class Slot:
-    """One llama.cpp slot: its KV tokens and who holds it."""
-
-    id: int
-    tokens: list[str] = field(default_factory=list)
-    n_prompt_tokens: int = 0
-    last_used: int = 0
-    processing: bool = False
-    claims: int = 0  # holders plus waiters (requests and erases)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-class LlamacppDialect(SimDialect):
+class LlamacppDialect(SlotsDialect):
     """llama-server with `-np N --metrics --slots`, optionally `--slot-save-path` and RAM cache."""
 
     name = "llamacpp"
@@ -65,62 +33,9 @@ class LlamacppDialect(SimDialect):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """Make the slots and the RAM prompt cache."""
         super().__init__(*args, **kwargs)
-        self.slots = [Slot(i) for i in range(self.config.slots)]
         self.ram: OrderedDict[tuple[str, ...], None] = OrderedDict()
-        self._clock = itertools.count(1)
-        self._freed = asyncio.Event()
 
-    # -- slots -----------------------------------------------------------------------------
-    async def _take(self, slot: Slot) -> None:
-        """Hold a slot, waiting (deferred) while someone else does."""
-        slot.claims += 1
-        deferred = slot.lock.locked()
-        if deferred:
-            self.engine.waiting += 1
-            self.engine.state_changed()
-        try:
-            await slot.lock.acquire()
-        except BaseException:
-            slot.claims -= 1
-            raise
-        finally:
-            if deferred:
-                self.engine.waiting -= 1
-
-    def _give(self, slot: Slot) -> None:
-        """Let go of a slot and wake requests waiting for any free slot."""
-        slot.claims -= 1
-        slot.lock.release()
-        freed, self._freed = self._freed, asyncio.Event()
-        freed.set()
-
-    def _pick_free(self, seq: Sequence) -> Slot | None:
-        """A free slot: the one sharing the longest prefix with the prompt, else the least recently used."""
-        best: Slot | None = None
-        best_len = 0
-        oldest: Slot | None = None
-        for slot in self.slots:
-            if slot.claims:
-                continue
-            n = common_prefix(slot.tokens, seq.prompt)
-            if n > best_len:
-                best, best_len = slot, n
-            if oldest is None or slot.last_used < oldest.last_used:
-                oldest = slot
-        return best if best is not None else oldest
-
-    async def _wait_free(self, seq: Sequence) -> Slot:
-        """The best free slot, deferring (counted waiting) while none is free."""
-        while (slot := self._pick_free(seq)) is None:
-            freed = self._freed
-            self.engine.waiting += 1
-            self.engine.state_changed()
-            try:
-                await freed.wait()
-            finally:
-                self.engine.waiting -= 1
-        return slot
-
+    # -- admitting a request to a slot -----------------------------------------------------
     async def admit(self, seq: Sequence) -> None:
         """Take the pinned slot (`id_slot`) or any free one; defer while none is free."""
         slot = self.slots[seq.id_slot] if seq.id_slot >= 0 else await self._wait_free(seq)
@@ -149,11 +64,11 @@ class LlamacppDialect(SimDialect):
         """`id_slot` (pin; -1 any) and `cache_prompt`."""
         id_slot = body.get("id_slot", -1)
         if isinstance(id_slot, bool) or not isinstance(id_slot, int) or id_slot >= len(self.slots):
-            return _llama_error(400, f"id_slot must be an integer below {len(self.slots)}, or -1")
+            return llama_error(400, f"id_slot must be an integer below {len(self.slots)}, or -1")
         seq.id_slot = id_slot
         cache_prompt = body.get("cache_prompt", True)
         if not isinstance(cache_prompt, bool):
-            return _llama_error(400, "cache_prompt must be a boolean")
+            return llama_error(400, "cache_prompt must be a boolean")
         seq.cache_prompt = cache_prompt
         return None
 
@@ -228,7 +143,7 @@ class LlamacppDialect(SimDialect):
 
     def not_found(self) -> web.Response:
         """llama-server's 404."""
-        return _llama_error(404, "File Not Found", "not_found_error")
+        return llama_error(404, "File Not Found", "not_found_error")
 
     def model_card_extras(self) -> dict[str, Any]:
         """llama-server's model card `meta`."""
@@ -271,97 +186,6 @@ class LlamacppDialect(SimDialect):
             }
         )
 
-    async def handle_slots(self, request: web.Request) -> web.Response:
-        """GET /slots."""
-        return json_body(
-            [
-                {
-                    "id": s.id,
-                    "id_task": -1,
-                    "n_ctx": N_CTX,
-                    "speculative": False,
-                    "is_processing": s.processing,
-                    "n_prompt_tokens": s.n_prompt_tokens,
-                    "n_tokens": len(s.tokens),
-                }
-                for s in self.slots
-            ]
-        )
-
-    async def handle_slot_action(self, request: web.Request) -> web.Response:
-        """POST /slots/{id}?action=erase|save|restore (needs --slot-save-path, else 501)."""
-        if self.config.slot_save_path is None:
-            return json_body(NOT_SUPPORTED, 501)
-        try:
-            id_slot = int(request.match_info["id_slot"])
-        except ValueError:
-            return _llama_error(400, "Invalid slot id")
-        action = request.query.get("action", "")
-        if action not in ("erase", "save", "restore"):
-            return _llama_error(400, "Invalid action")
-        if id_slot == -1:
-            return json_body({"id_slot": -1, "n_erased": 0})
-        # Ids wrap modulo the slot count, as llama-server's task routing does.
-        slot = self.slots[id_slot % len(self.slots)]
-        filename = ""
-        if action != "erase":
-            body = await read_json(request)
-            if isinstance(body, web.Response):
-                return body
-            filename = body.get("filename", "")
-            if (
-                not isinstance(filename, str)
-                or not filename
-                or "/" in filename
-                or "\\" in filename
-                or filename.startswith(".")
-            ):
-                return _llama_error(400, "Invalid filename")
-        # A busy slot's action is deferred until its generation ends: the call blocks.
-        await self._take(slot)
-        try:
-            started = time.perf_counter()
-            if action == "erase":
-                n_erased = len(slot.tokens)
-                slot.tokens = []
-                slot.n_prompt_tokens = 0
-                self.engine.resets_total += 1
-                return json_body({"id_slot": slot.id, "n_erased": n_erased})
-            path = os.path.join(self.config.slot_save_path, filename)
-            if action == "save":
-                data = json.dumps(slot.tokens).encode()
-                await asyncio.to_thread(_write_file, path, data)
-                ms = (time.perf_counter() - started) * 1000.0
-                return json_body(
-                    {
-                        "id_slot": slot.id,
-                        "filename": filename,
-                        "n_saved": len(slot.tokens),
-                        "n_written": len(data),
-                        "timings": {"save_ms": ms},
-                    }
-                )
-            try:
-                data = await asyncio.to_thread(_read_file, path)
-                tokens = json.loads(data)
-            except (OSError, ValueError):
-                return _llama_error(
-                    400, "Unable to restore slot, no available space in KV cache or invalid slot save file"
-                )
-            slot.tokens = [str(t) for t in tokens]
-            ms = (time.perf_counter() - started) * 1000.0
-            return json_body(
-                {
-                    "id_slot": slot.id,
-                    "filename": filename,
-                    "n_restored": len(slot.tokens),
-                    "n_read": len(data),
-                    "timings": {"restore_ms": ms},
-                }
-            )
-        finally:
-            self._give(slot)
-
     async def handle_tokenize(self, request: web.Request) -> web.Response:
         """POST /tokenize: `content` → `tokens` (ids, or {id, piece} with `with_pieces`), as llama-server.
 
@@ -386,10 +210,10 @@ class LlamacppDialect(SimDialect):
         try:
             prompt = self.template.completion(body.get("prompt"))
         except PromptError as exc:
-            return _llama_error(400, str(exc))
+            return llama_error(400, str(exc))
         n_predict = body.get("n_predict", body.get("max_tokens", -1))
         if isinstance(n_predict, bool) or not isinstance(n_predict, int):
-            return _llama_error(400, "n_predict must be an integer")
+            return llama_error(400, "n_predict must be an integer")
         # -1 is "until EOS or context end" upstream; the sim has no EOS, so use the default.
         seq = Sequence(
             prompt=prompt, max_tokens=self.config.default_max_tokens if n_predict < 0 else n_predict
@@ -456,15 +280,3 @@ class LlamacppDialect(SimDialect):
         deferred = GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred.")
         deferred.add_metric([], engine.waiting)
         return [prompt, cached, predicted, processing, deferred]
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """Write a slot save file."""
-    with open(path, "wb") as f:
-        f.write(data)
-
-
-def _read_file(path: str) -> bytes:
-    """Read a slot save file."""
-    with open(path, "rb") as f:
-        return f.read()

@@ -212,6 +212,23 @@ async def test_rewritten_stream_request_carries_its_own_content_length(
     assert "transfer-encoding" not in seen
 
 
+@pytest.mark.parametrize("size", [300_000, 3_000_000])  # with the head in one write; in slices by a task
+async def test_a_large_injected_stream_request_reaches_the_engine_whole(
+    sidecar: SidecarFactory, upstream: str, client, size: int
+) -> None:
+    """A long prompt goes upstream as pieces of the client's buffer around the splice, in order."""
+    proxy = await sidecar(upstream)
+    head, tail = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "', b'"}]}'
+    body = head + bytes(range(97, 123)) * ((size - len(head) - len(tail)) // 26) + tail
+    async with client.post(
+        proxy + "/v1/chat/completions", data=io.BytesIO(body), headers={"Content-Type": "application/json"}
+    ) as response:
+        described = await response.json()
+    sent = body[:-1] + b',"stream_options":{"include_usage":true}}'
+    assert described["body_sha256"] == hashlib.sha256(sent).hexdigest()
+    assert int({k.lower(): v for k, v in described["headers"]}["content-length"]) == len(sent)
+
+
 async def test_non_stream_inference_request_is_forwarded_byte_for_byte(
     sidecar: SidecarFactory, upstream: str, client
 ) -> None:

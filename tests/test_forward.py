@@ -160,6 +160,19 @@ async def test_request_id_header_opts_in_to_a_generated_id_both_ways(
         assert len(response.headers["X-Request-Id"]) >= 16
 
 
+async def test_generated_request_ids_are_distinct_across_the_random_pool(
+    sidecar: SidecarFactory, upstream: str, client
+) -> None:
+    """Ids are cut from one urandom read per 256 requests: past a refill they stay 32 distinct hex digits."""
+    proxy = await sidecar(upstream, request_id_header=True)
+    ids = []
+    for _ in range(300):
+        async with client.get(proxy + "/echo") as response:
+            ids.append(response.headers["X-Request-Id"])
+    assert len(set(ids)) == len(ids)
+    assert all(len(id_) == 32 and int(id_, 16) >= 0 for id_ in ids)
+
+
 async def test_request_id_from_the_client_is_kept(sidecar: SidecarFactory, upstream: str, client) -> None:
     proxy = await sidecar(upstream)
     async with client.get(proxy + "/echo", headers={"X-Request-Id": "req-42"}) as response:

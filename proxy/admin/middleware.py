@@ -30,7 +30,7 @@ from proxy.forward.inbound import PATH_REFUSAL
 from proxy.refusals import REFUSALS, RefusalReason, Refusals
 from proxy.upstream.pools import UPSTREAM_POOL
 
-__all__ = ["ROUTE_POLICY", "Police", "route_policy", "setup_admin"]
+__all__ = ["ROUTE_POLICY", "Handler", "Police", "route_policy", "setup_admin"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Applies the route policy to one route as it is registered: (handler, registered path) → handler.

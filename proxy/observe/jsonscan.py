@@ -185,11 +185,12 @@ def trailing_members(data: Buffer, after: int, close: int) -> list[tuple[bytes, 
         pos = end
 
 
-# Outside strings, the next quote or bracket; once a string is found unterminated, brackets only
-# (no quote after it can close a string: each was found escaped). A string itself is skipped
-# by `bytes.find` from quote to quote (memchr): a character class in `re` steps through a long
-# prompt a byte at a time (220 KB: 3.1 ms against 0.03 ms, issue 34).
-_STRUCTURE = re.compile(rb'["{}\[\]]')
+# Outside strings, the next token: a short string with no escape, whole, in C; else a quote,
+# whose string `value_end` skips with `bytes.find` from quote to quote (memchr): a character
+# class in `re` steps through a long prompt a byte at a time (220 KB: 3.1 ms against 0.03 ms,
+# issue 34). Once a string is found unterminated, brackets only (no quote after it can close a
+# string: each was found escaped).
+_STRUCTURE = re.compile(rb'"[^"\\]{0,256}+"|["{}\[\]]')
 _BRACKETS = re.compile(rb"[{}\[\]]")
 
 
@@ -216,10 +217,11 @@ def top_level_members(data: Buffer, keys: frozenset[bytes]) -> TopLevel | None:
     starts: dict[bytes, tuple[int, int]] = {}
     search, pos = _STRUCTURE.search, start
     while (token := search(data, pos)) is not None:
-        at = token.start()
+        at, stop = token.span()
         first = data[at]
         if first == _QUOTE:
-            stop = value_end(data, at, end)
+            if stop == at + 1:  # a long string, or one with escapes
+                stop = value_end(data, at, end)
             if stop == -1:  # unterminated: the quote is no token, and no later one opens a string
                 search, pos = _BRACKETS.search, at + 1
                 continue

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.admin.cases import handle_case_close
-from proxy.admin.middleware import setup_admin
+from proxy.admin.middleware import ROUTE_POLICY, Handler, setup_admin
 from proxy.admin.views import handle_evidence, handle_reset, handle_state
 from proxy.admission import ADMISSION, setup_admission
 from proxy.body_budget import BODY_BUDGET, setup_body_budget
@@ -34,7 +34,7 @@ def build_app(settings: Settings) -> web.Application:
     those in list order and stops them in reverse, so the order below IS the start and
     shutdown order:
 
-      0. connections     — the client-connection guard: its middleware is the outermost (no lifetime);
+      0. connections     — the client-connection guard, in front of every request (no lifetime);
       1. evidence        — started first, closed last: every record written at shutdown lands;
       2. upstream pool   — open before anything calls the engine, closed after all of them;
       3. engine state    — detects the engine through the pool;
@@ -49,7 +49,7 @@ def build_app(settings: Settings) -> web.Application:
                            finishes within the grace period (`serve` starts it for requests
                            and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. admin, routes   — the route-policy middleware, forwarding's memory, then the routes.
+     10. admin, routes   — the route policy, forwarding's memory, then the routes (each policed).
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
     of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
@@ -80,15 +80,23 @@ def build_app(settings: Settings) -> web.Application:
 
 
 def setup_routes(app: web.Application) -> None:
-    """The sidecar's own routes, then everything else to the engine."""
-    app.router.add_get("/-/healthy", healthy)
-    app.router.add_get("/-/ready", ready)
-    app.router.add_get("/metrics", handle_metrics)
-    app.router.add_post("/cache/reset", handle_reset)
-    app.router.add_get("/cache/state", handle_state)
-    app.router.add_post("/cache/cases/{case_id}/close", handle_case_close)
-    app.router.add_get("/cache/evidence", handle_evidence)
-    app.router.add_route("*", "/{tail:.*}", forward)
+    """The sidecar's own routes, then everything else to the engine; each behind the route policy."""
+    police = app[ROUTE_POLICY]
+    routes: list[tuple[str, str, Handler]] = [
+        ("GET", "/-/healthy", healthy),
+        ("GET", "/-/ready", ready),
+        ("GET", "/metrics", handle_metrics),
+        ("POST", "/cache/reset", handle_reset),
+        ("GET", "/cache/state", handle_state),
+        ("POST", "/cache/cases/{case_id}/close", handle_case_close),
+        ("GET", "/cache/evidence", handle_evidence),
+        ("*", "/{tail:.*}", forward),
+    ]
+    for method, path, handler in routes:
+        if method == "GET":
+            app.router.add_get(path, police(handler, path))  # HEAD too, as aiohttp's add_get does
+        else:
+            app.router.add_route(method, path, police(handler, path))
 
 
 def sidecar_state(app: web.Application) -> SidecarState:

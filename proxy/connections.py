@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
+import functools
 import logging
 import sys
 import termios
@@ -126,12 +127,20 @@ class ConnectionGuard:
         )
 
     def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
-        """A protocol factory for `loop.create_server` that wraps aiohttp's request handler."""
+        """A protocol factory for `loop.create_server` that wraps aiohttp's request handler.
+
+        Every request the server handles goes through `guarded` first: the server's request
+        handler is wrapped (once), outside the app's router, so requests no route matches are
+        counted too. Not an app middleware: with none, aiohttp skips its middleware chain for
+        every request (issue 34).
+        """
+        handler = server.request_handler
+        if getattr(handler, "func", None) != self.guarded:
+            server.request_handler = functools.partial(self.guarded, handler=handler)
         return lambda: _GuardedConnection(self, server)
 
-    @web.middleware
-    async def middleware(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    async def guarded(
+        self, request: web.BaseRequest, handler: Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
         """Mark the connection's head as complete and count the request while its handler runs."""
         connection = self._connections.get(request.transport) if request.transport is not None else None
@@ -326,7 +335,7 @@ class _GuardedConnection(asyncio.Protocol):
         """Where the connection is in its request cycle."""
         return self._phase
 
-    # --- the request cycle, from the guard's middleware -----------------------------------
+    # --- the request cycle, from the guard's `guarded` ------------------------------------
 
     def request_started(self, request: web.BaseRequest) -> None:
         """The head is complete: header_timeout stops; body_idle_timeout runs while the body is unread."""
@@ -455,7 +464,7 @@ CLIENT_STALLED = web.RequestKey("client_stalled", bool)
 
 
 def setup_connections(app: web.Application) -> ConnectionGuard:
-    """Create the app's ConnectionGuard and put its middleware outermost."""
+    """Create the app's ConnectionGuard (its GuardedSite puts it in front of every request)."""
     settings = app[SETTINGS]
     guard = ConnectionGuard(
         settings.header_timeout,
@@ -465,5 +474,4 @@ def setup_connections(app: web.Application) -> ConnectionGuard:
         settings.client_write_timeout,
     )
     app[CONNECTIONS] = guard
-    app.middlewares.insert(0, guard.middleware)
     return guard

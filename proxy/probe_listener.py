@@ -36,8 +36,7 @@ def build_probe_app(main: web.Application) -> web.Application:
         PROBE_CONNECTIONS,
         client_write_timeout=settings.client_write_timeout,
     )
-    app[CONNECTIONS] = guard
-    app.middlewares.append(guard.middleware)
+    app[CONNECTIONS] = guard  # in front of every request, by its GuardedSite
     app.router.add_get("/-/healthy", healthy)
     app.router.add_get("/-/ready", ready)
     return app

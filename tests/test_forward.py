@@ -173,6 +173,19 @@ async def test_request_id_header_opts_in_to_a_generated_id_both_ways(
         assert len(response.headers["X-Request-Id"]) >= 16
 
 
+async def test_generated_request_ids_are_distinct_across_the_random_pool(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
+) -> None:
+    """Ids are cut from one urandom read per 256 requests: past a refill they stay 32 distinct hex digits."""
+    proxy = await sidecar(upstream, request_id_header=True)
+    ids: list[str] = []
+    for _ in range(300):
+        async with client.get(proxy + "/echo") as response:
+            ids.append(response.headers["X-Request-Id"])
+    assert len(set(ids)) == len(ids)
+    assert all(len(id_) == 32 and int(id_, 16) >= 0 for id_ in ids)
+
+
 async def test_request_id_from_the_client_is_kept(
     sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession
 ) -> None:
@@ -227,6 +240,23 @@ async def test_rewritten_stream_request_carries_its_own_content_length(
     assert '"include_usage":true' in described["body"]
     assert int(seen["content-length"]) == described["body_len"] != len(body)
     assert "transfer-encoding" not in seen
+
+
+@pytest.mark.parametrize("size", [300_000, 3_000_000])  # with the head in one write; in slices by a task
+async def test_a_large_injected_stream_request_reaches_the_engine_whole(
+    sidecar: SidecarFactory, upstream: str, client: aiohttp.ClientSession, size: int
+) -> None:
+    """A long prompt goes upstream as pieces of the client's buffer around the splice, in order."""
+    proxy = await sidecar(upstream)
+    head, tail = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "', b'"}]}'
+    body = head + bytes(range(97, 123)) * ((size - len(head) - len(tail)) // 26) + tail
+    async with client.post(
+        proxy + "/v1/chat/completions", data=io.BytesIO(body), headers={"Content-Type": "application/json"}
+    ) as response:
+        described = await response.json()
+    sent = body[:-1] + b',"stream_options":{"include_usage":true}}'
+    assert described["body_sha256"] == hashlib.sha256(sent).hexdigest()
+    assert int({k.lower(): v for k, v in described["headers"]}["content-length"]) == len(sent)
 
 
 async def test_non_stream_inference_request_is_forwarded_byte_for_byte(

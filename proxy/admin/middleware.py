@@ -1,4 +1,4 @@
-"""The route policy, applied to every request: admin routes, engine control routes, interception.
+"""The route policy, applied to every route: admin routes, engine control routes, interception.
 
 The sidecar's own routes under /cache/ need admin auth (proxy/admin/auth.py decides who may);
 every other request is classified by the route policy (proxy/admin/policy.py) for the engine
@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from multidict import CIMultiDict
 
 from proxy.admin.auth import (
@@ -31,9 +30,12 @@ from proxy.forward.inbound import PATH_REFUSAL
 from proxy.refusals import REFUSALS, RefusalReason, Refusals
 from proxy.upstream.pools import UPSTREAM_POOL
 
-__all__ = ["admin_middleware", "setup_admin"]
+__all__ = ["ROUTE_POLICY", "Handler", "Police", "route_policy", "setup_admin"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# Applies the route policy to one route as it is registered: (handler, registered path) → handler.
+Police = Callable[[Handler, str], Handler]
+ROUTE_POLICY: web.AppKey[Police] = web.AppKey("route_policy")
 
 
 def _toward_engine(request: web.Request, settings: Settings, *, control: bool) -> web.Request:
@@ -64,31 +66,26 @@ async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
     return decision
 
 
-def admin_middleware(settings: Settings) -> Middleware:
-    """The middleware that applies the route policy to every request."""
+def route_policy(settings: Settings) -> Police:
+    """The route policy, applied to each route as it is registered (`police(handler, path)`).
+
+    Decided once per route, not per request: a route of the sidecar's own under /cache/ needs
+    admin auth, its other routes pass as they are, and `forward` (every other path) gets the
+    policy's classification. No app middleware: with none, aiohttp skips its middleware chain
+    for every request (issue 34).
+    """
     policy = RoutePolicy(settings)
     guarded = settings.engine_routes == EngineRoutes.ADMIN
     reset_key = (
         settings.engine_key if settings.native_reset_auth == NativeResetAuth.UPSTREAM_API_KEY else None
     )
 
-    @web.middleware
-    async def route_policy(request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Sidecar routes under /cache/ and engine control routes need admin auth; the rest passes."""
-        refusals = request.app[REFUSALS]
-        match = request.match_info
-        if match.handler is not forward:
-            # The sidecar's own route, exactly as registered (method and path): under
-            # /cache/ it is an admin route. Any other /cache/* request is forwarded.
-            resource = match.route.resource
-            if resource is not None and resource.canonical.startswith(ADMIN_PREFIX):
-                denial = admin_denial(request, settings)
-                if denial is not None:
-                    return _refused(request, refusals, *denial, path=resource.canonical)
-            return await handler(request)
+    async def forwarded(request: web.Request) -> web.StreamResponse:
+        """Engine control routes need admin auth (or are intercepted); the rest goes to the engine."""
         decision = await _classify(request, policy)
         if decision.route is RouteClass.FORWARDED:
-            return await handler(_toward_engine(request, settings, control=False))
+            return await forward(_toward_engine(request, settings, control=False))
+        refusals = request.app[REFUSALS]
         if decision.route is RouteClass.INVALID_TARGET:
             reason = RefusalReason.INVALID_REQUEST_TARGET
             return _refused(request, refusals, reason, PATH_REFUSAL.response(), path=decision.path)
@@ -103,9 +100,30 @@ def admin_middleware(settings: Settings) -> Middleware:
             return await handle_slot_erase(
                 request, decision.path, engine_authorization(request, settings, control=True)
             )
-        return await handler(_toward_engine(request, settings, control=True))
+        return await forward(_toward_engine(request, settings, control=True))
 
-    return route_policy
+    def admin_route(handler: Handler, path: str) -> Handler:
+        """A sidecar route under /cache/, exactly as registered (method and path): admin auth first.
+
+        Any other /cache/* request (another method, another path) is forwarded, and classified there.
+        """
+
+        async def admin_only(request: web.Request) -> web.StreamResponse:
+            denial = admin_denial(request, settings)
+            if denial is not None:
+                return _refused(request, request.app[REFUSALS], *denial, path=path)
+            return await handler(request)
+
+        return admin_only
+
+    def police(handler: Handler, path: str) -> Handler:
+        if handler is forward:
+            return forwarded
+        if path.startswith(ADMIN_PREFIX):
+            return admin_route(handler, path)
+        return handler
+
+    return police
 
 
 def _refused(
@@ -117,6 +135,6 @@ def _refused(
 
 
 def setup_admin(app: web.Application) -> None:
-    """Apply the route policy before every handler: admin auth, the engine's credentials, interception."""
+    """The refusal counters, and the route policy that `setup_routes` applies to every route."""
     app[REFUSALS] = Refusals()
-    app.middlewares.append(admin_middleware(app[SETTINGS]))
+    app[ROUTE_POLICY] = route_policy(app[SETTINGS])

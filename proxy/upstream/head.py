@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from multidict import CIMultiDict
 
-__all__ = ["Body", "Pieces", "framed", "request_head"]
+__all__ = ["Body", "Pieces", "body_size", "framed", "pieces_size", "request_head"]
 
 # A body already in memory is sent whole (bytes) or as pieces of one buffer (a large
 # observed body with the injection spliced in); both can be sent twice. A stream of the
@@ -36,8 +36,13 @@ def body_size(body: Body) -> int | None:
     if isinstance(body, bytes):
         return len(body)
     if isinstance(body, tuple):
-        return sum(memoryview(piece).nbytes for piece in body)
+        return pieces_size(body)
     return None
+
+
+def pieces_size(pieces: Pieces) -> int:
+    """The length in bytes of a body in pieces."""
+    return sum(memoryview(piece).nbytes for piece in pieces)
 
 
 def request_head(

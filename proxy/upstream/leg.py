@@ -69,6 +69,8 @@ class UpstreamLeg:
         # second, or a quarter of a shorter read_timeout).
         self._watchdog: Watchdog[Connection] = Watchdog(min(1.0, read_timeout / 4), self._check_reading)
         self._closed = False
+        # The loop, once known: asyncio.get_running_loop() makes a getpid(2) each call (issue 34).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def send(self, method: str, target: str, headers: CIMultiDict[str], body: Body) -> UpstreamResponse:
         """Send one request (`target`: path and query, as the client sent them) and return its response's head.
@@ -96,7 +98,9 @@ class UpstreamLeg:
 
     async def _acquire(self) -> Connection:
         """An idle connection still within its keep-alive, else a new one (within the limit)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
         while self._idle:
             connection = self._idle.pop()
             if loop.time() - connection.idle_since < self._keepalive:
@@ -153,7 +157,7 @@ class UpstreamLeg:
             if not waiter.done():
                 waiter.set_result(connection)
                 return
-        loop = asyncio.get_running_loop()
+        loop = self._loop or asyncio.get_running_loop()
         connection.idle_since = loop.time()
         self._idle.append(connection)
         if self._sweep is None:

@@ -151,7 +151,9 @@ class UpstreamResponse:
 
     async def _fed(self) -> None:
         """Wait until the connection feeds the response: body, its end or its failure."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = (
+            self.head_arrived.get_loop().create_future()
+        )  # no getpid(2), as get_running_loop() makes
         try:
             await self._waiter
         finally:

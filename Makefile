@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: soak venv demo lint test test-fast test-real test-deploy bench clean
+.PHONY: soak venv demo lint test test-prepare test-fast test-real test-deploy bench clean
 
 # uv (pinned) installs the test extra and, in scripts/setup-real-engines.sh, the engines' venvs:
 # seconds where pip takes minutes. pip stays the fallback there.
@@ -31,12 +31,20 @@ lint: $(STAMP)
 
 ## make test: everything CI runs — unit/integration suite, deployment checks (the alerts on promtool
 ## and a real Prometheus included), real engines, the report in a headless Chromium
-test: lint
-	bash scripts/install-deploy-tools.sh
-	bash scripts/check-deploy.sh
-	bash scripts/setup-real-engines.sh
-	bash scripts/install-browser.sh
+test: test-prepare
 	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci
+
+## make test-prepare: what `make test` needs before the suite. The real engines' setup (the
+## llama-server source build: minutes of CPU, and downloads) runs beside lint and the deployment
+## checks; its output is printed once it is done (.cache/setup-real-engines.log).
+test-prepare: $(STAMP)
+	@mkdir -p .cache
+	@bash scripts/setup-real-engines.sh > .cache/setup-real-engines.log 2>&1 & engines=$$!; \
+	$(MAKE) --no-print-directory lint && bash scripts/install-deploy-tools.sh \
+		&& bash scripts/check-deploy.sh && bash scripts/install-browser.sh; checks=$$?; \
+	wait $$engines; setup=$$?; cat .cache/setup-real-engines.log; \
+	if [ $$setup -ne 0 ]; then echo "make test: scripts/setup-real-engines.sh failed (exit $$setup)" >&2; fi; \
+	[ $$checks -eq 0 ] && [ $$setup -eq 0 ]
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)

@@ -102,7 +102,7 @@ def _drained(
 ) -> Callable[[], Awaitable[None]]:
     """Wait for a client that is behind; what waits for it counts in max_buffered_bytes meanwhile.
 
-    A client that stops reading is cut by client_write_timeout (proxy/connections.py).
+    A client that stops reading is cut by client_write_timeout (proxy/connections/client.py).
     """
 
     async def drained() -> None:

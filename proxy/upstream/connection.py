@@ -10,21 +10,20 @@ from __future__ import annotations
 import asyncio
 import enum
 import select
-from collections.abc import AsyncIterator
 from typing import Protocol
 
 import httptools
 
+from proxy.upstream.body import write_body
 from proxy.upstream.errors import UpstreamBadResponse, UpstreamBroke, UpstreamError, UpstreamTimeout
-from proxy.upstream.head import Body, framed, pieces_size
+from proxy.upstream.head import Body, pieces_size
 from proxy.upstream.response import UpstreamResponse
 from proxy.upstream.response_head import MAX_HEADERS, HeadRefused, reason_text, response_headers
 
 __all__ = ["Connection"]
 
-# Pieces of a large body are written 64 KiB at a time, draining between them; up to
-# _AT_ONCE they go with the head in one writev, with no task (a 220 KB prompt, issue 34).
-_SLICE = 64 * 1024
+# Up to _AT_ONCE a body's pieces go with the head in one writev, with no task (a 220 KB prompt,
+# issue 34); a larger one is written by `write_body`, in slices.
 _AT_ONCE = 1024 * 1024
 # Readable while idle: the engine closed the connection (or sent bytes nobody asked for).
 _PEER_CLOSED = select.POLLIN | select.POLLPRI
@@ -308,7 +307,7 @@ class Connection(asyncio.Protocol):
             transport.writelines((head, *body))  # the pieces share the client's buffer: no copy
         else:
             transport.write(head)
-            response.writer = self._loop.create_task(self._write_body(body, chunked))
+            response.writer = self._loop.create_task(write_body(transport, body, chunked, self._drained))
             response.writer.add_done_callback(self._body_written)
         try:
             if response.writer is None:
@@ -337,26 +336,6 @@ class Connection(asyncio.Protocol):
                 raise error
         # A body the engine stopped reading (it closed): its response, or the connection's own error.
         await head
-
-    async def _write_body(self, body: Body, chunked: bool) -> None:
-        """Write a body that is not one buffer: pieces in slices, or the client's stream as it comes."""
-        transport = self._transport
-        assert transport is not None
-        if isinstance(body, tuple):
-            for piece in body:
-                view = memoryview(piece)
-                for offset in range(0, len(view), _SLICE):
-                    transport.write(view[offset : offset + _SLICE])
-                    await self._drained()
-            return
-        assert isinstance(body, AsyncIterator)
-        async for chunk in body:
-            if not chunk:
-                continue  # an empty chunk would end a chunked body
-            transport.write(framed(chunk, chunked=chunked))
-            await self._drained()
-        if chunked:
-            transport.write(b"0\r\n\r\n")
 
     def _body_written(self, writer: asyncio.Task[None]) -> None:
         """A body that failed half-way leaves the engine waiting for the rest: close the connection."""

@@ -1,0 +1,275 @@
+"""One client connection as the guard sees it: aiohttp's request handler behind a protocol
+that knows the connection's phase and its one deadline (proxy/connections/guard.py has the limits)."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import sys
+import termios
+from enum import StrEnum
+from typing import Protocol, cast
+
+import orjson
+from aiohttp import web
+
+from proxy.watchdog import Watchdog
+
+__all__ = ["CLIENT_STALLED", "REFUSAL_BODY", "ClientConnection", "Guard", "Limit", "Phase"]
+
+# SIOCOUTQ (Linux's TIOCOUTQ on a socket): bytes in the send queue the peer has not acknowledged.
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
+
+REFUSAL_BODY = orjson.dumps(
+    {
+        "error": {
+            "message": "the sidecar has max_connections client connections open; retry shortly",
+            "type": "service_unavailable",
+            "code": "too_many_connections",
+        }
+    }
+)
+_REFUSAL = (
+    b"HTTP/1.1 503 Service Unavailable\r\n"
+    b"Content-Type: application/json\r\n"
+    b"Retry-After: 1\r\n"
+    b"Connection: close\r\n"
+    b"Content-Length: " + str(len(REFUSAL_BODY)).encode() + b"\r\n\r\n" + REFUSAL_BODY
+)
+_HEAD_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+
+
+# Set on a request whose client was cut by client_write_timeout.
+CLIENT_STALLED = web.RequestKey("client_stalled", bool)
+
+
+class Limit(StrEnum):
+    """The connection limits, as metric labels and log words."""
+
+    HEADER_TIMEOUT = "header_timeout"
+    BODY_IDLE_TIMEOUT = "body_idle_timeout"
+    CLIENT_WRITE_TIMEOUT = "client_write_timeout"
+    MAX_CONNECTIONS = "max_connections"
+
+
+class Phase(StrEnum):
+    """Where a connection is in its request cycle."""
+
+    HEAD = "head"  # waiting for (the rest of) a request head: header_timeout runs
+    REQUEST = "request"  # a handler runs: body_idle_timeout runs while the body is unread
+    IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies (serve.py sets it)
+
+
+class Guard(Protocol):
+    """What a connection reads and tells of the guard that let it in (ConnectionGuard)."""
+
+    header_timeout: float
+    body_idle_timeout: float
+    client_write_timeout: float
+    max_connections: int
+    probe_slots: int
+    open_connections: int
+    watchdog: Watchdog[ClientConnection]
+
+    def hit(self, limit: Limit) -> None:
+        """Count (and log) one hit of a limit."""
+
+    def opened(self, transport: asyncio.BaseTransport, connection: ClientConnection) -> None:
+        """A connection was let in."""
+
+    def closed(self, transport: asyncio.BaseTransport) -> None:
+        """A connection that was let in is gone."""
+
+
+def _unsent(transport: asyncio.Transport) -> int:
+    """Bytes written to the client that it has not taken: the transport's buffer and the kernel's send queue.
+
+    The transport's buffer alone moves in steps of half the kernel's send buffer (a few MiB on
+    Linux): a client that reads 10 KiB/s would seem to take nothing for minutes.
+    """
+    size = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if _OUTQ is not None and sock is not None:
+        try:
+            queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+        except OSError:
+            return size
+        size += int.from_bytes(queued, sys.byteorder, signed=True)
+    return size
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection: aiohttp's request handler, with one deadline the guard's watchdog checks.
+
+    The deadline moves with the timestamps the events leave behind (the way aiohttp's own
+    keep-alive timer works), so data arriving costs a clock read, not a timer per chunk.
+    """
+
+    def __init__(self, guard: Guard, server: web.Server) -> None:
+        self._guard = guard
+        self._server = server
+        self._handler: asyncio.Protocol | None = None
+        self._transport: asyncio.Transport | None = None
+        self._loop = asyncio.get_running_loop()
+        self._phase = Phase.HEAD
+        self._head_since = self._loop.time()
+        self._last_data = self._head_since
+        self._request: web.BaseRequest | None = None
+        self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
+        self.probe_only = False  # let in past max_connections, for one probe request
+        # While writing is paused (the client is behind): when to look again, the write buffer's
+        # size at the last look, and when the client last took bytes.
+        self._write_due: float | None = None
+        self._write_mark = 0
+        self._write_progress = 0.0
+
+    # --- asyncio.Protocol ---------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Refuse past max_connections; else hand the connection to aiohttp and start the head clock."""
+        transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
+        guard = self._guard
+        if guard.max_connections and guard.open_connections >= guard.max_connections:
+            self.probe_only = True
+        if self.probe_only and guard.open_connections >= guard.max_connections + guard.probe_slots:
+            guard.hit(Limit.MAX_CONNECTIONS)
+            # Closed at once, not lingered: under a flood the descriptor is what must be freed. A
+            # client whose request was already sent may then see a reset instead of the 503.
+            transport.write(_REFUSAL)
+            transport.close()
+            return
+        self._transport = transport
+        guard.opened(transport, self)
+        self._handler = self._server()
+        self._handler.connection_made(transport)
+        self._arm(self._head_since + guard.header_timeout if guard.header_timeout else None)
+
+    def data_received(self, data: bytes) -> None:
+        """Note the time; the first byte after an idle keep-alive starts the next head's clock."""
+        if self._handler is None:
+            return  # a refused connection: its bytes are discarded
+        now = self._loop.time()
+        self._last_data = now
+        if self._phase is Phase.IDLE:
+            self._phase = Phase.HEAD
+            self._head_since = now
+            if self._guard.header_timeout:
+                self._arm(now + self._guard.header_timeout)
+        self._handler.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        """aiohttp decides what a half-close means."""
+        return self._handler.eof_received() if self._handler is not None else False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Forget the connection and tell aiohttp (which cancels a running handler)."""
+        self._disarm()
+        self._write_due = None
+        if self._handler is None:
+            return
+        if self._transport is not None:
+            self._guard.closed(self._transport)
+        self._handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        """Flow control is aiohttp's; client_write_timeout starts running."""
+        timeout = self._guard.client_write_timeout
+        if timeout and self._transport is not None:
+            self._write_progress = self._loop.time()
+            self._write_mark = _unsent(self._transport)
+            self._write_due = self._write_progress + timeout / 4
+            self._guard.watchdog.watch(self)
+        if self._handler is not None:
+            self._handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        """Flow control is aiohttp's; the client caught up."""
+        self._write_due = None
+        if self._handler is not None:
+            self._handler.resume_writing()
+
+    @property
+    def phase(self) -> Phase:
+        """Where the connection is in its request cycle."""
+        return self._phase
+
+    # --- the request cycle, from the guard's `guarded` ------------------------------------
+
+    def request_started(self, request: web.BaseRequest) -> None:
+        """The head is complete: header_timeout stops; body_idle_timeout runs while the body is unread."""
+        self._phase = Phase.REQUEST
+        self._request = request
+        self._last_data = self._loop.time()
+        idle = self._guard.body_idle_timeout
+        self._arm(self._last_data + idle if idle and not request.content.is_eof() else None)
+
+    def request_finished(self) -> None:
+        """Back to keep-alive idle: the next request's first byte starts its head clock."""
+        self._request = None
+        self._phase = Phase.IDLE
+        self._disarm()
+
+    # --- the deadline -----------------------------------------------------------------------
+
+    def _arm(self, when: float | None) -> None:
+        self._due = when
+        if when is not None:
+            self._guard.watchdog.watch(self)
+
+    def _disarm(self) -> None:
+        self._due = None
+
+    def check_deadline(self, now: float) -> bool:
+        """The watchdog's look: check the limits whose deadline passed; whether one still runs."""
+        if self._due is not None and now >= self._due:
+            self._due = None
+            self._check()
+        if self._write_due is not None and now >= self._write_due:
+            self._write_due = None
+            self._check_write(now)
+        return self._due is not None or self._write_due is not None
+
+    def _check_write(self, now: float) -> None:
+        """Writing is paused: cut the client if it took no byte for client_write_timeout, else look again.
+
+        Looked at four times per timeout: the unsent bytes shrink only as the client takes them.
+        """
+        transport, guard = self._transport, self._guard
+        if transport is None or transport.is_closing():
+            return
+        size = _unsent(transport)
+        if size < self._write_mark:
+            self._write_progress = now
+        self._write_mark = size  # it may also grow: what was written after writing paused
+        if now - self._write_progress < guard.client_write_timeout:
+            self._write_due = now + guard.client_write_timeout / 4
+            return
+        guard.hit(Limit.CLIENT_WRITE_TIMEOUT)
+        if self._request is not None:
+            self._request[CLIENT_STALLED] = True
+        transport.abort()  # nothing more can reach this client; connection_lost cancels the handler
+
+    def _check(self) -> None:
+        """The deadline passed: close the connection if its phase's limit has passed, else re-arm."""
+        transport, guard, now = self._transport, self._guard, self._loop.time()
+        if transport is None or transport.is_closing():
+            return
+        if self._phase is Phase.HEAD:
+            if now - self._head_since >= guard.header_timeout:
+                guard.hit(Limit.HEADER_TIMEOUT)
+                transport.write(_HEAD_TIMEOUT_ANSWER)
+                transport.close()
+            else:
+                self._arm(self._head_since + guard.header_timeout)
+            return
+        request = self._request
+        if self._phase is not Phase.REQUEST or request is None or request.content.is_eof():
+            return  # the body is all in: the response may take as long as the engine needs
+        if not transport.is_reading():
+            # Paused by aiohttp's flow control: the sidecar is the slow side, not the client.
+            self._last_data = now
+        elif now - self._last_data >= guard.body_idle_timeout:
+            guard.hit(Limit.BODY_IDLE_TIMEOUT)
+            transport.close()
+            return
+        self._arm(self._last_data + guard.body_idle_timeout)

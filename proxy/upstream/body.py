@@ -1,0 +1,36 @@
+"""Writing a request body to the engine that is not one buffer: large pieces in slices, or the
+client's stream as it comes, waiting for the connection to drain between writes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from proxy.upstream.head import Body, framed
+
+__all__ = ["write_body"]
+
+# Pieces of a large body are written 64 KiB at a time, draining between them.
+_SLICE = 64 * 1024
+
+
+async def write_body(
+    transport: asyncio.Transport, body: Body, chunked: bool, drained: Callable[[], Awaitable[None]]
+) -> None:
+    """Write `body` (pieces, or an async stream of chunks; framed when `chunked`), awaiting
+    `drained` after each write (it raises when the connection is gone)."""
+    if isinstance(body, tuple):
+        for piece in body:
+            view = memoryview(piece)
+            for offset in range(0, len(view), _SLICE):
+                transport.write(view[offset : offset + _SLICE])
+                await drained()
+        return
+    assert isinstance(body, AsyncIterator)
+    async for chunk in body:
+        if not chunk:
+            continue  # an empty chunk would end a chunked body
+        transport.write(framed(chunk, chunked=chunked))
+        await drained()
+    if chunked:
+        transport.write(b"0\r\n\r\n")

@@ -38,9 +38,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Service, free_port, rss_mb, start_service
 
+from proxy.config import resets_beside
+from proxy.evidence.reader import evidence_files
+
 PY = sys.executable
 WARMUP = 0.2  # fraction of the run before the RSS baseline is taken
 KILL_AT, FILL_AT, FREE_AT = 0.35, 0.55, 0.75
+# Rotated evidence files kept (and read back): enough that nothing rotates away during a soak.
+EVIDENCE_KEEP = 50
 NO_RESETS = (0.5, 0.8)  # no resets around the full disk: only observations can be lost there
 RESET_EVERY_S = 3.0
 
@@ -177,10 +182,9 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def evidence_counts(path: Path) -> dict[str, int]:
-    """Lines per event type across the evidence file, the resets file beside it (`<stem>.resets.jsonl`)
-    and their rotated copies."""
+    """Lines per event type across the evidence file, the resets file beside it and their rotations."""
     counts: dict[str, int] = {}
-    for file in sorted(path.parent.glob(path.stem + ".*")):
+    for file in evidence_files(path, EVIDENCE_KEEP) + evidence_files(resets_beside(path), EVIDENCE_KEEP):
         for line in file.read_bytes().splitlines():
             event_type = orjson.loads(line)["event_type"]
             counts[event_type] = counts.get(event_type, 0) + 1
@@ -196,7 +200,7 @@ async def soak(seconds: float, queue_bytes: int | None, root: Path) -> int:
     sim = start_sim(sim_port, logs)
     evidence = disk.path / "cachewitness.jsonl"
     argv = [PY, "-m", "proxy", "serve", "--upstream", sim.url, "--listen", f"127.0.0.1:{proxy_port}"]
-    argv += ["--evidence", str(evidence), "--evidence-keep", "50", "--health-interval", "0.5"]
+    argv += ["--evidence", str(evidence), "--evidence-keep", str(EVIDENCE_KEEP), "--health-interval", "0.5"]
     argv += ["--drain-timeout", "5", "--retry-seconds", "2"]
     if queue_bytes is not None:
         argv += ["--evidence-queue-max-bytes", str(queue_bytes)]

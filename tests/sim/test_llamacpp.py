@@ -62,10 +62,15 @@ async def test_non_integer_slot_id_is_400(tmp_path: Path) -> None:
         assert (await s.post_json("/slots/abc?action=erase", {}))[0] == 400
 
 
+# 2 s of generation at the slow simulator's 100 tokens/s: the deferred erase must be seen while it
+# runs, and 20 tokens (0.2 s) were over before the check on a loaded machine once.
+_BUSY_TOKENS = 200
+
+
 async def test_erase_of_a_busy_slot_waits_for_its_generation(tmp_path: Path) -> None:
     async with sim(slow("llamacpp", slot_save_path=str(tmp_path))) as s:
         resp = await s.http.post(
-            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=20, stream=True, id_slot=0)
+            s.url + "/v1/chat/completions", json=chat("hi", max_tokens=_BUSY_TOKENS, stream=True, id_slot=0)
         )
         await next_event(resp)
         erase = asyncio.create_task(s.post_json("/slots/0?action=erase", {}))
@@ -76,7 +81,7 @@ async def test_erase_of_a_busy_slot_waits_for_its_generation(tmp_path: Path) -> 
         resp.release()
         status, data = await erase
         assert (status, data["id_slot"]) == (200, 0)
-        assert data["n_erased"] == 6 + 20  # the slot held prompt + generation
+        assert data["n_erased"] == 6 + _BUSY_TOKENS  # the slot held prompt + generation
         assert (await s.stats())["completed_total"] == 1
 
 

@@ -154,6 +154,25 @@ async def test_a_restarted_engines_new_connection_is_a_restart() -> None:
         assert snap.blocks == {"GPU": stats["cache_blocks"]} and snap.restarts == 1
 
 
+async def test_a_restart_after_a_history_only_replayed_is_a_restart() -> None:
+    """The core knew the engine only through its replay buffer (no batch came live), and the new
+    engine has published nothing when the core connects again: its empty buffer, where the last
+    life had batches, is a new life. (A real vLLM restarted under load showed 0 restarts.)"""
+    ports = Ports()
+    async with sim(engine("vllm", ports, cache_blocks=6)) as s:
+        for i in range(4):
+            await request(s, 40, tag=f"h{i}")  # published to nobody: the core replays them
+        async with KvEvents(core(ports)) as kv:
+            await caught_up(s, kv)
+            async with s.http.post(s.url + "/sim/kv_events/restart?reconnect=1") as resp:
+                assert resp.status == 200
+            snaps = await until(kv, lambda snaps: snaps[0].restarts == 1)
+            assert snaps[0].blocks == {}
+            await request(s, 40, tag="after")
+            snap, stats = await caught_up(s, kv)
+            assert snap.restarts == 1 and snap.blocks == {"GPU": stats["cache_blocks"]}
+
+
 async def test_a_core_started_after_the_engine_rebuilds_from_the_replay_buffer() -> None:
     ports = Ports()
     async with sim(engine("vllm", ports, cache_blocks=6)) as s:

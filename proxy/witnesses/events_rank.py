@@ -272,7 +272,10 @@ class RankSubscriber:
         if self._replay_endpoint is None:
             return
         st = self.state
-        origin, live, clears = st.origin_ts, st.live, st.clears
+        origin, clears = st.origin_ts, st.clears
+        # The last seq of this life seen either way, live or replayed: a history known only
+        # through a replay (no batch came live since) still tells a new life from this one.
+        last = max((seq for seq in (st.live, st.applied) if seq is not None), default=None)
         st.forget()
         # A new DEALER: the old one may still hold a connection to a replay socket that is gone.
         self._drop_replay_socket()
@@ -280,16 +283,18 @@ class RankSubscriber:
         if not complete:
             st.unreplayed_gaps += 1
             st.lost()
-            st.live = live  # a seq that starts again is still seen as a restart
+            st.live = last  # a seq that starts again is still seen as a restart
             self._warn(
                 "kv_events_resync", "kv events: the engine's history could not be replayed", rank=st.rank
             )
             return
         if st.applied is None:
             st.synced = True  # an empty buffer: the engine has published nothing yet
-        # Another engine life if its first batch is not the one seen before, or it has fewer.
+        # Another engine life if its first batch is not the one seen before, or it has fewer
+        # (none at all: a life that published, then an empty buffer). A replay of the same life
+        # reaches at least `last`; one that cannot start at 0 is incomplete, above.
         if (origin is not None and st.origin_ts is not None and origin != st.origin_ts) or (
-            live is not None and (st.applied is None or st.applied < live)
+            last is not None and (st.applied is None or st.applied < last)
         ):
             st.restarts += 1
             st.incarnation += 1

@@ -254,6 +254,9 @@ def start_vllm(
         "--enable-prompt-tokens-details",
         "--max-num-seqs",
         "8",
+        # No torch.compile warm-up: these tests read caching and resets, not kernels, and the
+        # compile is ~20 s of CPU per start (its cache fails to load on every start here).
+        "--enforce-eager",
         *(extra_args or []),
     ]
     proc = launch("vllm-dev" if dev_mode else "vllm", argv, port, env)

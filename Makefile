@@ -31,8 +31,11 @@ lint: $(STAMP)
 
 ## make test: everything CI runs — unit/integration suite, deployment checks (the alerts on promtool
 ## and a real Prometheus included), real engines, the report in a headless Chromium
+# The suite on one worker a core (pytest-xdist): tests/real is one group, run by one worker
+# while the others share the rest.
+XDIST := -n auto --dist loadgroup
 test: test-prepare
-	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci
+	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci $(XDIST)
 
 ## make test-prepare: what `make test` needs before the suite. The real engines' setup (the
 ## llama-server source build: minutes of CPU, and downloads) runs beside lint and the deployment
@@ -48,7 +51,7 @@ test-prepare: $(STAMP)
 
 ## make test-fast: the suite without the real engines and deployment checks
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not real and not soak and not slow" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
+	$(PY) -m pytest -q $(XDIST) -m "not real and not soak and not slow" --ignore=tests/test_helm.py --ignore=tests/test_helm_cluster.py
 
 ## make test-real: only the real llama-server / vLLM tests
 test-real: $(STAMP)

@@ -94,7 +94,11 @@ class EvidenceWriter:
         self._flushing_bytes = 0
         self._unwritten_bytes = 0
         self._flush_lock = asyncio.Lock()
-        self._wake = asyncio.Event()
+        self._wake = asyncio.Event()  # flush now: a burst, or close
+        # While nothing waits to be written the task sleeps on `_arrived` (no timer): the
+        # first record then sets it, and is on disk one flush interval later as before.
+        self._arrived = asyncio.Event()
+        self._idle = False
         self._periodic_flushes = 0
         self._flushed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -159,8 +163,10 @@ class EvidenceWriter:
             self._gap = 0
             self._since_checkpoint += 1
             self._queued_bytes += size
+            if self._idle:
+                self._nudge()
             if len(self._queue) >= 1024:
-                self._wake.set()  # a burst: write now rather than at the next tick
+                self._wake.set()  # a burst: write now rather than a flush interval on
         except Exception:
             self.drop(DropReason.UNENCODABLE, "unknown")
 
@@ -183,6 +189,8 @@ class EvidenceWriter:
             finally:
                 self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
                 self._flushing_bytes = 0
+                if self._unwritten and self._idle:
+                    self._nudge()  # refused by the disk: retried every flush interval
 
     async def checkpoint_now(self) -> Mark | None:
         """Checkpoint what was queued since the last checkpoint, now; the last line then on disk
@@ -208,6 +216,7 @@ class EvidenceWriter:
         if self._task is not None:
             # Let the task finish its batch rather than cancel it mid-write.
             self._wake.set()
+            self._arrived.set()
             await self._task
             self._task = None
         self._queue_checkpoint(_FINAL)
@@ -218,10 +227,9 @@ class EvidenceWriter:
         self._unwritten, self._unwritten_bytes = [], 0
 
     async def _run(self) -> None:
-        """Flush every flush_interval_s (sooner on a burst)."""
+        """Flush flush_interval_s after records come (sooner on a burst); idle, sleep untimed."""
         while not self._closed:
-            with contextlib.suppress(TimeoutError):  # the interval passed: flush anyway
-                await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
+            await self._wait_for_work()
             self._wake.clear()
             if (
                 self._since_checkpoint
@@ -237,8 +245,41 @@ class EvidenceWriter:
                 self._periodic_flushes += 1
                 self._flushed.notify_all()
 
+    async def _wait_for_work(self) -> None:
+        """Return when a flush is due: one flush interval after a record (or a line the disk
+        refused) waits, or when the checkpoint the records since the last one are owed falls due.
+
+        With nothing waiting the wait has no timer at all, unless a checkpoint is owed: an idle
+        sidecar's writers then cost no wake-up (bench/idle_cpu.py).
+        """
+        if not self._queue and not self._unwritten:
+            owed = self._checkpoint_at + self.checkpoint_interval_s - time.monotonic()
+            self._idle = True
+            try:
+                if not self._since_checkpoint:
+                    await self._arrived.wait()
+                else:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._arrived.wait(), timeout=max(0.0, owed))
+                    if not self._queue and not self._unwritten:
+                        return  # the checkpoint is due, with no record to wait for
+            finally:
+                self._idle = False
+                self._arrived.clear()
+            if self._closed:
+                return
+        with contextlib.suppress(TimeoutError):  # the interval passed: flush
+            await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
+
+    def _nudge(self) -> None:
+        """End the task's untimed wait: something is to be written (event loop only)."""
+        self._idle = False
+        self._arrived.set()
+
     async def wait_flushed(self) -> None:
         """Return after the flush task's next flush has finished (for tests and shutdown checks)."""
+        if self._idle:
+            self._nudge()  # an idle task has no next flush of its own: wake it for one
         async with self._flushed:
             target = self._periodic_flushes + 1
             await self._flushed.wait_for(lambda: self._periodic_flushes >= target or self._task is None)

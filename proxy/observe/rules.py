@@ -113,10 +113,32 @@ def rules_for(info: EngineIdentity | None, table: tuple[RuleEntry, ...] = STREAM
     """The stream rules of the engine the sidecar fronts (the default for one not yet known)."""
     if info is None:
         return DEFAULT_RULES
-    version = _version(info.version)
+    key = (info.kind, info.version, id(table))
+    known = _CHOSEN.get(key)
+    if known is not None:
+        return known[1]
+    rules = _choose(info.kind, info.version, table)
+    if len(_CHOSEN) >= _CHOSEN_MAX:
+        _CHOSEN.clear()
+    _CHOSEN[key] = (table, rules)
+    return rules
+
+
+# Asked per request, and parsing the version with a regex each time was a tenth of a request's
+# own work (bench/README.md, issue 34): the choice is kept per engine identity and table. A
+# redetected engine (another version after a restart) is another key. The table is keyed by
+# its id, not hashed (hashing its entries cost as much as the parse); the entry holds the
+# table, so that id names no other table while the entry lives.
+_CHOSEN: dict[tuple[str, str | None, int], tuple[tuple[RuleEntry, ...], StreamRules]] = {}
+_CHOSEN_MAX = 64
+
+
+def _choose(kind: str, version_text: str | None, table: tuple[RuleEntry, ...]) -> StreamRules:
+    """The last entry of `table` for `kind` whose `since` the version reaches."""
+    version = _version(version_text)
     chosen = DEFAULT_RULES
     for entry in table:
-        if entry.kind == info.kind and (not entry.since or (version and version >= entry.since)):
+        if entry.kind == kind and (not entry.since or (version and version >= entry.since)):
             chosen = entry.rules
     return chosen
 

@@ -110,6 +110,9 @@ class CaseWitness:
     _reachable: bool | None = None
     _reconciled: dict[str, Reconciliation] = field(default_factory=dict)  # latest per reset_id
     events: deque[EngineEvent] = field(default_factory=lambda: deque(maxlen=_KEPT_EVENTS))
+    # Set once the first reset opens a sequence: the watcher sleeps on it until then, with
+    # no timer (a poll before it does nothing; bench/idle_cpu.py).
+    _opened: asyncio.Event = field(default_factory=asyncio.Event)
 
     # -- what the sidecar saw ------------------------------------------------------------------
     def observed(self, obs: Observation) -> None:
@@ -152,6 +155,7 @@ class CaseWitness:
         interim = self._segment  # what the sidecar itself forwarded since the first read
         seen = interim.observed.add(interim.unobserved) if interim is not None else Sums()
         self._segment = _Segment(reset_id, session_id, case_id, time.time_ns(), self._baseline, canary=canary)
+        self._opened.set()  # the watcher's first look is an interval on, after these reads
         _reachable, after = await self.read()
         if self.kind() == EngineKind.VLLM and self._sleeping is None:
             # The state a later change is measured from, before the watcher's first look.
@@ -270,7 +274,9 @@ class CaseWitness:
             await self.close(None, "idle")
 
     async def watch(self, interval_s: float) -> None:
-        """Poll forever (cancelled at shutdown)."""
+        """Poll every interval once a reset opened a sequence (cancelled at shutdown)."""
+        await self._opened.wait()
+        await asyncio.sleep(interval_s)  # the first look: an interval after the sequence opened
         while True:
             started = time.monotonic()
             await self.poll()

@@ -67,6 +67,16 @@ async def test_flush_task_writes_without_being_asked(tmp_path: Path) -> None:
     await writer.close()
 
 
+async def test_wait_flushed_returns_while_nothing_is_queued(tmp_path: Path) -> None:
+    # An idle writer has no flush timer (issue 34): asking for its next flush wakes it.
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", flush_interval_s=0.05)
+    await writer.start()
+    await asyncio.wait_for(writer.wait_flushed(), timeout=5)  # the opening line
+    await asyncio.wait_for(writer.wait_flushed(), timeout=5)  # nothing queued
+    assert writer.records_total == {"infer.evidence_opened": 1}
+    await writer.close()
+
+
 async def test_rotation_keeps_n_files_each_under_the_limit(tmp_path: Path) -> None:
     path = tmp_path / "cachewitness.jsonl"
     writer = EvidenceWriter(path, max_bytes=1000, keep=2)

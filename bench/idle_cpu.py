@@ -20,10 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from harness import Service, start_simulator  # noqa: E402
-from paths import BARE, start_sidecar  # noqa: E402
+from harness import Service, start_simulator
+from paths import BARE, start_sidecar
 
 # After ready: detection, the first health probes and the evidence chain's opening are done.
 SETTLE_S = 3.0
@@ -115,15 +113,15 @@ def main() -> int:
     print("| sidecar | ms of CPU per s | wake-ups per s |")
     print("|---|---:|---:|")
     for name, samples in results.items():
-        cpu = " / ".join(f"{s.cpu_ms_per_s:.2f}" for s in samples)
-        wakes = " / ".join(f"{s.wakeups_per_s:.1f}" for s in samples)
-        print(f"| {name} | {cpu} | {wakes} |")
+        cpu_cells = " / ".join(f"{s.cpu_ms_per_s:.2f}" for s in samples)
+        wake_cells = " / ".join(f"{s.wakeups_per_s:.1f}" for s in samples)
+        print(f"| {name} | {cpu_cells} | {wake_cells} |")
     if args.threads:
         print("\n| sidecar | thread | ms of CPU per s | wake-ups per s |")
         print("|---|---|---:|---:|")
         for name, samples in results.items():
-            for thread, (cpu_ms, wakes) in sorted(samples[-1].by_thread.items()):
-                print(f"| {name} | {thread} | {cpu_ms:.2f} | {wakes:.1f} |")
+            for thread, (cpu_ms, wake_rate) in sorted(samples[-1].by_thread.items()):
+                print(f"| {name} | {thread} | {cpu_ms:.2f} | {wake_rate:.1f} |")
     return 0
 
 

@@ -31,11 +31,15 @@ lint: $(STAMP)
 
 ## make test: everything CI runs — unit/integration suite, deployment checks (the alerts on promtool
 ## and a real Prometheus included), real engines, the report in a headless Chromium
-# The suite on one worker a core (pytest-xdist): tests/real is one group, run by one worker
-# while the others share the rest.
-XDIST := -n auto --dist loadgroup
+## Two runs side by side: tests/real in a process of its own (its engines start once, one at a
+## time), the rest on a pytest-xdist worker a core; the real run's output follows the other's.
+XDIST := -n auto
 test: test-prepare
-	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci $(XDIST)
+	@CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q -p no:cacheprovider tests/real \
+		> .cache/test-real.log 2>&1 & real=$$!; \
+	CACHEWITNESS_REAL_REQUIRED=1 $(PY) -m pytest -q --hypothesis-profile=ci $(XDIST) --ignore=tests/real; rest=$$?; \
+	wait $$real; engines=$$?; echo "== tests/real (run beside the above) =="; cat .cache/test-real.log; \
+	[ $$rest -eq 0 ] && [ $$engines -eq 0 ]
 
 ## make test-prepare: what `make test` needs before the suite. The real engines' setup (the
 ## llama-server source build: minutes of CPU, and downloads) runs beside lint and the deployment

@@ -43,19 +43,11 @@ class Pair:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test under tests/real with `real` (select with -m real, drop with -m 'not real').
-
-    Under pytest-xdist (`make test`: `-n auto --dist loadgroup`) they are one group, run by one
-    worker: the session-scoped engines start once, and two vLLMs never start side by side. They
-    come first, so that the longest group starts at once rather than last.
-    """
+    """Mark every test under tests/real with `real` (select with -m real, drop with -m 'not real')."""
     here = Path(__file__).resolve().parent
-    real = [item for item in items if here in Path(str(item.fspath)).resolve().parents]
-    for item in real:
-        item.add_marker(pytest.mark.real)
-        item.add_marker(pytest.mark.xdist_group("engines"))
-    chosen = {id(item) for item in real}
-    items[:] = real + [item for item in items if id(item) not in chosen]
+    for item in items:
+        if here in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.real)
 
 
 def _require(path: Path, what: str) -> None:

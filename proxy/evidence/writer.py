@@ -96,9 +96,9 @@ class EvidenceWriter:
         self._flush_lock = asyncio.Lock()
         self._wake = asyncio.Event()  # flush now: a burst, or close
         # While nothing waits to be written the task sleeps on `_arrived` (no timer): the
-        # first record then sets it, and is on disk one flush interval later as before.
+        # first record then sets it, and is on disk one flush interval later as before. Set on
+        # every arrival; the task clears it just before it sleeps, so a stale set costs nothing.
         self._arrived = asyncio.Event()
-        self._idle = False
         self._periodic_flushes = 0
         self._flushed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -163,8 +163,7 @@ class EvidenceWriter:
             self._gap = 0
             self._since_checkpoint += 1
             self._queued_bytes += size
-            if self._idle:
-                self._nudge()
+            self._arrived.set()
             if len(self._queue) >= 1024:
                 self._wake.set()  # a burst: write now rather than a flush interval on
         except Exception:
@@ -189,8 +188,8 @@ class EvidenceWriter:
             finally:
                 self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
                 self._flushing_bytes = 0
-                if self._unwritten and self._idle:
-                    self._nudge()  # refused by the disk: retried every flush interval
+                if self._unwritten:
+                    self._arrived.set()  # refused by the disk: retried every flush interval
 
     async def checkpoint_now(self) -> Mark | None:
         """Checkpoint what was queued since the last checkpoint, now; the last line then on disk
@@ -254,32 +253,22 @@ class EvidenceWriter:
         """
         if not self._queue and not self._unwritten:
             owed = self._checkpoint_at + self.checkpoint_interval_s - time.monotonic()
-            self._idle = True
-            try:
-                if not self._since_checkpoint:
-                    await self._arrived.wait()
-                else:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._arrived.wait(), timeout=max(0.0, owed))
-                    if not self._queue and not self._unwritten:
-                        return  # the checkpoint is due, with no record to wait for
-            finally:
-                self._idle = False
-                self._arrived.clear()
+            self._arrived.clear()  # nothing is waiting (checked just now, with no await since)
+            if not self._since_checkpoint:
+                await self._arrived.wait()
+            else:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), timeout=max(0.0, owed))
+                if not self._queue and not self._unwritten:
+                    return  # the checkpoint is due, with no record to wait for
             if self._closed:
                 return
         with contextlib.suppress(TimeoutError):  # the interval passed: flush
             await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
 
-    def _nudge(self) -> None:
-        """End the task's untimed wait: something is to be written (event loop only)."""
-        self._idle = False
-        self._arrived.set()
-
     async def wait_flushed(self) -> None:
         """Return after the flush task's next flush has finished (for tests and shutdown checks)."""
-        if self._idle:
-            self._nudge()  # an idle task has no next flush of its own: wake it for one
+        self._arrived.set()  # an idle task has no next flush of its own: wake it for one
         async with self._flushed:
             target = self._periodic_flushes + 1
             await self._flushed.wait_for(lambda: self._periodic_flushes >= target or self._task is None)

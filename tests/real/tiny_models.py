@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -20,35 +18,21 @@ def _generator_key(script: Path) -> str:
 
 
 def _generate(python: Path, script: Path, out: Path) -> Path:
-    """Run `script` with `python` to write `out` unless it is already there.
-
-    Written under a name of this process's, then renamed: a model that exists is whole, and
-    two test processes (pytest-xdist workers) making it at once both end with the same one.
-    """
+    """Run `script` with `python` to write `out` unless it is already there."""
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.{os.getpid()}")
     log = logs_dir() / f"{out.name}.log"
     with log.open("wb") as sink:
         done = subprocess.run(
-            [str(python), str(script), str(partial)],
+            [str(python), str(script), str(out)],
             stdout=sink,
             stderr=subprocess.STDOUT,
             timeout=GENERATE_TIMEOUT_S,
             check=False,
         )
-    if done.returncode != 0 or not partial.exists():
+    if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"{script.name} failed ({done.returncode}); see {log}")
-    try:
-        partial.rename(out)
-    except OSError:  # the other process renamed its own first (a folder is not replaced)
-        if not out.exists():
-            raise
-        if partial.is_dir():
-            shutil.rmtree(partial)
-        else:
-            partial.unlink()
     return out
 
 

@@ -14,7 +14,9 @@ from proxy.config import SETTINGS, Settings
 from proxy.connections import CONNECTIONS, Limit, setup_connections
 from proxy.engine_state import ENGINE, redetector, setup_engine_state
 from proxy.evidence.log import EVIDENCE, setup_evidence
-from proxy.forward.handler import forward, setup_forward
+from proxy.forward.engine_exchange import setup_forward
+from proxy.forward.handler import forward
+from proxy.front import setup_front
 from proxy.health import HEALTH, healthy, ready, setup_health
 from proxy.metrics import METRICS, SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
@@ -49,7 +51,8 @@ def build_app(settings: Settings) -> web.Application:
                            finishes within the grace period (`serve` starts it for requests
                            and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. admin, routes   — the route policy, forwarding's memory, then the routes (each policed).
+     10. admin, routes   — the route policy, forwarding's memory, then the routes (each policed);
+     11. front           — plain inference requests served beside aiohttp (no lifetime).
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
     of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
@@ -76,6 +79,7 @@ def build_app(settings: Settings) -> web.Application:
     setup_admin(app)
     setup_forward(app)
     setup_routes(app)
+    setup_front(app)
     return app
 
 

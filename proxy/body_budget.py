@@ -106,6 +106,18 @@ class BodyBudget:
                 return False
         return False
 
+    def take_now(self, reading: Reading, size: int) -> bool:
+        """Take `size` bytes that arrived for `reading` if they fit now; False (nothing taken) if not.
+
+        For a reader that cannot wait (the front, proxy/front/connection.py): it hands the
+        request to a reader that can instead, which then takes the budget its own way.
+        """
+        if reading.evicted or self.held + size > self.limit:
+            return False
+        self.held += size
+        reading.held += size
+        return True
+
     def hold(self, size: int) -> None:
         """Count `size` bytes already in memory (they are held whether or not they fit)."""
         self.held += size

@@ -128,6 +128,7 @@ class Settings:
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
     request_id_header: bool = False
+    front: bool = True
     engine_api_key: str | None = field(default=None, repr=False)
     upstream_api_key: str | None = field(default=None, repr=False)
     upstream_api_key_file: str | None = None
@@ -518,6 +519,12 @@ OPTIONS: tuple[Option, ...] = (
         "seconds ≥ 0 (0 = try every stream)",
     ),
     Option("observe", _bool, "observe inference requests and write evidence", "true or false"),
+    Option(
+        "front",
+        _bool,
+        "serve plain inference requests on the front (httptools), without aiohttp's per-request machinery",
+        "true or false",
+    ),
     Option(
         "request_id_header",
         _bool,

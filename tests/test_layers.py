@@ -46,6 +46,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"forward", "reset"}),
     frozenset({"cluster"}),
     frozenset({"admin"}),
+    frozenset({"front"}),
     frozenset({"app", "probe_listener"}),
     frozenset({"serve"}),
     frozenset({"cli"}),

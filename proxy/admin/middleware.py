@@ -30,12 +30,14 @@ from proxy.forward.inbound import PATH_REFUSAL
 from proxy.refusals import REFUSALS, RefusalReason, Refusals
 from proxy.upstream.pools import UPSTREAM_POOL
 
-__all__ = ["ROUTE_POLICY", "Handler", "Police", "route_policy", "setup_admin"]
+__all__ = ["ROUTE_CLASSES", "ROUTE_POLICY", "Handler", "Police", "route_policy", "setup_admin"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Applies the route policy to one route as it is registered: (handler, registered path) → handler.
 Police = Callable[[Handler, str], Handler]
 ROUTE_POLICY: web.AppKey[Police] = web.AppKey("route_policy")
+# The classifier behind it, for the front (proxy/front/), which takes only what it forwards.
+ROUTE_CLASSES: web.AppKey[RoutePolicy] = web.AppKey("route_classes", RoutePolicy)
 
 
 def _toward_engine(request: web.Request, settings: Settings, *, control: bool) -> web.Request:
@@ -66,7 +68,7 @@ async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
     return decision
 
 
-def route_policy(settings: Settings) -> Police:
+def route_policy(settings: Settings, policy: RoutePolicy | None = None) -> Police:
     """The route policy, applied to each route as it is registered (`police(handler, path)`).
 
     Decided once per route, not per request: a route of the sidecar's own under /cache/ needs
@@ -74,7 +76,7 @@ def route_policy(settings: Settings) -> Police:
     policy's classification. No app middleware: with none, aiohttp skips its middleware chain
     for every request (issue 34).
     """
-    policy = RoutePolicy(settings)
+    policy = policy if policy is not None else RoutePolicy(settings)
     guarded = settings.engine_routes == EngineRoutes.ADMIN
     reset_key = (
         settings.engine_key if settings.native_reset_auth == NativeResetAuth.UPSTREAM_API_KEY else None
@@ -137,4 +139,5 @@ def _refused(
 def setup_admin(app: web.Application) -> None:
     """The refusal counters, and the route policy that `setup_routes` applies to every route."""
     app[REFUSALS] = Refusals()
-    app[ROUTE_POLICY] = route_policy(app[SETTINGS])
+    policy = app[ROUTE_CLASSES] = RoutePolicy(app[SETTINGS])
+    app[ROUTE_POLICY] = route_policy(app[SETTINGS], policy)

@@ -23,6 +23,7 @@ _BOOL_OPTIONS = frozenset(
         "inject_usage",
         "observe",
         "request_id_header",
+        "front",
     }
 )
 # Secrets are never taken as flags (they would show in `ps`): env or file only.

@@ -7,6 +7,7 @@ import asyncio
 import fcntl
 import sys
 import termios
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Protocol, cast
 
@@ -60,16 +61,42 @@ class Phase(StrEnum):
     IDLE = "idle"  # keep-alive between requests: aiohttp's keepalive_timeout applies (serve.py sets it)
 
 
+class FrontPart(Protocol):
+    """The front's half of a connection it holds (proxy/front/connection.py)."""
+
+    def data_received(self, data: bytes) -> None: ...
+
+    def connection_lost(self, exc: Exception | None) -> None: ...
+
+    def pause_writing(self) -> None: ...
+
+    def resume_writing(self) -> None: ...
+
+    def stalled(self) -> None: ...
+
+
+# Makes the front's half of a new connection: (the connection, its transport) → FrontPart.
+FrontFactory = Callable[["ClientConnection", asyncio.Transport], FrontPart]
+
+
 class Guard(Protocol):
     """What a connection reads and tells of the guard that let it in (ConnectionGuard)."""
 
     header_timeout: float
     body_idle_timeout: float
     client_write_timeout: float
+    keepalive_timeout: float
     max_connections: int
     probe_slots: int
     open_connections: int
     watchdog: Watchdog[ClientConnection]
+    front: FrontFactory | None
+
+    def request_begun(self) -> None:
+        """A request's handler (or the front's exchange) starts."""
+
+    def request_done(self) -> None:
+        """It is over."""
 
     def hit(self, limit: Limit) -> None:
         """Count (and log) one hit of a limit."""
@@ -115,6 +142,9 @@ class ClientConnection(asyncio.Protocol):
         self._head_since = self._loop.time()
         self._last_data = self._head_since
         self._request: web.BaseRequest | None = None
+        self._front: FrontPart | None = None  # the front holds the connection (until it hands it off)
+        self._front_body = False  # the front is reading a request body: body_idle_timeout runs
+        self._idle_since = self._head_since
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
         self.probe_only = False  # let in past max_connections, for one probe request
         # While writing is paused (the client is behind): when to look again, the write buffer's
@@ -140,13 +170,16 @@ class ClientConnection(asyncio.Protocol):
             return
         self._transport = transport
         guard.opened(transport, self)
-        self._handler = self._server()
-        self._handler.connection_made(transport)
+        if guard.front is not None and not self.probe_only:
+            self._front = guard.front(self, transport)
+        else:
+            self._handler = self._server()
+            self._handler.connection_made(transport)
         self._arm(self._head_since + guard.header_timeout if guard.header_timeout else None)
 
     def data_received(self, data: bytes) -> None:
         """Note the time; the first byte after an idle keep-alive starts the next head's clock."""
-        if self._handler is None:
+        if self._handler is None and self._front is None:
             return  # a refused connection: its bytes are discarded
         now = self._loop.time()
         self._last_data = now
@@ -155,21 +188,27 @@ class ClientConnection(asyncio.Protocol):
             self._head_since = now
             if self._guard.header_timeout:
                 self._arm(now + self._guard.header_timeout)
-        self._handler.data_received(data)
+        if self._front is not None:
+            self._front.data_received(data)
+        elif self._handler is not None:
+            self._handler.data_received(data)
 
     def eof_received(self) -> bool | None:
-        """aiohttp decides what a half-close means."""
-        return self._handler.eof_received() if self._handler is not None else False
+        """aiohttp decides what a half-close means; to the front (as to aiohttp) it is the end."""
+        return self._handler.eof_received() if self._handler is not None else None
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Forget the connection and tell aiohttp (which cancels a running handler)."""
         self._disarm()
         self._write_due = None
-        if self._handler is None:
+        if self._handler is None and self._front is None:
             return
         if self._transport is not None:
             self._guard.closed(self._transport)
-        self._handler.connection_lost(exc)
+        if self._front is not None:
+            self._front.connection_lost(exc)
+        elif self._handler is not None:
+            self._handler.connection_lost(exc)
 
     def pause_writing(self) -> None:
         """Flow control is aiohttp's; client_write_timeout starts running."""
@@ -179,13 +218,17 @@ class ClientConnection(asyncio.Protocol):
             self._write_mark = _unsent(self._transport)
             self._write_due = self._write_progress + timeout / 4
             self._guard.watchdog.watch(self)
-        if self._handler is not None:
+        if self._front is not None:
+            self._front.pause_writing()
+        elif self._handler is not None:
             self._handler.pause_writing()
 
     def resume_writing(self) -> None:
         """Flow control is aiohttp's; the client caught up."""
         self._write_due = None
-        if self._handler is not None:
+        if self._front is not None:
+            self._front.resume_writing()
+        elif self._handler is not None:
             self._handler.resume_writing()
 
     @property
@@ -208,6 +251,57 @@ class ClientConnection(asyncio.Protocol):
         self._request = None
         self._phase = Phase.IDLE
         self._disarm()
+
+    # --- the front's cycle (proxy/front/connection.py): it frames requests, so it says where it is
+
+    def hand_off(self, pieces: tuple[bytes | bytearray, ...]) -> None:
+        """aiohttp takes the connection for good, from the first byte of the request the front declined."""
+        transport = self._transport
+        if self._front_body:
+            self._guard.request_done()  # aiohttp counts it again, as its own
+        self._front, self._front_body = None, False
+        if transport is None or transport.is_closing():
+            return
+        self._phase = Phase.HEAD
+        if self._guard.header_timeout:
+            self._arm(self._head_since + self._guard.header_timeout)
+        self._handler = self._server()
+        self._handler.connection_made(transport)
+        for piece in pieces:
+            if piece:
+                self._handler.data_received(bytes(piece) if isinstance(piece, bytearray) else piece)
+
+    def body_arriving(self) -> None:
+        """The front took a head: the request is in progress (as aiohttp's is once its head is in);
+        body_idle_timeout runs while its body arrives."""
+        self._guard.request_begun()
+        self._phase = Phase.REQUEST
+        self._front_body = True
+        self._last_data = self._loop.time()
+        idle = self._guard.body_idle_timeout
+        self._arm(self._last_data + idle if idle else None)
+
+    def serving(self) -> None:
+        """The front has the whole request and serves it: the answer may take as long as the engine needs."""
+        self._phase = Phase.REQUEST
+        self._front_body = False
+        self._disarm()
+
+    def head_started(self) -> None:
+        """Bytes of the next request came while the front served one: its head clock starts now."""
+        self._phase = Phase.HEAD
+        self._head_since = self._loop.time()
+        if self._guard.header_timeout:
+            self._arm(self._head_since + self._guard.header_timeout)
+
+    def served(self) -> None:
+        """The front's request is over (answered, or its client gone): keep-alive idle, closed after keepalive_timeout."""
+        self._guard.request_done()
+        self._front_body = False
+        self._phase = Phase.IDLE
+        self._idle_since = self._loop.time()
+        keepalive = self._guard.keepalive_timeout
+        self._arm(self._idle_since + keepalive if keepalive else None)
 
     # --- the deadline -----------------------------------------------------------------------
 
@@ -247,7 +341,15 @@ class ClientConnection(asyncio.Protocol):
         guard.hit(Limit.CLIENT_WRITE_TIMEOUT)
         if self._request is not None:
             self._request[CLIENT_STALLED] = True
+        elif self._front is not None:
+            self._front.stalled()
         transport.abort()  # nothing more can reach this client; connection_lost cancels the handler
+
+    def _body_unread(self) -> bool:
+        """Whether the request in progress still has body bytes to come (aiohttp's, or the front's)."""
+        if self._request is not None:
+            return not self._request.content.is_eof()
+        return self._front is not None and self._front_body
 
     def _check(self) -> None:
         """The deadline passed: close the connection if its phase's limit has passed, else re-arm."""
@@ -262,8 +364,14 @@ class ClientConnection(asyncio.Protocol):
             else:
                 self._arm(self._head_since + guard.header_timeout)
             return
-        request = self._request
-        if self._phase is not Phase.REQUEST or request is None or request.content.is_eof():
+        if self._phase is Phase.IDLE:
+            # Only the front's idle connections have this deadline (aiohttp keeps its own).
+            if self._front is not None and now - self._idle_since >= guard.keepalive_timeout:
+                transport.close()
+            elif self._front is not None:
+                self._arm(self._idle_since + guard.keepalive_timeout)
+            return
+        if not self._body_unread():
             return  # the body is all in: the response may take as long as the engine needs
         if not transport.is_reading():
             # Paused by aiohttp's flow control: the sidecar is the slow side, not the client.

@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proxy.config import SETTINGS
-from proxy.connections.client import REFUSAL_BODY, ClientConnection, Limit, Phase
+from proxy.connections.client import REFUSAL_BODY, ClientConnection, FrontFactory, Limit, Phase
 from proxy.logs import LogThrottle, log_event
 from proxy.watchdog import Watchdog
 
@@ -50,11 +50,16 @@ class ConnectionGuard:
         max_connections: int,
         probe_slots: int = 0,
         client_write_timeout: float = 0.0,
+        keepalive_timeout: float = 0.0,
     ) -> None:
         """Limits in seconds and connections; 0 turns one off. `probe_slots`: past max_connections, for probes."""
         self.header_timeout = header_timeout
         self.body_idle_timeout = body_idle_timeout
         self.client_write_timeout = client_write_timeout
+        self.keepalive_timeout = keepalive_timeout  # aiohttp's own, and the front's connections'
+        # Makes the front's half of each new connection (proxy/front/); None: aiohttp serves all.
+        self.front: FrontFactory | None = None
+        self.closing = False  # shutdown began: no connection is kept alive after its answer
         self.max_connections = max_connections
         self.probe_slots = probe_slots
         self.open_connections = 0
@@ -93,8 +98,7 @@ class ConnectionGuard:
         connection = self._connections.get(request.transport) if request.transport is not None else None
         if connection is not None:
             connection.request_started(request)
-        self.requests_in_progress += 1
-        self._idle.clear()
+        self.request_begun()
         try:
             if connection is None or not connection.probe_only:
                 return await handler(request)
@@ -111,11 +115,20 @@ class ConnectionGuard:
             response.force_close()  # a probe slot serves one request
             return response
         finally:
-            self.requests_in_progress -= 1
-            if self.requests_in_progress == 0:
-                self._idle.set()
+            self.request_done()
             if connection is not None:
                 connection.request_finished()
+
+    def request_begun(self) -> None:
+        """A request's handler (or the front's exchange) starts: shutdown waits for it."""
+        self.requests_in_progress += 1
+        self._idle.clear()
+
+    def request_done(self) -> None:
+        """It is over."""
+        self.requests_in_progress -= 1
+        if self.requests_in_progress == 0:
+            self._idle.set()
 
     async def wait_requests_done(self, timeout_s: float) -> bool:
         """Wait until no request is in progress, up to `timeout_s`; whether that happened."""
@@ -127,6 +140,7 @@ class ConnectionGuard:
 
     def close_idle(self) -> None:
         """Close every client connection with no request in progress (shutdown: nothing is cut)."""
+        self.closing = True
         for transport, connection in list(self._connections.items()):
             if connection.phase is not Phase.REQUEST:
                 transport.close()
@@ -184,6 +198,7 @@ def setup_connections(app: web.Application) -> ConnectionGuard:
         settings.max_connections,
         PROBE_SLOTS,
         settings.client_write_timeout,
+        settings.keepalive_timeout,
     )
     app[CONNECTIONS] = guard
     return guard

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
-from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.body_budget import Reading
 from proxy.engines.base import EngineInfo
@@ -13,7 +14,23 @@ from proxy.observe import JsonBody, Observation, StreamScanner, Usage
 from proxy.observe.record import Forwarded
 from proxy.vocabulary import Outcome
 
-__all__ = ["Exchange"]
+__all__ = ["ClientRequest", "Exchange"]
+
+
+class ClientRequest(Protocol):
+    """What the exchange and its records read of the client's request (a web.Request is one)."""
+
+    @property
+    def method(self) -> str: ...
+
+    @property
+    def path(self) -> str: ...
+
+    @property
+    def raw_path(self) -> str: ...
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str] | CIMultiDict[str]: ...
 
 
 @dataclass
@@ -43,7 +60,7 @@ class Exchange:
     admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
     bad_answer: bool = False  # the engine's response broke HTTP or the leg's limits (UpstreamBadResponse)
 
-    def forwarded(self, request: web.Request, finished_ns: int) -> Forwarded:
+    def forwarded(self, request: ClientRequest, finished_ns: int) -> Forwarded:
         """The transport facts of this exchange, once it is over."""
         sent, head, first = self.upstream_sent_ns, self.upstream_head_ns, self.first_byte_ns
         return Forwarded(
@@ -59,7 +76,7 @@ class Exchange:
             bad_answer=self.bad_answer,
         )
 
-    def observation(self, request: web.Request, finished_ns: int) -> Observation:
+    def observation(self, request: ClientRequest, finished_ns: int) -> Observation:
         """The frozen record of this exchange, once it is over."""
         usage, engine_id = Usage(), None
         if self.scanner is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.forward.ids import ID_HEADERS, forwardable
@@ -52,7 +51,11 @@ def _end_to_end(
 
 
 def request_headers(
-    request: web.Request, *, request_id: str, usage_injected: bool, add_request_id: bool
+    client: CIMultiDictProxy[str] | CIMultiDict[str],
+    *,
+    request_id: str,
+    usage_injected: bool,
+    add_request_id: bool,
 ) -> CIMultiDict[str]:
     """The client's end-to-end headers; our request id only when `request_id_header` opts in.
 
@@ -60,7 +63,7 @@ def request_headers(
     change the bytes it gets (`chatcmpl-<our hex>` instead of vLLM's own).
     """
     headers: CIMultiDict[str] = CIMultiDict()
-    _end_to_end(request.headers, _REQUEST_DROP, headers)
+    _end_to_end(client, _REQUEST_DROP, headers)
     if add_request_id and "X-Request-Id" not in headers:
         headers["X-Request-Id"] = request_id
     if usage_injected:

@@ -29,7 +29,7 @@ from proxy.upstream.head import framed
 from proxy.upstream.response import HIGH_WATER, Sink
 from proxy.vocabulary import Outcome
 
-__all__ = ["relay"]
+__all__ = ["broke_mid_response", "client_sink", "relay", "start_observing"]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -51,7 +51,7 @@ class _RelayResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-def _start_observing(upstream: UpstreamResponse, exchange: Exchange, *, sse: bool) -> Observe | None:
+def start_observing(upstream: UpstreamResponse, exchange: Exchange, *, sse: bool) -> Observe | None:
     """Pick how the response is read for usage: the SSE scanner, or a bounded JSON reader.
 
     A compressed response is not read (the sidecar never decompresses): its usage is unknown.
@@ -75,7 +75,20 @@ def _start_observing(upstream: UpstreamResponse, exchange: Exchange, *, sse: boo
     return read_json
 
 
-def _client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunked: bool) -> Sink:
+def broke_mid_response(exchange: Exchange, exc: UpstreamError) -> None:
+    """The engine's answer broke after its head: the outcome, and a warning (the caller cuts the client)."""
+    exchange.outcome = Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.UPSTREAM_ERROR
+    exchange.bad_answer = isinstance(exc, UpstreamBadResponse)
+    log_event(
+        log,
+        logging.WARNING,
+        "upstream broke mid-response",
+        request_id=exchange.request_id,
+        error=type(exc).__name__,
+    )
+
+
+def client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunked: bool) -> Sink:
     """Write each body piece to the client as it comes; True when the client is behind.
 
     Behind is the client's unsent bytes past the mark the leg's own buffer stops at, and past
@@ -131,7 +144,7 @@ async def relay(
         sse=sse,
         add_request_id=request.app[SETTINGS].request_id_header,
     )
-    observe = _start_observing(upstream, exchange, sse=sse)
+    observe = start_observing(upstream, exchange, sse=sse)
     try:
         writer = await response.prepare(request)
         assert writer is not None  # a fresh response: prepare() starts it
@@ -149,7 +162,7 @@ async def relay(
         if transport is None:
             raise ConnectionResetError("the client closed its connection")
         chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
-        sink = _client_sink(transport, observe, chunked=chunked)
+        sink = client_sink(transport, observe, chunked=chunked)
         await upstream.relay(sink, _drained(request.app[BODY_BUDGET], transport, writer))
         if exchange.scanner is not None and (tail := exchange.scanner.finish()):
             await response.write(tail)
@@ -159,17 +172,9 @@ async def relay(
         # upstream aborts the engine.
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
     except UpstreamError as exc:
-        exchange.outcome = Outcome.TIMEOUT if isinstance(exc, TimeoutError) else Outcome.UPSTREAM_ERROR
-        exchange.bad_answer = isinstance(exc, UpstreamBadResponse)
-        log_event(
-            log,
-            logging.WARNING,
-            "upstream broke mid-response",
-            request_id=exchange.request_id,
-            error=type(exc).__name__,
-        )
         # The head is gone already (or held, to go with bytes that will not come): cut the
         # client's connection so a truncated body is never mistaken for a complete one.
+        broke_mid_response(exchange, exc)
         if request.transport is not None:
             request.transport.abort()
     except asyncio.CancelledError:

@@ -59,16 +59,21 @@ async def start_sidecar(
             preexec_fn=limit_fds,
         )
     url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while True:
-            try:
-                await wait_status(session, url + "/-/ready", 200, bound_s=30)
-                break
-            except aiohttp.ClientConnectionError:
-                assert loop.time() < deadline, (tmp_path / "sidecar.log").read_text()
-                await asyncio.sleep(0.1)
+    try:
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while True:
+                try:
+                    await wait_status(session, url + "/-/ready", 200, bound_s=30)
+                    break
+                except aiohttp.ClientConnectionError:
+                    assert loop.time() < deadline, (tmp_path / "sidecar.log").read_text()
+                    await asyncio.sleep(0.1)
+    except BaseException:
+        process.kill()  # a sidecar that never got ready must not outlive its test
+        await process.wait()
+        raise
     return process, url
 
 

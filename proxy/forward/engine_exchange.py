@@ -1,0 +1,299 @@
+"""One request's exchange with the engine, from the drain gate to the last byte of the answer.
+
+Shared by both servers that take client requests (aiohttp's handler in proxy/forward/handler.py
+and the front in proxy/front/): each reads the request its own way, then hands it here with
+the `Side` its answer goes to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TypeVar
+
+from aiohttp import web
+
+from proxy.admission import ADMISSION
+from proxy.config import SETTINGS
+from proxy.engine_state import ENGINE
+from proxy.errors import error_response
+from proxy.forward.exchange import ClientRequest, Exchange
+from proxy.forward.headers import CASE_HEADER, request_headers
+from proxy.forward.ids import SESSION_ID_CHARS, stored_id
+from proxy.forward.request_body import BodyTooLarge, ClientGone
+from proxy.forward.side import Side
+from proxy.logs import log_event
+from proxy.observe import (
+    InjectionRefusals,
+    PreparedRequest,
+    is_observed,
+    names_stream_options,
+    prepare_request,
+    rules_for,
+)
+from proxy.recorder import RECORDER
+from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
+from proxy.upstream.pools import UPSTREAM_LEG
+from proxy.vocabulary import Outcome
+from proxy.witnesses.events_index import CACHE_INDEX
+
+__all__ = [
+    "INJECTION_REFUSALS",
+    "admitted_exchange",
+    "is_inference",
+    "prepare",
+    "record_finished",
+    "rejected",
+    "setup_forward",
+    "too_large",
+]
+
+log = logging.getLogger("cachewitness.forward")
+
+R = TypeVar("R")
+
+# Validation failures (FastAPI's 422, plain 400) that may be our injected stream_options;
+# only one whose body names `stream_options` is (a "context too long" 400 is the client's).
+_REFUSED_INJECTION = frozenset({400, 422})
+_ERROR_PEEK = 64 * 1024
+# An observed body past this goes upstream in pieces of the client's buffer, not one copy.
+_CHUNK = 64 * 1024
+# Engines that refused the injection, remembered for a while so each costs one retried request.
+INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
+
+
+def setup_forward(app: web.Application) -> None:
+    """What forwarding keeps across requests: the engines that refused the injection."""
+    app[INJECTION_REFUSALS] = InjectionRefusals(app[SETTINGS].inject_usage_reprobe_seconds)
+
+
+def too_large(limit: int) -> web.Response:
+    """The 413 for a body past max_body_bytes."""
+    return error_response(
+        413,
+        f"request body is larger than max_body_bytes ({limit} bytes)",
+        type_="invalid_request_error",
+        code="request_too_large",
+    )
+
+
+def rejected(exchange: Exchange, response: web.Response) -> web.Response:
+    """A request the sidecar answers itself, without the engine."""
+    exchange.status = response.status
+    exchange.outcome = Outcome.REJECTED
+    return response
+
+
+def is_inference(app: web.Application, request: ClientRequest) -> bool:
+    """Whether the request is one the evidence records (an observed inference route)."""
+    return app[SETTINGS].observe and is_observed(request.method, request.path)
+
+
+def prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:
+    """Read an observed body: stream, model, and the include_usage injection when it applies."""
+    settings, info = app[SETTINGS], app[ENGINE].info
+    # Whether to inject is the engine's stream rule (llama.cpp: never), unless it refused.
+    inject = settings.inject_usage and rules_for(info).inject and not app[INJECTION_REFUSALS].refused(info)
+    prepared = prepare_request(body, inject_usage=inject, path=path)
+    exchange.observed = True
+    exchange.stream = prepared.stream
+    exchange.model = prepared.model
+    exchange.usage_injected = prepared.usage_injected
+    exchange.engine_info = info
+    return prepared
+
+
+def record_finished(
+    app: web.Application, request: ClientRequest, exchange: Exchange, *, stalled: bool
+) -> None:
+    """Count the request and, when it was observed and admitted, record its observation.
+
+    Every request is counted, those the sidecar itself turned away (400, 413, 503) included, in
+    one call with its observation; an inference request turned away before admission gets its
+    record too (outcome "rejected").
+    """
+    finished_ns = time.time_ns()
+    if stalled:
+        exchange.outcome = Outcome.CLIENT_STALLED
+    forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
+    if exchange.observed and exchange.admitted:
+        recorder.finished(forwarded, exchange.observation(request, finished_ns))
+    else:
+        recorder.finished(forwarded, None)
+        if exchange.outcome == Outcome.REJECTED and is_inference(app, request):
+            recorder.rejected(exchange.observation(request, finished_ns))
+
+
+async def admitted_exchange(
+    side: Side[R], exchange: Exchange, prepared: PreparedRequest | None, body: Body, limit: int
+) -> R:
+    """Pass the drain gate, take the reset ordinal, then exchange; the admission slot is held throughout.
+
+    `prepared` is an observed body in hand; None: `body` is what goes upstream as it is.
+    """
+    app, request = side.app, side.request
+    admission = app[ADMISSION]
+    if not await admission.admit():
+        return await side.answer(
+            rejected(
+                exchange,
+                error_response(
+                    503,
+                    "the sidecar held this request while a cache reset drained the engine, and the wait ran out",
+                    type_="service_unavailable",
+                    code="draining",
+                ),
+            )
+        )
+    try:
+        if exchange.observed:
+            exchange.admitted = True
+            # Assigned after admission: a request held during a drain belongs to the new reset.
+            begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
+            exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
+            index = app.get(CACHE_INDEX)
+            if index is not None:  # a case's first request: what the engine's cache holds as it starts
+                headers = request.headers
+                index.request_started(
+                    stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+                    stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+                )
+        elif is_inference(app, request):
+            # Streamed past the observation budget: no record, yet it reaches the engine.
+            app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
+        return await _exchange(side, exchange, prepared, body, limit)
+    finally:
+        admission.leave()
+
+
+def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
+    """Map an upstream failure before the response head to 502/504."""
+    if isinstance(exc, TimeoutError):
+        exchange.outcome = Outcome.TIMEOUT
+        status, code, what = 504, "upstream_timeout", "the upstream did not answer in time"
+    elif isinstance(exc, UpstreamBadResponse):
+        exchange.outcome, exchange.bad_answer = Outcome.UPSTREAM_ERROR, True
+        # The reason is the leg's own words (a limit, a rule), never a byte of the engine's.
+        status, code, what = 502, "upstream_bad_answer", f"the upstream's answer cannot be relayed: {exc}"
+    else:
+        exchange.outcome = Outcome.UPSTREAM_ERROR
+        status, code = 502, "upstream_unreachable"
+        # An unreachable engine: the leg's words (the address and the OS error, no engine bytes).
+        what = str(exc) if isinstance(exc, UpstreamUnreachable) else "the upstream broke the connection"
+    log_event(
+        log,
+        logging.WARNING,
+        "upstream failure",
+        request_id=exchange.request_id,
+        status=status,
+        error=type(exc).__name__,
+    )
+    exchange.status = status
+    return error_response(status, f"{what} ({type(exc).__name__})", type_="upstream_error", code=code)
+
+
+def _upstream_data(prepared: PreparedRequest) -> Body:
+    """What goes upstream: a small body as bytes, a large one as pieces of the client's buffer
+    (written in slices, never copied whole). Both can be sent twice (a stale pooled connection)."""
+    if prepared.upstream_size > _CHUNK:
+        return prepared.upstream_pieces()
+    return prepared.upstream_body()
+
+
+async def _exchange(
+    side: Side[R],
+    exchange: Exchange,
+    prepared: PreparedRequest | None,
+    body: Body,
+    limit: int,
+    *,
+    refusal: str | None = None,
+) -> R:
+    """Send the request upstream and relay the answer.
+
+    An engine that refuses the injected include_usage gets the client's own body instead,
+    once: `refusal` then says why the injected one could not stand.
+    """
+    app, request = side.app, side.request
+    headers = request_headers(
+        request.headers,
+        request_id=exchange.request_id,
+        usage_injected=exchange.usage_injected,
+        add_request_id=app[SETTINGS].request_id_header,
+    )
+    data: Body = body
+    if prepared is not None:
+        data = _upstream_data(prepared)
+        # The body may carry the injection: its length is ours to say.
+        headers["Content-Length"] = str(prepared.upstream_size)
+    exchange.upstream_sent_ns = time.time_ns()
+    try:
+        upstream = await app[UPSTREAM_LEG].send(request.method, request.raw_path, headers, data)
+    except BodyTooLarge:
+        return await side.answer(rejected(exchange, too_large(limit)))
+    except ClientGone:
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
+        raise asyncio.CancelledError from None
+    except asyncio.CancelledError:
+        exchange.outcome = Outcome.CLIENT_DISCONNECTED
+        raise
+    except UpstreamError as exc:
+        return await side.answer(_upstream_failure(exc, exchange))
+    exchange.upstream_head_ns = time.time_ns()
+    try:
+        peeked = b""
+        if refusal is not None:
+            _judge_refusal(app, exchange, upstream.status, refusal)
+        elif exchange.usage_injected and prepared is not None:
+            refused, peeked = await _injection_refusal(upstream)
+            if refused is not None:
+                # The client must not fail, nor get other bytes, because of us: it gets the
+                # engine's answer to its own request, sent once more as the client wrote it.
+                upstream.close()
+                exchange.usage_injected = False
+                return await _exchange(
+                    side, exchange, prepared.without_injection(), None, limit, refusal=refused
+                )
+        return await side.relay(upstream, exchange, peeked)
+    finally:
+        # An answer not read to its end closes its connection: it must not go back to the pool
+        # half-read, and closing it is what tells the engine to abort the sequence
+        # (production-stack #634). A complete answer's connection is already back in the pool.
+        upstream.close()
+
+
+def _judge_refusal(app: web.Application, exchange: Exchange, status: int, refusal: str) -> None:
+    """Remember a refusal only when the client's own request, without the injection, succeeded.
+
+    Only then can the error have come from the injection: a client's bad request whose
+    error merely quotes `stream_options` (`"messages": "stream_options"`) fails both ways,
+    and must not switch the injection off for everyone else.
+    """
+    if not 200 <= status < 300:
+        return
+    refusals = app[INJECTION_REFUSALS]
+    refusals.remember(exchange.engine_info)
+    log_event(
+        log,
+        logging.INFO,
+        f"engine {refusal}, and took the client's own request without it; "
+        f"not injecting for this engine for {refusals.reprobe_s:g} s",
+        request_id=exchange.request_id,
+        status=status,
+    )
+
+
+async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, bytes]:
+    """Why the answer to an injected request cannot stand (None if it can), and what was read of it.
+
+    An error naming `stream_options` refuses the injection; a compressed answer (the engine
+    ignored `Accept-Encoding: identity`) cannot be scanned, so the injection could not be
+    taken out again. Only an error's body is read here, at most 64 KiB; the caller relays it.
+    """
+    if upstream.headers.get("Content-Encoding", "identity").lower() != "identity":
+        return "compressed an injected answer", b""
+    if upstream.status not in _REFUSED_INJECTION:
+        return None, b""
+    peeked = await upstream.peek(_ERROR_PEEK)
+    return ("refused the injected include_usage" if names_stream_options(peeked) else None), peeked

@@ -1,0 +1,206 @@
+"""One client connection while the front holds it: requests framed, served, or handed to aiohttp.
+
+A connection starts with the front. Each request is read whole (its head, then the body its
+Content-Length names, taken from max_buffered_bytes as it arrives) and served without
+aiohttp's per-request machinery. The first request the front does not take — a head it
+declines, a body that does not fit the budget now — goes to aiohttp with every byte from
+its first on, and the connection stays aiohttp's: requests on one connection are answered
+in order, by one server at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from enum import Enum
+from typing import Protocol
+
+from proxy.body_budget import Reading
+from proxy.front.head import MAX_HEAD_BYTES, RequestHead, head_end, parse_head
+from proxy.front.serve import Front, FrontSide
+from proxy.logs import log_event
+
+__all__ = ["FrontConnection", "Host"]
+
+log = logging.getLogger("cachewitness.front")
+
+# Bytes of later requests kept while one is served (a pipelining client); past this the
+# transport stops reading until the answer is out.
+_PIPELINE_BYTES = 256 * 1024
+
+
+class Host(Protocol):
+    """What the front tells the connection that holds it (proxy/connections/client.py)."""
+
+    def hand_off(self, pieces: tuple[bytes | bytearray, ...]) -> None:
+        """aiohttp takes the connection, the bytes of `pieces` first (in pieces: a body is not joined)."""
+
+    def body_arriving(self) -> None:
+        """A head is in and its body is on its way: body_idle_timeout runs."""
+
+    def serving(self) -> None:
+        """A request is all in and served (it is in progress from `body_arriving` until `served`)."""
+
+    def served(self) -> None:
+        """Its answer is out: keep-alive idle until the next request's first byte."""
+
+    def head_started(self) -> None:
+        """A head's first bytes are in hand: header_timeout runs."""
+
+
+class _State(Enum):
+    HEAD = "head"  # bytes of a head (or none yet)
+    BODY = "body"  # a head the front takes; its body arriving
+    SERVING = "serving"
+    GONE = "gone"  # handed to aiohttp, or closed
+
+
+class FrontConnection:
+    """The front's half of one client connection (its transport's protocol is the guard's ClientConnection)."""
+
+    def __init__(self, front: Front, host: Host, transport: asyncio.Transport) -> None:
+        self._front = front
+        self._host = host
+        self._transport = transport
+        self._buffer = bytearray()  # bytes not yet framed: a head, or what came after a body
+        self._body = bytearray()  # the body of the head the front took, as it arrives
+        self._state = _State.HEAD
+        self._head: RequestHead | None = None
+        self._head_bytes = b""  # the taken head as it came, for aiohttp should the body not fit
+        self._reading: Reading | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._side: FrontSide | None = None
+        self._paused_reading = False
+        # Once per connection: asyncio.get_running_loop() makes a getpid(2) each call (Python 3.11).
+        self._loop = asyncio.get_running_loop()
+        self._writer = front.writer(transport, self._loop)
+
+    # --- from the transport, through the host --------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self._state is _State.BODY:
+            data = self._take_body(data)  # what is left: a later request's bytes (none if handed off)
+            if not data:
+                return
+        self._buffer += data
+        if self._state is _State.SERVING:
+            if len(self._buffer) > _PIPELINE_BYTES and not self._paused_reading:
+                self._paused_reading = True
+                self._transport.pause_reading()
+            return
+        self._advance()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The client is gone: a request being served is cancelled (its upstream closed); budget given back."""
+        reading_body = self._state is _State.BODY
+        self._state = _State.GONE
+        self._writer.resume()
+        self._give_back()
+        if reading_body:
+            self._host.served()  # a request that was never served is over too
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # it is over when the task is (_done)
+
+    def pause_writing(self) -> None:
+        self._writer.pause()
+
+    def resume_writing(self) -> None:
+        self._writer.resume()
+
+    def stalled(self) -> None:
+        """client_write_timeout cut this client: the request served gets outcome client_stalled."""
+        if self._side is not None:
+            self._side.stalled = True
+
+    # --- framing --------------------------------------------------------------------------
+
+    def _advance(self) -> None:
+        """Frame what is buffered: a complete head is taken or declined; a taken head's body is read."""
+        end = head_end(self._buffer, 0)
+        if end < 0:
+            if len(self._buffer) > MAX_HEAD_BYTES:
+                self._hand_off()
+            return
+        head = parse_head(bytes(self._buffer[:end]))
+        if head is None or not self._front.takes(head):
+            self._hand_off()
+            return
+        self._head, self._state = head, _State.BODY
+        self._head_bytes = bytes(self._buffer[:end])
+        self._reading = self._front.budget.start_reading()
+        self._host.body_arriving()
+        rest = bytes(self._buffer[end:])
+        del self._buffer[:]
+        self._buffer += self._take_body(rest)  # a later request's bytes stay for after this one
+
+    def _take_body(self, data: bytes) -> bytes:
+        """Add what arrived of the body, within the budget; what is past it (a later request's bytes) is returned.
+
+        The whole body in: it is served. The budget short: the request goes to aiohttp, head
+        and body as they came, which reads it within the budget its own way (or streams it
+        unobserved).
+        """
+        head, reading = self._head, self._reading
+        assert head is not None and reading is not None
+        need = head.content_length - len(self._body)
+        piece, rest = (data, b"") if len(data) <= need else (data[:need], data[need:])
+        if piece and not self._front.budget.take_now(reading, len(piece)):
+            body, self._body = self._body, bytearray()
+            self._hand_off(self._head_bytes, body, piece, rest)
+            return b""
+        self._body += piece
+        if len(self._body) < head.content_length:
+            return b""
+        body, self._body = self._body, bytearray()
+        self._front.budget.done_reading(reading, complete=True)
+        self._serve(head, body, reading)
+        return rest
+
+    def _serve(self, head: RequestHead, body: bytearray, reading: Reading) -> None:
+        self._state = _State.SERVING
+        self._reading = None  # the exchange gives it back
+        self._host.serving()
+        side = self._side = FrontSide(self._front, self._writer, head)
+        self._task = self._loop.create_task(self._front.serve(side, body, reading))
+        self._task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        """The answer is out: the next request, or the end of the connection."""
+        self._task, self._side = None, None
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log_event(log, logging.ERROR, "front: serving a request failed", error=repr(error))
+            self._transport.abort()
+        self._host.served()  # the request is over, whether or not its client stayed
+        if self._state is _State.GONE:
+            return
+        head = self._head
+        self._head, self._head_bytes = None, b""
+        if head is None or not head.keep_alive or self._transport.is_closing() or self._front.closing:
+            self._state = _State.GONE
+            self._transport.close()
+            return
+        self._state = _State.HEAD
+        if self._paused_reading:
+            self._paused_reading = False
+            self._transport.resume_reading()
+        if self._buffer:
+            self._host.head_started()  # a later request's bytes came while this one was served
+            self._advance()
+
+    def _hand_off(self, *pieces: bytes | bytearray) -> None:
+        """aiohttp takes the connection from this request's first byte on: `pieces` (else what is buffered), in order."""
+        self._give_back()
+        self._state = _State.GONE
+        if not pieces:
+            pieces, self._buffer = (self._buffer,), bytearray()
+        if self._paused_reading:
+            self._paused_reading = False
+            self._transport.resume_reading()
+        self._host.hand_off(pieces)
+
+    def _give_back(self) -> None:
+        """A body being read that will not be served here: its budget back."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            self._front.budget.done_reading(reading, complete=True)
+            self._front.budget.give_back(reading)

@@ -1,0 +1,266 @@
+"""The front (proxy/front/): plain inference requests served beside aiohttp, with the same bytes and order.
+
+Over raw sockets, so what a client gets is read byte for byte: the front's answers against
+aiohttp's for the same engine answers (`front = false` serves every request on aiohttp), and
+a connection's requests answered in order when the front hands the connection to aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httptools
+import orjson
+import pytest
+
+from proxy.body_budget import BODY_BUDGET
+from tests.support.sidecar import serve_sidecar
+
+_EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"]
+
+
+_ANSWERS = {
+    "json": b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Engine: yes\r\nContent-Length: 69\r\n\r\n"
+    b'{"id":"chatcmpl-1","usage":{"prompt_tokens":3,"completion_tokens":1}}',
+    "sse": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%b\r\n" % (len(event), event) for event in _EVENTS)
+    + b"0\r\n\r\n",
+    # No Content-Type: aiohttp's default goes on.
+    "untyped": b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nplain bytes",
+    "empty": b"HTTP/1.1 204 No Content\r\nX-Engine: yes\r\n\r\n",
+    "error": b'HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n{"error":{"message":"bad"}}  ',
+    # Delimited by the close: the sidecar frames it (chunked) for its keep-alive client.
+    "close": b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{"id":"closed"}',
+}
+
+
+# Opened by a test to let the engine's "held" answers go.
+_RELEASE: asyncio.Event | None = None
+
+
+async def _engine_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """A deterministic engine, byte for byte: the answer each request's X-Answer header names.
+
+    "length" answers with the size of the body it got; "held" does, once `_RELEASE` is set.
+    """
+    try:
+        while head := await reader.readuntil(b"\r\n\r\n"):
+            length = re.search(rb"(?i)content-length: *(\d+)", head)
+            body = await reader.readexactly(int(length.group(1)) if length else 0)
+            kind = re.search(rb"(?i)x-answer: *(\w+)", head)
+            answer = kind.group(1).decode() if kind else "json"
+            if answer == "cut":  # promises 100 bytes, sends 10, closes
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n0123456789"
+                )
+                break
+            if answer in ("length", "held"):
+                if answer == "held" and _RELEASE is not None:
+                    await _RELEASE.wait()
+                said = orjson.dumps({"length": len(body)})
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(said), said))
+                continue
+            writer.write(_ANSWERS[answer])
+            if answer == "close":
+                break
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+async def engine() -> AsyncIterator[str]:
+    server = await asyncio.start_server(_engine_connection, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+def _request(path: str = "/v1/chat/completions", answer: str = "json", extra: bytes = b"") -> bytes:
+    body = orjson.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": answer == "sse"}
+    )
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+        f"X-Answer: {answer}\r\nContent-Length: {len(body)}\r\n".encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
+
+
+class _Answers:
+    """Splits what a connection reads into whole HTTP answers (httptools frames them)."""
+
+    def __init__(self) -> None:
+        self.done: list[bytes] = []
+        self._raw = bytearray()
+        self._parser = httptools.HttpResponseParser(self)
+        self._ended = 0
+
+    def feed(self, data: bytes) -> None:
+        self._raw += data
+        self._parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        self._ended += 1
+
+    def answers(self) -> int:
+        return self._ended
+
+
+async def _exchange(url: str, payload: bytes, answers: int) -> bytes:
+    """Send `payload` on one connection; everything read until `answers` whole answers came."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    framer = _Answers()
+    try:
+        writer.write(payload)
+        while framer.answers() < answers:
+            data = await asyncio.wait_for(reader.read(65536), 10)
+            assert data, f"the connection closed after {framer.answers()} of {answers} answers"
+            framer.feed(data)
+    finally:
+        writer.close()
+    return bytes(framer._raw)
+
+
+def _masked(raw: bytes) -> bytes:
+    """The Date the sidecar adds is the clock's; everything else must match."""
+    return re.sub(rb"Date: [^\r]*\r\n", b"Date: *\r\n", raw)
+
+
+@pytest.mark.parametrize("answer", sorted(_ANSWERS))
+async def test_the_front_writes_the_bytes_aiohttp_writes(engine: str, tmp_path: Path, answer: str) -> None:
+    """Whichever server takes a plain request, the client reads the same bytes (the same head, the same framing)."""
+    got = {}
+    for front in (True, False):
+        async with serve_sidecar(engine, tmp_path / str(front), front=front) as sidecar:
+            got[front] = _masked(await _exchange(sidecar.url, _request(answer=answer), 1))
+    assert got[True] == got[False]
+    assert got[True].startswith(b"HTTP/1.1 ")
+
+
+async def test_the_sidecars_own_answers_match_too(tmp_path: Path) -> None:
+    """An engine that is not there: the front's 502 is aiohttp's 502, byte for byte but the Date."""
+    got = {}
+    for front in (True, False):
+        async with serve_sidecar("http://127.0.0.1:9", tmp_path / str(front), front=front) as sidecar:
+            got[front] = _masked(await _exchange(sidecar.url, _request(), 1))
+    assert got[True] == got[False]
+    assert got[True].startswith(b"HTTP/1.1 502 Bad Gateway\r\n"), got[True]
+
+
+async def test_requests_of_one_connection_are_answered_in_order_across_the_hand_off(
+    engine: str, tmp_path: Path
+) -> None:
+    """Pipelined: the front serves the first, hands the connection over at the probe, aiohttp serves the rest."""
+    payload = _request() + b"GET /-/healthy HTTP/1.1\r\nHost: sidecar\r\n\r\n" + _request(answer="error")
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        raw = await _exchange(sidecar.url, payload, 3)
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)
+    assert statuses == [b"200", b"200", b"400"], raw
+    assert raw.index(b"chatcmpl-1") < raw.index(b"HTTP/1.1 200", 1) < raw.index(b'"bad"')
+
+
+async def test_a_declined_request_reaches_the_engine_whole_after_a_served_one(
+    engine: str, tmp_path: Path
+) -> None:
+    """A chunked body (the front takes only a length) after a plain request: aiohttp gets it from its first byte."""
+    chunked = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\nX-Answer: error\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    )
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        raw = await _exchange(sidecar.url, _request() + chunked + _request(), 3)
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"400", b"200"], raw
+
+
+async def test_pipelined_plain_requests_are_all_served_in_order(engine: str, tmp_path: Path) -> None:
+    """Several plain requests in one write: each answered once, in the order sent (the front alone serves them)."""
+    payload = b"".join(_request(answer=kind) for kind in ("json", "sse", "error", "json"))
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        raw = await _exchange(sidecar.url, payload, 4)
+    assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"200", b"400", b"200"], raw
+    assert raw.index(b"[DONE]") < raw.index(b'"bad"')
+
+
+async def test_an_idle_front_connection_is_closed_after_keepalive_timeout(
+    engine: str, tmp_path: Path
+) -> None:
+    """The front keeps aiohttp's keep-alive limit: a connection idle past it is closed, and nothing is written."""
+    async with serve_sidecar(engine, tmp_path, keepalive_timeout=0.5, header_timeout=30.0) as sidecar:
+        host, port = sidecar.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        framer = _Answers()
+        writer.write(_request())
+        while framer.answers() < 1:
+            framer.feed(await asyncio.wait_for(reader.read(65536), 10))
+        # Closed by the sidecar: the read ends (b"") well before the 10 s bound.
+        assert await asyncio.wait_for(reader.read(65536), 10) == b""
+        writer.close()
+
+
+async def test_a_body_the_budget_cannot_take_as_it_arrives_goes_to_aiohttp_whole(
+    engine: str, tmp_path: Path
+) -> None:
+    """Two 80 KB bodies under a 100 KB budget, arriving side by side: the front serves the first; the
+    second, short of budget half-way, goes to aiohttp with every byte it sent (streamed unobserved)."""
+    global _RELEASE
+    _RELEASE = asyncio.Event()
+    size = 80 * 1024
+
+    def head(answer: str) -> bytes:
+        return (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\nX-Answer: {answer}\r\n"
+            f"Content-Length: {size}\r\n\r\n"
+        ).encode()
+
+    async with serve_sidecar(engine, tmp_path, max_buffered_bytes=100 * 1024) as sidecar:
+        host, port = sidecar.url.removeprefix("http://").split(":")
+        first = await asyncio.open_connection(host, int(port))
+        second = await asyncio.open_connection(host, int(port))
+        first[1].write(head("held") + b"a" * 10_000)
+        second[1].write(head("length") + b"b" * 10_000)
+        await asyncio.sleep(0.2)  # both heads taken, 10 KB each of the budget
+        first[1].write(b"a" * (size - 10_000))  # all in: served, its budget held until its answer
+        await asyncio.sleep(0.2)
+        second[1].write(b"b" * (size - 10_000))  # past the budget: handed to aiohttp
+        answers = []
+        for reader, _ in (second, first):
+            framer = _Answers()
+            while framer.answers() < 1:
+                framer.feed(await asyncio.wait_for(reader.read(65536), 10))
+                _RELEASE.set()  # the first's answer goes once the second's came
+            answers.append(bytes(framer._raw))
+        budget = sidecar.app[BODY_BUDGET]
+        for _, writer in (first, second):
+            writer.close()
+    assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in answers), answers
+    assert all(answer.endswith(b'{"length":%d}' % size) for answer in answers), answers
+    assert budget.unobserved_total == 1  # the second: streamed past the budget, by aiohttp
+
+
+async def test_an_answer_the_engine_cuts_is_cut_for_the_client_too(engine: str, tmp_path: Path) -> None:
+    """The engine closes mid-body: both servers relay the head and what came, then cut the client (never a
+    complete-looking answer), and record the request as an upstream error."""
+    got, outcomes = {}, {}
+    for front in (True, False):
+        async with serve_sidecar(engine, tmp_path / str(front), front=front) as sidecar:
+            host, port = sidecar.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_request(answer="cut"))
+            got[front] = _masked(await asyncio.wait_for(reader.read(), 10))  # to the cut
+            writer.close()
+        evidence = (tmp_path / str(front) / "evidence" / "cachewitness.jsonl").read_text().splitlines()
+        records = [orjson.loads(line) for line in evidence]
+        outcomes[front] = [r["outcome"] for r in records if r.get("event_type") == "infer.cache_observation"]
+    assert got[True] == got[False]
+    assert got[True].endswith(b"\r\n\r\n0123456789"), got[True]
+    assert outcomes == {True: ["upstream_error"], False: ["upstream_error"]}

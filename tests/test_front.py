@@ -264,3 +264,35 @@ async def test_an_answer_the_engine_cuts_is_cut_for_the_client_too(engine: str, 
     assert got[True] == got[False]
     assert got[True].endswith(b"\r\n\r\n0123456789"), got[True]
     assert outcomes == {True: ["upstream_error"], False: ["upstream_error"]}
+
+
+_DECLINED = {
+    "two lengths": _request().replace(b"Content-Length:", b"Content-Length: 5\r\nContent-Length:", 1),
+    "a length that is not a number": _request().replace(b"Content-Length: ", b"Content-Length: +", 1),
+    "chunked": b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    "a header that is not UTF-8": _request(extra=b"X-Note: caf\xe9\r\n"),
+    "HTTP/1.0": _request().replace(b"HTTP/1.1", b"HTTP/1.0", 1),
+    "a query": _request(path="/v1/chat/completions?x=1"),
+    "an escape": _request(path="/v1/chat/%63ompletions"),
+    "a dot segment": _request(path="/v1/./chat/completions"),
+    "no length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nX-Answer: json\r\n\r\n",
+    "a control route": _request(path="/reset_prefix_cache"),
+    "a GET": b"GET /v1/models HTTP/1.1\r\nHost: s\r\nX-Answer: json\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_DECLINED))
+async def test_a_head_the_front_declines_is_answered_as_aiohttp_answers_it(
+    engine: str, tmp_path: Path, case: str
+) -> None:
+    """Each request the front leaves to aiohttp gets the very bytes it gets with the front off."""
+    got = {}
+    for front in (True, False):
+        async with serve_sidecar(engine, tmp_path / str(front), front=front) as sidecar:
+            host, port = sidecar.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_DECLINED[case] + b"GET /-/healthy HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n")
+            got[front] = _masked(await asyncio.wait_for(reader.read(), 10))
+            writer.close()
+    assert got[True] == got[False]
+    assert got[True].startswith(b"HTTP/1."), got[True]

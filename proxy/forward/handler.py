@@ -69,7 +69,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # The client's id when it sent one; else 32 random hex digits, as uuid4().hex gave but
     # without building a UUID (issue 19) nor a system call per request (issue 34).
     request_id = stored_id(request.headers.get("X-Request-Id")) or new_request_id()
-    exchange = Exchange(request_id=request_id, started_ns=time.time_ns())
+    exchange = Exchange(request_id, time.time_ns())
     try:
         refused = refusal(request)
         if refused is not None:

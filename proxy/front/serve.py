@@ -79,7 +79,7 @@ class Front:
         """One request, its body in hand and held in the budget: exchanged with the engine, recorded."""
         app, head = self.app, side.request
         request_id = stored_id(head.headers.get("X-Request-Id")) or new_request_id()
-        exchange = Exchange(request_id=request_id, started_ns=time.time_ns())
+        exchange = Exchange(request_id, time.time_ns())
         exchange.buffered = reading
         try:
             prepared = prepare(app, exchange, body, head.path) if is_inference(app, head) else None

@@ -58,6 +58,24 @@ class _State(Enum):
 class FrontConnection:
     """The front's half of one client connection (its transport's protocol is the guard's ClientConnection)."""
 
+    # One per open connection: slots keep 1,000 open streams' worth small.
+    __slots__ = (
+        "_body",
+        "_buffer",
+        "_front",
+        "_head",
+        "_head_bytes",
+        "_host",
+        "_loop",
+        "_paused_reading",
+        "_reading",
+        "_side",
+        "_state",
+        "_task",
+        "_transport",
+        "_writer",
+    )
+
     def __init__(self, front: Front, host: Host, transport: asyncio.Transport) -> None:
         self._front = front
         self._host = host

@@ -191,6 +191,20 @@ async def test_pipelined_plain_requests_are_all_served_in_order(engine: str, tmp
     assert raw.index(b"[DONE]") < raw.index(b'"bad"')
 
 
+@pytest.mark.parametrize("front", [True, False])
+async def test_keepalive_timeout_0_closes_each_connection_after_its_answer(
+    engine: str, tmp_path: Path, front: bool
+) -> None:
+    """`keepalive_timeout = 0` means close after each response, whichever server answered."""
+    async with serve_sidecar(engine, tmp_path, keepalive_timeout=0.0, front=front) as sidecar:
+        host, port = sidecar.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_request())
+        raw = await asyncio.wait_for(reader.read(), 10)  # to the sidecar's close
+        writer.close()
+    assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and raw.endswith(b'"completion_tokens":1}}'), raw
+
+
 async def test_an_idle_front_connection_is_closed_after_keepalive_timeout(
     engine: str, tmp_path: Path
 ) -> None:

@@ -193,7 +193,14 @@ class FrontConnection:
             return
         head = self._head
         self._head, self._head_bytes = None, b""
-        if head is None or not head.keep_alive or self._transport.is_closing() or self._front.closing:
+        front = self._front
+        if (
+            head is None
+            or not head.keep_alive
+            or not front.keeps_alive
+            or front.closing
+            or self._transport.is_closing()
+        ):
             self._state = _State.GONE
             self._transport.close()
             return

@@ -46,6 +46,8 @@ class Front:
         self._engine = app[ENGINE]
         self._policy = policy
         self._own = own
+        # keepalive_timeout = 0: a connection closes after each answer (as aiohttp's do).
+        self.keeps_alive = self._settings.keepalive_timeout > 0
         self._guard = app[CONNECTIONS]
 
     @property

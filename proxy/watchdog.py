@@ -32,6 +32,10 @@ class Watchdog(Generic[T]):
         if self._timer is None and not self._closed:
             self._timer = asyncio.get_running_loop().call_later(self.interval, self._tick)
 
+    def __len__(self) -> int:
+        """How many items are watched now."""
+        return len(self._watched)
+
     def close(self) -> None:
         """Stop ticking for good."""
         self._closed = True

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from proxy.body_budget import BODY_BUDGET
+from proxy.connections import CONNECTIONS
 from tests.support.sidecar import serve_sidecar
 
 _EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"]
@@ -310,3 +311,24 @@ async def test_a_head_the_front_declines_is_answered_as_aiohttp_answers_it(
             writer.close()
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1."), got[True]
+
+
+async def test_a_client_gone_mid_exchange_is_not_watched_after_it(engine: str, tmp_path: Path) -> None:
+    """A client that leaves while its request is served: once the cancelled exchange ends, no deadline
+    keeps the connection (an idle keep-alive deadline armed then held each for keepalive_timeout:
+    the soak's RSS grew with every such client)."""
+    global _RELEASE
+    _RELEASE = asyncio.Event()  # the engine holds its answer: the client leaves first
+    async with serve_sidecar(engine, tmp_path, keepalive_timeout=300.0) as sidecar:
+        host, port = sidecar.url.removeprefix("http://").split(":")
+        _reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(_request(answer="held"))
+        await asyncio.sleep(0.3)  # served: its exchange waits on the engine
+        writer.close()
+        watchdog = sidecar.app[CONNECTIONS].watchdog
+        for _ in range(50):  # 5 s: a few of the watchdog's 1 s ticks
+            if not len(watchdog):
+                break
+            await asyncio.sleep(0.1)
+        assert len(watchdog) == 0
+        _RELEASE.set()

@@ -145,6 +145,7 @@ class ClientConnection(asyncio.Protocol):
         self._front: FrontPart | None = None  # the front holds the connection (until it hands it off)
         self._front_body = False  # the front is reading a request body: body_idle_timeout runs
         self._idle_since = self._head_since
+        self._lost = False  # connection_lost ran: no deadline is armed any more
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
         self.probe_only = False  # let in past max_connections, for one probe request
         # While writing is paused (the client is behind): when to look again, the write buffer's
@@ -199,6 +200,7 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Forget the connection and tell aiohttp (which cancels a running handler)."""
+        self._lost = True
         self._disarm()
         self._write_due = None
         if self._handler is None and self._front is None:
@@ -306,6 +308,11 @@ class ClientConnection(asyncio.Protocol):
     # --- the deadline -----------------------------------------------------------------------
 
     def _arm(self, when: float | None) -> None:
+        # A connection gone is never watched again: the front's exchange may end after the loss
+        # (its cancelled task), and a deadline armed then would hold the connection for up to
+        # keepalive_timeout (the soak saw its RSS grow by ~600 bytes a request).
+        if self._lost:
+            return
         self._due = when
         if when is not None:
             self._guard.watchdog.watch(self)

@@ -185,10 +185,7 @@ class ClientConnection(asyncio.Protocol):
         now = self._loop.time()
         self._last_data = now
         if self._phase is Phase.IDLE:
-            self._phase = Phase.HEAD
-            self._head_since = now
-            if self._guard.header_timeout:
-                self._arm(now + self._guard.header_timeout)
+            self._start_head(now)
         if self._front is not None:
             self._front.data_received(data)
         elif self._handler is not None:
@@ -291,10 +288,14 @@ class ClientConnection(asyncio.Protocol):
 
     def head_started(self) -> None:
         """Bytes of the next request came while the front served one: its head clock starts now."""
+        self._start_head(self._loop.time())
+
+    def _start_head(self, now: float) -> None:
+        """A request head begins: header_timeout runs from `now`."""
         self._phase = Phase.HEAD
-        self._head_since = self._loop.time()
+        self._head_since = now
         if self._guard.header_timeout:
-            self._arm(self._head_since + self._guard.header_timeout)
+            self._arm(now + self._guard.header_timeout)
 
     def served(self) -> None:
         """The front's request is over (answered, or its client gone): keep-alive idle, closed after keepalive_timeout."""
@@ -373,10 +374,11 @@ class ClientConnection(asyncio.Protocol):
             return
         if self._phase is Phase.IDLE:
             # Only the front's idle connections have this deadline (aiohttp keeps its own).
-            if self._front is not None and now - self._idle_since >= guard.keepalive_timeout:
-                transport.close()
-            elif self._front is not None:
-                self._arm(self._idle_since + guard.keepalive_timeout)
+            if self._front is not None:
+                if now - self._idle_since >= guard.keepalive_timeout:
+                    transport.close()
+                else:
+                    self._arm(self._idle_since + guard.keepalive_timeout)
             return
         if not self._body_unread():
             return  # the body is all in: the response may take as long as the engine needs

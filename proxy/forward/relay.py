@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
-from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
@@ -29,7 +29,7 @@ from proxy.upstream.head import framed
 from proxy.upstream.response import HIGH_WATER, Sink
 from proxy.vocabulary import Outcome
 
-__all__ = ["broke_mid_response", "client_sink", "relay", "start_observing"]
+__all__ = ["answer_headers", "broke_mid_response", "client_sink", "drained", "relay", "start_observing"]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -110,41 +110,50 @@ def client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunke
     return sink
 
 
-def _drained(
-    budget: BodyBudget, transport: asyncio.Transport, writer: AbstractStreamWriter
+def drained(
+    budget: BodyBudget, transport: asyncio.Transport, drain: Callable[[], Awaitable[None]]
 ) -> Callable[[], Awaitable[None]]:
-    """Wait for a client that is behind; what waits for it counts in max_buffered_bytes meanwhile.
+    """Wait (`drain`) for a client that is behind; what waits for it counts in max_buffered_bytes meanwhile.
 
     A client that stops reading is cut by client_write_timeout (proxy/connections/client.py).
     """
 
-    async def drained() -> None:
+    async def wait() -> None:
         held = transport.get_write_buffer_size()
         budget.hold(held)
         try:
-            await writer.drain()
+            await drain()
         finally:
             budget.release(held)
 
-    return drained
+    return wait
+
+
+def answer_headers(
+    upstream: UpstreamResponse, exchange: Exchange, into: CIMultiDict[str], *, add_request_id: bool
+) -> Observe | None:
+    """The answer's status and headers for the client (`into`), and how its body is read on the way."""
+    exchange.status = upstream.status
+    sse = upstream.content_type == "text/event-stream"
+    add_response_headers(
+        upstream.headers,
+        into,
+        request_id=exchange.request_id,
+        usage_injected=exchange.usage_injected,
+        sse=sse,
+        add_request_id=add_request_id,
+    )
+    return start_observing(upstream, exchange, sse=sse)
 
 
 async def relay(
     request: web.Request, upstream: UpstreamResponse, exchange: Exchange, peeked: bytes = b""
 ) -> web.StreamResponse:
     """Stream the upstream's response to the client as it arrives (`peeked`: its start, already read)."""
-    exchange.status = upstream.status
     response = _RelayResponse(status=upstream.status, reason=upstream.reason)
-    sse = upstream.content_type == "text/event-stream"
-    add_response_headers(
-        upstream.headers,
-        response.headers,
-        request_id=exchange.request_id,
-        usage_injected=exchange.usage_injected,
-        sse=sse,
-        add_request_id=request.app[SETTINGS].request_id_header,
+    observe = answer_headers(
+        upstream, exchange, response.headers, add_request_id=request.app[SETTINGS].request_id_header
     )
-    observe = start_observing(upstream, exchange, sse=sse)
     try:
         writer = await response.prepare(request)
         assert writer is not None  # a fresh response: prepare() starts it
@@ -163,7 +172,7 @@ async def relay(
             raise ConnectionResetError("the client closed its connection")
         chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
         sink = client_sink(transport, observe, chunked=chunked)
-        await upstream.relay(sink, _drained(request.app[BODY_BUDGET], transport, writer))
+        await upstream.relay(sink, drained(request.app[BODY_BUDGET], transport, writer.drain))
         if exchange.scanner is not None and (tail := exchange.scanner.finish()):
             await response.write(tail)
         await response.write_eof()

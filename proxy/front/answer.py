@@ -8,9 +8,7 @@ aiohttp's own header serializer, so a client cannot tell which server took its r
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
 from aiohttp import hdrs, web
@@ -22,15 +20,12 @@ from multidict import CIMultiDict
 from proxy.body_budget import BodyBudget
 from proxy.config import SETTINGS
 from proxy.forward.exchange import Exchange
-from proxy.forward.headers import add_response_headers
-from proxy.forward.relay import broke_mid_response, client_sink, start_observing
+from proxy.forward.relay import answer_headers, broke_mid_response, client_sink, drained
 from proxy.upstream import UpstreamError, UpstreamResponse
 from proxy.upstream.head import framed
 from proxy.vocabulary import Outcome
 
-__all__ = ["ClientWriter", "response_head", "sidecar_answer"]
-
-log = logging.getLogger("cachewitness.forward")
+__all__ = ["ClientWriter", "relay_answer", "response_head", "sidecar_answer"]
 
 
 class ClientWriter:
@@ -101,20 +96,6 @@ def sidecar_answer(method: str, response: web.Response, *, keep_alive: bool) -> 
     return head if must_be_empty_body(method, response.status) else head + body
 
 
-def _drained(budget: BodyBudget, writer: ClientWriter) -> Callable[[], Awaitable[None]]:
-    """Wait for a client that is behind; what waits for it counts in max_buffered_bytes meanwhile."""
-
-    async def drained() -> None:
-        held = writer.transport.get_write_buffer_size()
-        budget.hold(held)
-        try:
-            await writer.drain()
-        finally:
-            budget.release(held)
-
-    return drained
-
-
 async def relay_answer(
     app: web.Application,
     writer: ClientWriter,
@@ -126,18 +107,8 @@ async def relay_answer(
     keep_alive: bool,
 ) -> None:
     """Stream the engine's answer to the client as it arrives, as proxy/forward/relay.py does on aiohttp."""
-    exchange.status = upstream.status
-    sse = upstream.content_type == "text/event-stream"
     headers: CIMultiDict[str] = CIMultiDict()
-    add_response_headers(
-        upstream.headers,
-        headers,
-        request_id=exchange.request_id,
-        usage_injected=exchange.usage_injected,
-        sse=sse,
-        add_request_id=app[SETTINGS].request_id_header,
-    )
-    observe = start_observing(upstream, exchange, sse=sse)
+    observe = answer_headers(upstream, exchange, headers, add_request_id=app[SETTINGS].request_id_header)
     transport = writer.transport
     try:
         head, chunked = response_head(
@@ -151,7 +122,9 @@ async def relay_answer(
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
         transport.write(head + framed(first, chunked=chunked) if first else head)
-        await upstream.relay(client_sink(transport, observe, chunked=chunked), _drained(budget, writer))
+        await upstream.relay(
+            client_sink(transport, observe, chunked=chunked), drained(budget, transport, writer.drain)
+        )
         tail = exchange.scanner.finish() if exchange.scanner is not None else b""
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")

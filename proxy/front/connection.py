@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Protocol
 
 from proxy.body_budget import Reading
+from proxy.front.answer import ClientWriter
 from proxy.front.head import MAX_HEAD_BYTES, RequestHead, head_end, parse_head
 from proxy.front.serve import Front, FrontSide
 from proxy.logs import log_event
@@ -91,7 +92,7 @@ class FrontConnection:
         self._paused_reading = False
         # Once per connection: asyncio.get_running_loop() makes a getpid(2) each call (Python 3.11).
         self._loop = asyncio.get_running_loop()
-        self._writer = front.writer(transport, self._loop)
+        self._writer = ClientWriter(transport, self._loop)
 
     # --- from the transport, through the host --------------------------------------------
 
@@ -139,12 +140,12 @@ class FrontConnection:
             if len(self._buffer) > MAX_HEAD_BYTES:
                 self._hand_off()
             return
-        head = parse_head(bytes(self._buffer[:end]))
+        raw = bytes(self._buffer[:end])
+        head = parse_head(raw)
         if head is None or not self._front.takes(head):
             self._hand_off()
             return
-        self._head, self._state = head, _State.BODY
-        self._head_bytes = bytes(self._buffer[:end])
+        self._head, self._head_bytes, self._state = head, raw, _State.BODY
         self._reading = self._front.budget.start_reading()
         self._host.body_arriving()
         rest = bytes(self._buffer[end:])

@@ -55,9 +55,6 @@ class Front:
         """Shutdown began: each connection closes after its answer."""
         return self._guard.closing
 
-    def writer(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> ClientWriter:
-        return ClientWriter(transport, loop)
-
     def takes(self, head: RequestHead) -> bool:
         """Whether the front serves this head: a POST the route policy forwards, within the limits, without the admin token.
 

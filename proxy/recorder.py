@@ -21,12 +21,14 @@ from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
 from proxy.upstream.pools import UPSTREAM_POOL
-from proxy.vocabulary import CanaryOutcome, Verdict, Verified
+from proxy.vocabulary import CanaryOutcome, EventType, Verdict, Verified
 from proxy.witnesses.case import CaseWitness
 from proxy.witnesses.counters import CaseVerdict
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
+
+_OBSERVATION, _VERIFICATION = str(EventType.CACHE_OBSERVATION), str(EventType.CACHE_VERIFICATION)
 
 
 class Recorder:
@@ -61,9 +63,10 @@ class Recorder:
             if self.case is not None:
                 self.case.observed(observation)
             settled = self.witness.observe(observation)
-            self._evidence.write(observation.to_record())
+            # Built at the flush, in a batch: the records are frozen, their order kept.
+            self._evidence.write_later(_OBSERVATION, observation.to_record)
             if settled is not None:
-                self._evidence.write(settled.to_record())
+                self._evidence.write_later(_VERIFICATION, settled.to_record)
         self._metrics.finished(forwarded, observation, settled.verdict if settled is not None else None)
 
     def rejected(self, observation: Observation) -> None:

@@ -182,6 +182,54 @@ async def test_unencodable_record_never_raises(tmp_path: Path) -> None:
     assert writer.dropped_total == 1
 
 
+async def test_a_record_queued_unbuilt_is_built_at_the_flush_in_its_place(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    built: list[int] = []
+
+    def build() -> dict[str, object]:
+        built.append(2)
+        return record(2)
+
+    writer.write(record(1))
+    writer.write_later("infer.cache_observation", build)
+    writer.write(record(3))
+    assert built == []  # nothing built until the batch is
+    await writer.flush()
+    assert built == [2]
+    assert lines(writer.path) == [record(1), record(2), record(3)]
+    await writer.close()
+
+
+async def test_a_record_that_cannot_be_built_is_counted_and_the_next_line_says_so(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+
+    def broken() -> dict[str, object]:
+        raise ValueError("no record")
+
+    writer.write_later("infer.cache_observation", broken)
+    writer.write_later("infer.cache_observation", lambda: record(2))
+    writer.write_later("infer.cache_observation", lambda: record(3, many=list(range(20_000))))  # cannot fit
+    await writer.flush()
+    # The last of a batch dropped: the first line queued after it carries the count.
+    writer.write(record(4))
+    await writer.close()
+    assert writer.dropped == {
+        **dict.fromkeys(DropReason, 0),
+        DropReason.UNENCODABLE: 1,
+        DropReason.RECORD_TOO_LARGE: 1,
+    }
+    assert lines(writer.path) == [record(2, dropped_before=1), record(4, dropped_before=1)]
+
+
+async def test_close_builds_what_waits_unbuilt_and_drops_what_comes_after(tmp_path: Path) -> None:
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl")
+    writer.write_later("infer.cache_observation", lambda: record(1))
+    await writer.close()
+    writer.write_later("infer.cache_observation", lambda: record(2))
+    assert lines(writer.path) == [record(1)]
+    assert writer.dropped == {**dict.fromkeys(DropReason, 0), DropReason.WRITER_CLOSED: 1}
+
+
 async def test_stdout_copy_gets_each_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", stdout=True)
     writer.write(record(7))

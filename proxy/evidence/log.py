@@ -87,6 +87,11 @@ class EvidenceLog:
         writer = self.resets if record.get("event_type") in RESET_EVENTS else self.observations
         writer.write(record)
 
+    def write_later(self, event_type: str, build: Callable[[], dict[str, Any]]) -> None:
+        """Enqueue one record in its file, built at the flush (EvidenceWriter.write_later)."""
+        writer = self.resets if event_type in RESET_EVENTS else self.observations
+        writer.write_later(event_type, build)
+
     def write_rejected(self, record: dict[str, Any]) -> None:
         """The record of a request the sidecar refused itself, within the rate bound (else counted)."""
         if self._rejected.take():

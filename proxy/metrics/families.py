@@ -54,6 +54,11 @@ class _RouteSeries:
     ttfb: HotHistogram
 
 
+# Finished requests wait for their series in batches of this many, and every read of the
+# series (a scrape) moves those waiting first. At a deployment's rate one request comes per
+# wake-up and ran this code cold; a batch runs it warm (bench/README.md, issue 34).
+_BATCH = 64
+
 # `kind` of cachewitness_engine_events_total (the `infer.engine_event` kinds).
 ENGINE_EVENT_KINDS = ("restarted", "slept", "woke", "unreachable", "back")
 
@@ -67,6 +72,8 @@ class Metrics:
         self.models = ModelLabels(settings.metrics_models, settings.metrics_max_models)
         # Called (cheaply) from the hot path while the model ids are not known yet.
         self.on_unknown_models: Callable[[], None] | None = None
+        # Requests finished whose series have not moved yet (`settle`), oldest first.
+        self._waiting: list[tuple[Forwarded, Observation | None, str | None]] = []
         registry = self.registry
         # The families every request moves, without prometheus_client's locks (proxy/metrics/hot.py);
         # registered first, so the exposition keeps its order.
@@ -244,10 +251,24 @@ class Metrics:
             self._model_series(model)
 
     def finished(self, f: Forwarded, observation: Observation | None, verdict: str | None) -> None:
-        """Everything one finished request moves, in one call: its transport facts, then its tokens."""
-        self._forwarded(f)
-        if observation is not None:
-            self._observed(observation, verdict)
+        """Everything one finished request moves, in one call: its transport facts, then its tokens.
+
+        They move in the next batch (`settle`), before anything reads them.
+        """
+        if observation is not None and not self.models.known and self.on_unknown_models is not None:
+            self.on_unknown_models()
+        waiting = self._waiting
+        waiting.append((f, observation, verdict))
+        if len(waiting) >= _BATCH:
+            self.settle()
+
+    def settle(self) -> None:
+        """Move the series of every finished request still waiting, in the order they finished."""
+        waiting, self._waiting = self._waiting, []
+        for f, observation, verdict in waiting:
+            self._forwarded(f)
+            if observation is not None:
+                self._observed(observation, verdict)
 
     def _forwarded(self, f: Forwarded) -> None:
         """Count one forwarded exchange: requests, duration, TTFB, overhead, upstream errors."""
@@ -268,8 +289,6 @@ class Metrics:
 
     def _observed(self, observation: Observation, verdict: str | None) -> None:
         """Count one inference request's tokens by model, and a verdict when it settled one."""
-        if not self.models.known and self.on_unknown_models is not None:
-            self.on_unknown_models()
         series = self._model_series(self.models.label(observation.model))
         prompt, cached = observation.prompt_tokens, observation.cached_tokens
         if prompt is not None and prompt >= 0:
@@ -330,6 +349,7 @@ class Metrics:
 
     def exposition(self, engine_metrics_up: bool) -> bytes:
         """The sidecar's own text, with `upstream_metrics_up` saying what this very scrape merged."""
+        self.settle()
         # Written per scrape, not kept in the registry: two concurrent scrapes must not see
         # each other's answer.
         return (

@@ -442,6 +442,29 @@ def test_stripped_stream_equals_direct_stream_in_random_splits(case: str) -> Non
         assert run(StreamScanner(StreamRules()), split_at(injected, cuts)) == direct, cuts
 
 
+def whole_events(stream: bytes) -> list[bytes]:
+    """The stream as an engine at decode speed delivers it: each read one whole event."""
+    blank = b"\r\n\r\n" if b"\r\n\r\n" in stream else b"\n\n"
+    return [event + blank for event in stream.split(blank) if event]
+
+
+@pytest.mark.parametrize("case", sorted(STRIP_CASES))
+def test_stripped_stream_equals_direct_stream_one_event_per_read(case: str) -> None:
+    """The reads a paced stream makes: the finish chunk must still be held for what moves back onto it."""
+    injected, direct, cached = STRIP_CASES[case]
+    scanner = StreamScanner(StreamRules())
+    assert run(scanner, whole_events(injected)) == direct
+    assert scanner.usage.cached_tokens == cached
+
+
+@pytest.mark.parametrize("case", sorted(STRIP_CASES))
+def test_passed_through_stream_one_event_per_read_reads_its_usage(case: str) -> None:
+    injected, _, cached = STRIP_CASES[case]
+    scanner = StreamScanner()
+    assert run(scanner, whole_events(injected)) == injected
+    assert scanner.usage.cached_tokens == cached
+
+
 def test_stripped_stream_fed_one_byte_at_a_time() -> None:
     injected, direct, _ = STRIP_CASES["openai_pretty_crlf"]
     chunks = [injected[i : i + 1] for i in range(len(injected))]

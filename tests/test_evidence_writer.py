@@ -67,6 +67,22 @@ async def test_flush_task_writes_without_being_asked(tmp_path: Path) -> None:
     await writer.close()
 
 
+async def test_a_record_that_finds_a_flush_due_wakes_it_before_the_timer(tmp_path: Path) -> None:
+    """Under traffic a flush is woken by the record that finds the oldest one flush_interval_s
+    old, not by a timer (which would write both only 2 × flush_interval_s after the first)."""
+    writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", flush_interval_s=1.0)
+    await writer.start()
+    loop = asyncio.get_running_loop()
+    first = loop.time()
+    writer.write(record(1))
+    await asyncio.sleep(1.05)
+    writer.write(record(2))
+    while len(lines(writer.path) if writer.path.exists() else []) < 2 and loop.time() - first < 1.85:
+        await asyncio.sleep(0.01)
+    assert lines(writer.path) == [record(1), record(2)], "not written before the 2 s timer"
+    await writer.close()
+
+
 async def test_wait_flushed_returns_while_nothing_is_queued(tmp_path: Path) -> None:
     # An idle writer has no flush timer (issue 34): asking for its next flush wakes it.
     writer = EvidenceWriter(tmp_path / "cachewitness.jsonl", flush_interval_s=0.05)

@@ -47,7 +47,7 @@ _MARKER = 0
 _PERIODIC, _FINAL = b"P", b"F"
 # What a record queued unbuilt (`write_later`) counts in the queue's bound until it is built at
 # the flush (then its line's own length): an observation's line is 0.6-0.9 KB. A longer one
-# (a model name of kilobytes) is undercounted for at most one flush interval.
+# (a model name of kilobytes) is undercounted until the flush (at most 2 × flush_interval_s).
 _LATER_BYTES = 1024
 
 # A record queued unbuilt: made into its dict, then its line, at the flush.
@@ -77,7 +77,7 @@ class EvidenceWriter:
         max_bytes: int = 64 * 1024 * 1024,
         keep: int = 5,
         stdout: bool = False,
-        flush_interval_s: float = 0.2,
+        flush_interval_s: float = 0.4,
         max_queue_bytes: int = 32 * 1024 * 1024,
         checkpoint_interval_s: float = 10.0,
         signer: SigningKey | None = None,
@@ -102,11 +102,17 @@ class EvidenceWriter:
         self._flushing_bytes = 0
         self._unwritten_bytes = 0
         self._flush_lock = asyncio.Lock()
-        self._wake = asyncio.Event()  # flush now: a burst, or close
+        self._wake = asyncio.Event()  # flush now: due, a burst, or close
         # While nothing waits to be written the task sleeps on `_arrived` (no timer): the
-        # first record then sets it, and is on disk one flush interval later as before. Set on
-        # every arrival; the task clears it just before it sleeps, so a stale set costs nothing.
+        # first record then sets it. Set on every arrival; the task clears it just before it
+        # sleeps, so a stale set costs nothing.
         self._arrived = asyncio.Event()
+        # When the oldest record waiting was queued (monotonic; None: none waits). A flush is due
+        # once it is flush_interval_s old, and the record that finds it so wakes the task: under
+        # traffic no timer wakes the loop for a flush (at a paced load each wake-up of an idle
+        # process costs more CPU than a request's records, issue 34). With no record after it,
+        # the task's own timer writes it 2 × flush_interval_s after it came, at the latest.
+        self._oldest_at: float | None = None
         self._periodic_flushes = 0
         self._flushed = asyncio.Condition()
         self._task: asyncio.Task[None] | None = None
@@ -189,6 +195,11 @@ class EvidenceWriter:
         self._since_checkpoint += 1
         self._queued_bytes += size
         self._arrived.set()
+        now = time.monotonic()
+        if self._oldest_at is None:
+            self._oldest_at = now
+        elif now - self._oldest_at >= self.flush_interval_s:
+            self._wake.set()  # due: written from this wake-up, not a timer's
         if len(self._queue) >= 1024 or self._queued_bytes * 4 >= self.max_queue_bytes:
             self._wake.set()  # a burst: write now rather than a flush interval on
 
@@ -203,6 +214,7 @@ class EvidenceWriter:
             unwritten, queued = self._unwritten, list(self._queue)
             self._flushing_bytes = self._unwritten_bytes + self._queued_bytes
             self._queue.clear()
+            self._oldest_at = None
             self._unwritten, self._queued_bytes, self._unwritten_bytes = [], 0, 0
             fresh = self._built(queued)
             if not unwritten and not fresh:
@@ -213,7 +225,7 @@ class EvidenceWriter:
                 self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
                 self._flushing_bytes = 0
                 if self._unwritten:
-                    self._arrived.set()  # refused by the disk: retried every flush interval
+                    self._arrived.set()  # refused by the disk: retried at the next flush
 
     async def checkpoint_now(self) -> Mark | None:
         """Checkpoint what was queued since the last checkpoint, now; the last line then on disk
@@ -277,7 +289,8 @@ class EvidenceWriter:
         self._unwritten, self._unwritten_bytes = [], 0
 
     async def _run(self) -> None:
-        """Flush flush_interval_s after records come (sooner on a burst); idle, sleep untimed."""
+        """Flush when the oldest record waiting is flush_interval_s old (a record then wakes it), at the
+        latest 2 × flush_interval_s after it came (its own timer), sooner on a burst; idle, sleep untimed."""
         while not self._closed:
             await self._wait_for_work()
             self._wake.clear()
@@ -314,8 +327,8 @@ class EvidenceWriter:
                     return  # the checkpoint is due, with no record to wait for
             if self._closed:
                 return
-        with contextlib.suppress(TimeoutError):  # the interval passed: flush
-            await asyncio.wait_for(self._wake.wait(), timeout=self.flush_interval_s)
+        with contextlib.suppress(TimeoutError):  # no record came to say it is due: flush anyway
+            await asyncio.wait_for(self._wake.wait(), timeout=2 * self.flush_interval_s)
 
     async def wait_flushed(self) -> None:
         """Return after the flush task's next flush has finished (for tests and shutdown checks)."""

@@ -27,6 +27,11 @@ async def wait_status(session: aiohttp.ClientSession, url: str, status: int, bou
         await asyncio.sleep(0.05)
 
 
+# What the sidecar says when another process took the port free_port() found between the two
+# calls (under xdist another test's connection may): that start is tried again on a fresh port.
+_PORT_TAKEN = "address already in use"
+
+
 async def start_sidecar(
     upstream: str, tmp_path: Path, *extra: str, nofile: int | None = None
 ) -> tuple[asyncio.subprocess.Process, str]:
@@ -34,13 +39,25 @@ async def start_sidecar(
 
     `nofile` sets the child's RLIMIT_NOFILE (soft and hard) before it starts.
     """
+    for _ in range(3):
+        started = await _start_sidecar(upstream, tmp_path, extra, nofile)
+        if started is not None:
+            return started
+    raise AssertionError("the sidecar's listen port was taken three times")
+
+
+async def _start_sidecar(
+    upstream: str, tmp_path: Path, extra: tuple[str, ...], nofile: int | None
+) -> tuple[asyncio.subprocess.Process, str] | None:
+    """One start (None: its listen port was taken before it could bind it)."""
     port = free_port()
 
     def limit_fds() -> None:
         if nofile is not None:
             resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    with open(tmp_path / "sidecar.log", "wb") as log:  # the child keeps its own copy of the fd
+    log_path = tmp_path / "sidecar.log"
+    with open(log_path, "wb") as log:  # the child keeps its own copy of the fd
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -68,10 +85,18 @@ async def start_sidecar(
                     await wait_status(session, url + "/-/ready", 200, bound_s=30)
                     break
                 except aiohttp.ClientConnectionError:
-                    assert loop.time() < deadline, (tmp_path / "sidecar.log").read_text()
+                    if process.returncode is not None:
+                        said = log_path.read_text(errors="replace")
+                        if f"listen = '127.0.0.1:{port}' cannot be bound" in said and _PORT_TAKEN in said:
+                            return None
+                        raise AssertionError(
+                            f"the sidecar exited ({process.returncode}): {said[-2000:]}"
+                        ) from None
+                    assert loop.time() < deadline, log_path.read_text()
                     await asyncio.sleep(0.1)
     except BaseException:
-        process.kill()  # a sidecar that never got ready must not outlive its test
+        if process.returncode is None:
+            process.kill()  # a sidecar that never got ready must not outlive its test
         await process.wait()
         raise
     return process, url

@@ -26,13 +26,15 @@ __all__ = ["StreamScanner", "decode_count"]
 _NULL_TAIL_LEN = len(NULL_TAIL)
 _FINISH_KEY_LEN = len(FINISH_KEY)
 # Whatever makes a read of whole events worth reading: usage, a metrics block, and, when
-# stripping, a `finish_reason` set to anything but null (in any spacing). A read without any
+# stripping, a `finish_reason` set to anything but null. A read without any
 # goes out as it is on one search (the usual content chunk, once per token of every stream:
 # at a paced load, 5 µs per event through the general path, issue 34). A false hit only
 # sends the read the general way.
 _NOTABLE = b"|".join(re.escape(marker) for marker in (USAGE_KEY, *SIDE_MARKERS))
 _NOTABLE_PASSING = re.compile(_NOTABLE).search
-_NOTABLE_STRIPPING = re.compile(_NOTABLE + b"|" + re.escape(FINISH_KEY) + rb"\s*:\s*(?!null)").search
+# A `finish_reason` is notable unless `:null` follows it on the same line (any spacing): one whose
+# value is on a later `data:` line of the event goes the general way, which joins the lines.
+_NOTABLE_STRIPPING = re.compile(_NOTABLE + b"|" + re.escape(FINISH_KEY) + rb"(?![ \t]*:[ \t]*null)").search
 _READ_END = b"\n\n"
 
 # What is kept unsent of an event over MAX_EVENT_BYTES: its end, where usage and the

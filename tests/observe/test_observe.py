@@ -457,6 +457,27 @@ def test_stripped_stream_equals_direct_stream_one_event_per_read(case: str) -> N
     assert scanner.usage.cached_tokens == cached
 
 
+def test_a_finish_reason_whose_value_is_on_a_later_data_line_is_still_held() -> None:
+    """An event's JSON over several `data:` lines, one event per read: the finish chunk's value
+    follows its key on a later line, and the fingerprint must still move back onto it
+    (found by tests/observe/test_properties.py's ci profile)."""
+    injected, direct, _ = STRIP_CASES["vllm_last_event_fingerprint"]
+
+    def spread(event: bytes) -> bytes:
+        # Every member on a line of its own: `"finish_reason"` and `:"length"` apart.
+        body = event.removeprefix(b"data: ").removesuffix(b"\n\n")
+        return (
+            b"data:"
+            + body.replace(b":", b"\ndata::", 1).replace(b'"finish_reason":', b'"finish_reason"\ndata::')
+            + b"\n\n"
+        )
+
+    spread_injected = [spread(e) if e.startswith(b"data: {") else e for e in whole_events(injected)]
+    spread_direct = b"".join(spread(e) if e.startswith(b"data: {") else e for e in whole_events(direct))
+    assert b'"finish_reason"\ndata::' in b"".join(spread_injected)
+    assert run(StreamScanner(StreamRules()), spread_injected) == spread_direct
+
+
 @pytest.mark.parametrize("case", sorted(STRIP_CASES))
 def test_passed_through_stream_one_event_per_read_reads_its_usage(case: str) -> None:
     injected, _, cached = STRIP_CASES[case]

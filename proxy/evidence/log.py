@@ -84,13 +84,15 @@ class EvidenceLog:
 
     def write(self, record: dict[str, Any]) -> None:
         """Enqueue one record in its file; never blocks, never raises."""
-        writer = self.resets if record.get("event_type") in RESET_EVENTS else self.observations
-        writer.write(record)
+        self._file_of(record.get("event_type")).write(record)
 
     def write_later(self, event_type: str, build: Callable[[], dict[str, Any]]) -> None:
         """Enqueue one record in its file, built at the flush (EvidenceWriter.write_later)."""
-        writer = self.resets if event_type in RESET_EVENTS else self.observations
-        writer.write_later(event_type, build)
+        self._file_of(event_type).write_later(event_type, build)
+
+    def _file_of(self, event_type: object) -> EvidenceWriter:
+        """The writer of the file a record of this type goes to."""
+        return self.resets if event_type in RESET_EVENTS else self.observations
 
     def write_rejected(self, record: dict[str, Any]) -> None:
         """The record of a request the sidecar refused itself, within the rate bound (else counted)."""

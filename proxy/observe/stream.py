@@ -32,8 +32,9 @@ _FINISH_KEY_LEN = len(FINISH_KEY)
 # sends the read the general way.
 _NOTABLE = b"|".join(re.escape(marker) for marker in (USAGE_KEY, *SIDE_MARKERS))
 _NOTABLE_PASSING = re.compile(_NOTABLE).search
-# A `finish_reason` is notable unless `:null` follows it on the same line (any spacing): one whose
-# value is on a later `data:` line of the event goes the general way, which joins the lines.
+# A `finish_reason` is notable unless `:null` follows it on the same line (spaces or tabs around
+# the colon): one whose value is on a later `data:` line of the event goes the general way, which
+# joins the lines.
 _NOTABLE_STRIPPING = re.compile(_NOTABLE + b"|" + re.escape(FINISH_KEY) + rb"(?![ \t]*:[ \t]*null)").search
 _READ_END = b"\n\n"
 

@@ -8,7 +8,7 @@ Each VARIANT is NAME=DIR[:FLAGS]: `python -m proxy serve` run with DIR as its wo
 simulator (vLLM dialect, 100 tokens/s), the sidecars on one core and the simulator and the
 generator on the other, everything under SCHED_FIFO as `bench/paced.py --realtime` (root). Each
 round runs every case on every variant back to back, the order turned each round; the cases
-are the paced bench's (`r400`, `r100`, `streams`: bench/paced.py), without Envoy or a baseline.
+are the paced bench's (`r400`, `r100`, `streams`, `large`: bench/paced.py), without Envoy or a baseline.
 
 Printed: every round's CPU µs per request (per SSE event for `streams`), with the p50 (time to
 first event for `streams`), then per case each variant's median and minimum and its median
@@ -47,6 +47,10 @@ CASES: dict[str, tuple[list[str], float]] = {
     "r400": (["requests", "--rate", "400", "--connections", "48", "--max-tokens", "8"], 5.0),
     "r100": (["requests", "--rate", "100", "--connections", "48", "--max-tokens", "8"], 6.0),
     "streams": (["streams", "--streams", "100", "--max-tokens", "200"], 6.0),
+    "large": (
+        ["requests", "--rate", "20", "--connections", "8", "--max-tokens", "8", "--prompt-bytes", "220000"],
+        10.0,
+    ),
 }
 
 

@@ -192,6 +192,37 @@ async def test_pipelined_plain_requests_are_all_served_in_order(engine: str, tmp
     assert raw.index(b"[DONE]") < raw.index(b'"bad"')
 
 
+async def test_a_request_in_many_reads_is_served_whole(engine: str, tmp_path: Path) -> None:
+    """Head and body split at every kind of place (mid-head, at its end, mid-body), each piece its
+    own read, a second request's start riding with the first one's end: both served, whole."""
+    first, second = _request(answer="length"), _request(answer="length")
+    head_end = first.index(b"\r\n\r\n") + 4
+    pieces = [
+        first[:20],
+        first[20:head_end],
+        first[head_end : head_end + 5],
+        first[head_end + 5 :] + second[:30],
+    ]
+    pieces.append(second[30:])
+    body_length = len(first) - head_end
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        host, port = sidecar.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        framer = _Answers()
+        try:
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.05)  # its own read at the sidecar
+            while framer.answers() < 2:
+                data = await asyncio.wait_for(reader.read(65536), 10)
+                assert data, f"the connection closed after {framer.answers()} of 2 answers"
+                framer.feed(data)
+        finally:
+            writer.close()
+    assert bytes(framer._raw).count(b'{"length":%d}' % body_length) == 2, framer._raw
+
+
 @pytest.mark.parametrize("front", [True, False])
 async def test_keepalive_timeout_0_closes_each_connection_after_its_answer(
     engine: str, tmp_path: Path, front: bool

@@ -98,9 +98,15 @@ class FrontConnection:
 
     def data_received(self, data: bytes) -> None:
         if self._state is _State.BODY:
-            data = self._take_body(data)  # what is left: a later request's bytes (none if handed off)
-            if not data:
+            rest = self._take_body(data)  # what is left: a later request's bytes (none if handed off)
+            if not rest:
                 return
+            data = bytes(rest)  # a slice of `data`, bytes already (no copy)
+        if self._state is _State.HEAD and not self._buffer:
+            # The usual read: a request's first bytes, framed where they lie. Its body (a 220 KB
+            # prompt arrives in one or two reads) is then copied once, into the body buffer.
+            self._frame(data)
+            return
         self._buffer += data
         if self._state is _State.SERVING:
             if len(self._buffer) > _PIPELINE_BYTES and not self._paused_reading:
@@ -134,25 +140,32 @@ class FrontConnection:
     # --- framing --------------------------------------------------------------------------
 
     def _advance(self) -> None:
-        """Frame what is buffered: a complete head is taken or declined; a taken head's body is read."""
-        end = head_end(self._buffer, 0)
+        """Frame what is buffered."""
+        buffered, self._buffer = self._buffer, bytearray()
+        self._frame(buffered)
+
+    def _frame(self, data: bytes | bytearray) -> None:
+        """Frame `data`, all there is unframed: a complete head is taken or declined; a taken
+        head's body is read; the start of a head is kept for the next read."""
+        end = head_end(data, 0)
         if end < 0:
+            self._buffer = data if isinstance(data, bytearray) else bytearray(data)
             if len(self._buffer) > MAX_HEAD_BYTES:
                 self._hand_off()
             return
-        raw = bytes(self._buffer[:end])
+        raw = bytes(data[:end])
         head = parse_head(raw)
         if head is None or not self._front.takes(head):
-            self._hand_off()
+            self._hand_off(data)
             return
         self._head, self._head_bytes, self._state = head, raw, _State.BODY
         self._reading = self._front.budget.start_reading()
         self._host.body_arriving()
-        rest = bytes(self._buffer[end:])
-        del self._buffer[:]
-        self._buffer += self._take_body(rest)  # a later request's bytes stay for after this one
+        with memoryview(data) as view:  # the body's bytes are sliced, not copied, until they join it
+            rest = self._take_body(view[end:])
+            self._buffer += rest  # a later request's bytes stay for after this one
 
-    def _take_body(self, data: bytes) -> bytes:
+    def _take_body(self, data: bytes | memoryview) -> bytes | memoryview:
         """Add what arrived of the body, within the budget; what is past it (a later request's bytes) is returned.
 
         The whole body in: it is served. The budget short: the request goes to aiohttp, head
@@ -165,7 +178,7 @@ class FrontConnection:
         piece, rest = (data, b"") if len(data) <= need else (data[:need], data[need:])
         if piece and not self._front.budget.take_now(reading, len(piece)):
             body, self._body = self._body, bytearray()
-            self._hand_off(self._head_bytes, body, piece, rest)
+            self._hand_off(self._head_bytes, body, bytes(piece), bytes(rest))
             return b""
         self._body += piece
         if len(self._body) < head.content_length:

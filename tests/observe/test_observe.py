@@ -156,6 +156,8 @@ def test_only_post_to_inference_routes_is_observed() -> None:
     assert not is_observed("POST", "/v1/models")
 
 
+_APPENDED = b',"stream_options":{"include_usage":true}'
+
 # --- prepare_request ----------------------------------------------------------------
 
 
@@ -204,6 +206,14 @@ def test_injection_keeps_the_clients_bytes_around_it() -> None:
         appended.upstream_body()
         == b'{"stream":true,"m":[{"stream":false}],"stream_options":{"include_usage":true}}'
     )
+
+
+def test_a_small_stream_gets_the_member_before_its_closing_brace() -> None:
+    """Decoded whole, the injection goes before the brace, whatever whitespace follows it."""
+    for tail in (b"", b"\n", b" \t\r\n  "):
+        body = b'{"model":"m","stream":true,"messages":[{"content":"}"}]}' + tail
+        prepared = prepare_request(body, inject_usage=True)
+        assert prepared.upstream_body() == body[: body.rindex(b"}")] + _APPENDED + b"}" + tail
 
 
 _SCANNED = 16 * 1024 + 1  # past prepare_request's whole-decode size: the scanner reads it

@@ -11,9 +11,7 @@ with searches over the whole read instead of event by event.
 
 from __future__ import annotations
 
-import re
-
-from proxy.observe.burst import plain_prefix, whole_read
+from proxy.observe.burst import READ_END, notable_search, plain_prefix, whole_read
 from proxy.observe.jsonscan import Buffer, find_members, removal_cuts, without
 from proxy.observe.markers import FINISH_KEY, NULL_TAIL, SIDE_MARKERS, USAGE_KEY
 from proxy.observe.pending_finish import PendingFinish
@@ -25,18 +23,6 @@ __all__ = ["StreamScanner", "decode_count"]
 
 _NULL_TAIL_LEN = len(NULL_TAIL)
 _FINISH_KEY_LEN = len(FINISH_KEY)
-# Whatever makes a read of whole events worth reading: usage, a metrics block, and, when
-# stripping, a `finish_reason` set to anything but null. A read without any
-# goes out as it is on one search (the usual content chunk, once per token of every stream:
-# at a paced load, 5 µs per event through the general path, issue 34). A false hit only
-# sends the read the general way.
-_NOTABLE = b"|".join(re.escape(marker) for marker in (USAGE_KEY, *SIDE_MARKERS))
-_NOTABLE_PASSING = re.compile(_NOTABLE).search
-# A `finish_reason` is notable unless `:null` follows it on the same line (spaces or tabs around
-# the colon): one whose value is on a later `data:` line of the event goes the general way, which
-# joins the lines.
-_NOTABLE_STRIPPING = re.compile(_NOTABLE + b"|" + re.escape(FINISH_KEY) + rb"(?![ \t]*:[ \t]*null)").search
-_READ_END = b"\n\n"
 
 # What is kept unsent of an event over MAX_EVENT_BYTES: its end, where usage and the
 # closing brace (for members moved back) are.
@@ -68,7 +54,7 @@ class StreamScanner:
         self._engine_id: str | None = None
         self._id_read = False
         self._pending = PendingFinish(rules.last_event_members if rules is not None else None)
-        self._notable = _NOTABLE_PASSING if rules is None else _NOTABLE_STRIPPING
+        self._notable = notable_search(rules)
         self._usage_chunk = b""  # the payload of the usage chunk just dropped
         # What the event just scanned was: sets `finish_reason`, was dropped, has no data.
         self._finish = self._dropped = self._no_data = False
@@ -100,7 +86,7 @@ class StreamScanner:
             and not self._carry
             and self._big is None
             and self._pending.pending is None
-            and chunk.endswith(_READ_END)
+            and chunk.endswith(READ_END)
             and self._notable(chunk) is None
         ):
             return chunk  # whole events, nothing in them to read or cut, nothing held before them

@@ -116,13 +116,18 @@ class _Answers:
         return self._ended
 
 
-async def _exchange(url: str, payload: bytes, answers: int) -> bytes:
-    """Send `payload` on one connection; everything read until `answers` whole answers came."""
+async def _exchange(url: str, payload: bytes | list[bytes], answers: int) -> bytes:
+    """Send `payload` on one connection (a list: each piece its own read at the sidecar);
+    everything read until `answers` whole answers came."""
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
     framer = _Answers()
     try:
-        writer.write(payload)
+        for piece in [payload] if isinstance(payload, bytes) else payload:
+            writer.write(piece)
+            if not isinstance(payload, bytes):
+                await writer.drain()
+                await asyncio.sleep(0.05)  # its own read at the sidecar
         while framer.answers() < answers:
             data = await asyncio.wait_for(reader.read(65536), 10)
             assert data, f"the connection closed after {framer.answers()} of {answers} answers"
@@ -202,25 +207,12 @@ async def test_a_request_in_many_reads_is_served_whole(engine: str, tmp_path: Pa
         first[20:head_end],
         first[head_end : head_end + 5],
         first[head_end + 5 :] + second[:30],
+        second[30:],
     ]
-    pieces.append(second[30:])
     body_length = len(first) - head_end
     async with serve_sidecar(engine, tmp_path) as sidecar:
-        host, port = sidecar.url.removeprefix("http://").split(":")
-        reader, writer = await asyncio.open_connection(host, int(port))
-        framer = _Answers()
-        try:
-            for piece in pieces:
-                writer.write(piece)
-                await writer.drain()
-                await asyncio.sleep(0.05)  # its own read at the sidecar
-            while framer.answers() < 2:
-                data = await asyncio.wait_for(reader.read(65536), 10)
-                assert data, f"the connection closed after {framer.answers()} of 2 answers"
-                framer.feed(data)
-        finally:
-            writer.close()
-    assert bytes(framer._raw).count(b'{"length":%d}' % body_length) == 2, framer._raw
+        raw = await _exchange(sidecar.url, pieces, 2)
+    assert raw.count(b'{"length":%d}' % body_length) == 2, raw
 
 
 @pytest.mark.parametrize("front", [True, False])

@@ -154,10 +154,12 @@ class Service:
                 self.proc.wait()
 
 
-def start_service(name: str, argv: list[str], url: str, log_dir: Path, probe: str) -> Service:
-    """Start a service with its output in log_dir/name.log, and wait until `probe` answers."""
+def start_service(
+    name: str, argv: list[str], url: str, log_dir: Path, probe: str, cwd: Path | None = None
+) -> Service:
+    """Start a service (in `cwd`) with its output in log_dir/name.log, and wait until `probe` answers."""
     log = (log_dir / f"{name}.log").open("wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd)
     service = Service(name, proc, url)
     if not wait_http(url + probe, proc, 30.0):
         service.stop()

@@ -34,12 +34,11 @@ from harness import (
     RT_PROXY_PRIORITY,
     Cores,
     Service,
-    free_port,
     realtime,
     set_fifo,
     start_simulator,
-    wait_http,
 )
+from paths import start_sidecar
 
 HERE = Path(__file__).resolve().parent
 # The paced bench's cases (bench/paced.py): the generator's arguments and seconds.
@@ -74,19 +73,7 @@ class Variant:
 
 def _start(variant: Variant, upstream: str, core: str | None, work: Path) -> Service:
     """The variant's sidecar, ready, under SCHED_FIFO above the generator."""
-    port = free_port()
-    log = (work / f"{variant.name}.log").open("wb")
-    argv = [
-        *Cores.prefix(core),
-        *(sys.executable, "-m", "proxy", "serve", "--upstream", upstream),
-        *("--listen", f"127.0.0.1:{port}", "--evidence", str(work / f"{variant.name}.jsonl")),
-        *("--log-level", "warning", *variant.flags),
-    ]
-    proc = subprocess.Popen(argv, cwd=variant.directory, stdout=log, stderr=subprocess.STDOUT)
-    service = Service(variant.name, proc, f"http://127.0.0.1:{port}")
-    if not wait_http(service.url + "/-/ready", proc, 30.0):
-        service.stop()
-        sys.exit(f"paced_ab: {variant.name} did not come up; see {work / (variant.name + '.log')}")
+    service = start_sidecar(variant.name, upstream, list(variant.flags), core, work, cwd=variant.directory)
     set_fifo(service.pids(), RT_PROXY_PRIORITY)
     return service
 

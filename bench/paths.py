@@ -66,8 +66,11 @@ class Snapshot:
     core_busy: dict[str, float]  # busy seconds per core, everyone's
 
 
-def start_sidecar(name: str, upstream: str, extra: list[str], core: str | None, work: Path) -> Service:
-    """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`."""
+def start_sidecar(
+    name: str, upstream: str, extra: list[str], core: str | None, work: Path, cwd: Path | None = None
+) -> Service:
+    """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`
+    (`cwd`: the checkout whose `proxy/` runs, for `python -m`; None: this one)."""
     port = free_port()
     return start_service(
         name,
@@ -80,6 +83,7 @@ def start_sidecar(name: str, upstream: str, extra: list[str], core: str | None, 
         f"http://127.0.0.1:{port}",
         work,
         "/-/ready",
+        cwd,
     )
 
 

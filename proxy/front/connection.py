@@ -73,6 +73,7 @@ class FrontConnection:
         "_side",
         "_state",
         "_task",
+        "_task_begun",
         "_transport",
         "_writer",
     )
@@ -88,6 +89,7 @@ class FrontConnection:
         self._head_bytes = b""  # the taken head as it came, for aiohttp should the body not fit
         self._reading: Reading | None = None
         self._task: asyncio.Task[None] | None = None
+        self._task_begun = False  # its coroutine has started (a cancel then reaches its `finally`)
         self._side: FrontSide | None = None
         self._paused_reading = False
         # Once per connection: asyncio.get_running_loop() makes a getpid(2) each call (Python 3.11).
@@ -123,8 +125,10 @@ class FrontConnection:
         self._give_back()
         if reading_body:
             self._host.served()  # a request that was never served is over too
-        if self._task is not None and not self._task.done():
-            self._task.cancel()  # it is over when the task is (_done)
+        if self._task is not None and self._task_begun and not self._task.done():
+            self._task.cancel()  # it is over when the task is (_serving's end)
+        # A task not yet begun is not cancelled: a cancel would end it before its first line, and
+        # with it the bookkeeping at its end. It begins, finds the client gone, and ends there.
 
     def pause_writing(self) -> None:
         self._writer.pause()
@@ -193,15 +197,28 @@ class FrontConnection:
         self._reading = None  # the exchange gives it back
         self._host.serving()
         side = self._side = FrontSide(self._front, self._writer, head)
-        self._task = self._loop.create_task(self._front.serve(side, body, reading))
-        self._task.add_done_callback(self._done)
+        self._task_begun = False
+        self._task = self._loop.create_task(self._serving(side, body, reading))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        """The answer is out: the next request, or the end of the connection."""
-        self._task, self._side = None, None
-        if not task.cancelled() and (error := task.exception()) is not None:
+    async def _serving(self, side: FrontSide, body: bytearray, reading: Reading) -> None:
+        """Serve one request, then take the next (or close the connection).
+
+        What follows the answer runs here, at the coroutine's end, rather than in a done
+        callback: a task's done callbacks run one loop iteration later, an epoll_wait(2) and a
+        turn of the loop more for every request (issue 34).
+        """
+        self._task_begun = True
+        try:
+            await self._front.serve(side, body, reading)
+        except Exception as error:  # serve() answers its own failures; this is a bug past that
             log_event(log, logging.ERROR, "front: serving a request failed", error=repr(error))
             self._transport.abort()
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        """The answer is out: the next request, or the end of the connection."""
+        self._task, self._side = None, None
         self._host.served()  # the request is over, whether or not its client stayed
         if self._state is _State.GONE:
             return

@@ -23,6 +23,7 @@ from proxy.front.answer import ClientWriter, relay_answer, sidecar_answer
 from proxy.front.head import RequestHead
 from proxy.logs import log_event
 from proxy.upstream import UpstreamResponse
+from proxy.vocabulary import Outcome
 
 __all__ = ["Front", "FrontSide"]
 
@@ -81,6 +82,9 @@ class Front:
         exchange = Exchange(request_id, time.time_ns())
         exchange.buffered = reading
         try:
+            if side.gone:  # the client left before this began (proxy/front/connection.py): not sent
+                exchange.outcome = Outcome.CLIENT_DISCONNECTED
+                return
             prepared = prepare(app, exchange, body, head.path) if is_inference(app, head) else None
             await admitted_exchange(
                 side,
@@ -118,6 +122,11 @@ class FrontSide:
     @property
     def app(self) -> web.Application:
         return self._front.app
+
+    @property
+    def gone(self) -> bool:
+        """The client's connection is closing: nothing more can reach it."""
+        return self._writer.transport.is_closing()
 
     async def answer(self, response: web.Response) -> None:
         self.answered = True

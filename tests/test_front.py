@@ -33,6 +33,9 @@ _ANSWERS = {
     "untyped": b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nplain bytes",
     "empty": b"HTTP/1.1 204 No Content\r\nX-Engine: yes\r\n\r\n",
     "error": b'HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n{"error":{"message":"bad"}}  ',
+    # The same stream, each event its own write a while after the last (_engine_connection):
+    # relayed piece by piece, each framed on its own.
+    "paced": b"",
     # Delimited by the close: the sidecar frames it (chunked) for its keep-alive client.
     "close": b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{"id":"closed"}',
 }
@@ -58,6 +61,9 @@ async def _engine_connection(reader: asyncio.StreamReader, writer: asyncio.Strea
                     b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n0123456789"
                 )
                 break
+            if answer == "paced":
+                await _pace(writer)
+                continue
             if answer in ("length", "held"):
                 if answer == "held" and _RELEASE is not None:
                     await _RELEASE.wait()
@@ -73,6 +79,16 @@ async def _engine_connection(reader: asyncio.StreamReader, writer: asyncio.Strea
         writer.close()
 
 
+async def _pace(writer: asyncio.StreamWriter) -> None:
+    """The "sse" answer in pieces, 20 ms apart: its head, each event's chunk, the last chunk."""
+    head, _, _ = _ANSWERS["sse"].partition(b"\r\n\r\n")
+    pieces = [head + b"\r\n\r\n", *(b"%x\r\n%b\r\n" % (len(event), event) for event in _EVENTS), b"0\r\n\r\n"]
+    for piece in pieces:
+        writer.write(piece)
+        await writer.drain()
+        await asyncio.sleep(0.02)
+
+
 @pytest.fixture
 async def engine() -> AsyncIterator[str]:
     server = await asyncio.start_server(_engine_connection, "127.0.0.1", 0)
@@ -85,7 +101,7 @@ async def engine() -> AsyncIterator[str]:
 
 def _request(path: str = "/v1/chat/completions", answer: str = "json", extra: bytes = b"") -> bytes:
     body = orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": answer == "sse"}
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": answer in ("sse", "paced")}
     )
     return (
         f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"

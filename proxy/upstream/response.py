@@ -98,10 +98,21 @@ class UpstreamResponse:
         and one write to the client for all of them costs what one write costs. True when
         the sink's reader is behind (stop reading from the engine).
         """
-        sink = self._sink
-        if sink is None or not self._chunks:
+        sink, chunks = self._sink, self._chunks
+        if sink is None or not chunks:
             return False
-        return self._to_sink(sink, self._take())
+        # `_take` written out, the sink called here: this runs for every read of a stream (issue 34).
+        self._chunks, self._buffered = [], 0
+        try:
+            behind = sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        except Exception as exc:
+            self._sink, self._sink_error = None, exc
+            self._wake()
+            return True  # read no more: the consumer ends the response
+        if behind:
+            self._sink_behind = True
+            self._wake()
+        return behind
 
     def complete(self) -> None:
         """The whole response is in; the connection is no longer this response's."""
@@ -116,18 +127,6 @@ class UpstreamResponse:
         if not self.head_arrived.done():
             self.head_arrived.set_exception(error)
         self._wake()
-
-    def _to_sink(self, sink: Sink, data: bytes) -> bool:
-        try:
-            behind = sink(data)
-        except Exception as exc:
-            self._sink, self._sink_error = None, exc
-            self._wake()
-            return True  # read no more: the consumer ends the response
-        if behind:
-            self._sink_behind = True
-            self._wake()
-        return behind
 
     def _wake(self) -> None:
         waiter = self._waiter

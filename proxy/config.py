@@ -436,7 +436,12 @@ OPTIONS: tuple[Option, ...] = (
         "largest answer head taken from the engine (past it: 502 upstream_bad_answer)",
         "a byte count ≥ 1024",
     ),
-    Option("health_interval", _positive_float, "seconds between upstream health probes", "seconds > 0"),
+    Option(
+        "health_interval",
+        _positive_float,
+        "seconds between upstream health probes (none while traffic is answered below 500)",
+        "seconds > 0",
+    ),
     Option(
         "health_path", _http_path, "upstream health path (unset: the dialect's)", "a path such as /health"
     ),

@@ -1,8 +1,11 @@
-"""/-/healthy is liveness; /-/ready follows the upstream's health probe."""
+"""/-/healthy is liveness; /-/ready follows the upstream's health probe, or its answers to traffic."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
+from aiohttp import web
 
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.process import wait_status
@@ -42,3 +45,59 @@ async def test_ready_turns_503_when_upstream_goes_away(sidecar: SidecarFactory) 
             proxy = await sidecar(upstream)
             await wait_status(session, proxy + "/-/ready", 200)
         await wait_status(session, proxy + "/-/ready", 503)
+
+
+def _engine(status: list[int], hits: list[int]) -> web.Application:
+    """An engine whose completions answer `status[0]`, counting the probes of its health path in `hits`."""
+
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response({"id": "chatcmpl-1"}, status=status[0])
+
+    async def health(request: web.Request) -> web.Response:
+        hits[0] += 1
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def _probes_while(session: aiohttp.ClientSession, proxy: str, hits: list[int], *, traffic: bool) -> int:
+    """The engine's health probes over 2 s, with a request every 20 ms (traffic) or none."""
+    before = hits[0]
+    for _ in range(100):
+        if traffic:
+            async with session.post(proxy + "/v1/chat/completions", json={"model": "m", "messages": []}) as r:
+                await r.read()
+        await asyncio.sleep(0.02)
+    return hits[0] - before
+
+
+async def test_answered_traffic_stands_in_for_the_health_probe(sidecar: SidecarFactory) -> None:
+    """While the engine answers requests, it is not probed as well; once they stop, probes resume."""
+    status, hits = [200], [0]
+    async with serve_app(_engine(status, hits)) as engine:
+        proxy = await sidecar(engine, engine="vllm", health_interval=0.25)
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            await wait_status(session, proxy + "/-/ready", 200)
+            during = await _probes_while(session, proxy, hits, traffic=True)
+            async with session.get(proxy + "/-/ready") as response:
+                assert response.status == 200  # answers keep it ready without probes
+            after = await _probes_while(session, proxy, hits, traffic=False)
+    # About 8 intervals each: probed in none of those with answers (a boundary's one allowed),
+    # in most of those without.
+    assert during <= 2, f"{during} probes while the engine answered traffic"
+    assert after >= 4, f"only {after} probes after the traffic stopped"
+
+
+async def test_answers_of_500_do_not_stand_in_for_the_probe(sidecar: SidecarFactory) -> None:
+    """An engine answering 5xx is probed as if idle: only an answer below 500 says it serves."""
+    status, hits = [500], [0]
+    async with serve_app(_engine(status, hits)) as engine:
+        proxy = await sidecar(engine, engine="vllm", health_interval=0.25)
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            await wait_status(session, proxy + "/-/ready", 200)
+            during = await _probes_while(session, proxy, hits, traffic=True)
+    assert during >= 4, f"only {during} probes while every answer was a 500"

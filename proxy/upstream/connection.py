@@ -58,6 +58,9 @@ class Pool(Protocol):
     def max_head_bytes(self) -> int:
         """The largest response head taken from the engine."""
 
+    answered_at: float | None
+    """When (loop time) an answer's head below 500 last came in: the engine serves (proxy/health.py)."""
+
     def release(self, connection: Connection) -> None:
         """A connection whose response is complete: to a waiting request, else to the idle list."""
 
@@ -239,6 +242,8 @@ class Connection(asyncio.Protocol):
         if status < 200:
             self._informational = True  # 100 Continue, 103 Early Hints: not the response
             return
+        if status < 500:
+            self._pool.answered_at = self._last_read
         reason = reason_text(self._reason)
         headers = response_headers(self._raw_headers)
         self._phase, self._head_left, self._fields, self._quiet = _BODY, -1, 0, 0

@@ -58,6 +58,9 @@ class UpstreamLeg:
             max_head_bytes  # a response head past it is refused (proxy/upstream/response_head.py)
         )
         self._connect_timeout = connect_timeout
+        # When (loop time) the engine last answered below 500: traffic that stands in for the
+        # health probe while it flows (proxy/health.py).
+        self.answered_at: float | None = None
         self._keepalive = keepalive
         self._limit = limit
         self._idle: list[Connection] = []  # oldest first; taken from the end

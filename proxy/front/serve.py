@@ -106,22 +106,17 @@ class Front:
 class FrontSide:
     """An exchange's client side on the front: answers go straight to the client's transport."""
 
-    __slots__ = ("_front", "_head", "_writer", "answered", "stalled")
+    # `request` and `app` are plain attributes, not properties: the exchange reads them several
+    # times a request, and a property is a Python call each time (bench/calls.py, issue 34).
+    __slots__ = ("_front", "_writer", "answered", "app", "request", "stalled")
 
     def __init__(self, front: Front, writer: ClientWriter, head: RequestHead) -> None:
         self._front = front
         self._writer = writer
-        self._head = head
+        self.request = head
+        self.app = front.app
         self.stalled = False
         self.answered = False  # the answer's head went out
-
-    @property
-    def request(self) -> RequestHead:
-        return self._head
-
-    @property
-    def app(self) -> web.Application:
-        return self._front.app
 
     @property
     def gone(self) -> bool:
@@ -132,7 +127,7 @@ class FrontSide:
         self.answered = True
         transport = self._writer.transport
         if not transport.is_closing():
-            transport.write(sidecar_answer(self._head.method, response, keep_alive=self._keep_alive()))
+            transport.write(sidecar_answer(self.request.method, response, keep_alive=self._keep_alive()))
 
     async def relay(self, upstream: UpstreamResponse, exchange: Exchange, peeked: bytes) -> None:
         self.answered = True
@@ -154,8 +149,8 @@ class FrontSide:
             return
         exchange.status = 500
         response = error_response(500, "the sidecar failed to serve this request", type_="server_error")
-        transport.write(sidecar_answer(self._head.method, response, keep_alive=False))
+        transport.write(sidecar_answer(self.request.method, response, keep_alive=False))
         transport.close()
 
     def _keep_alive(self) -> bool:
-        return self._head.keep_alive and not self._front.closing
+        return self.request.keep_alive and not self._front.closing

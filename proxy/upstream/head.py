@@ -50,7 +50,7 @@ def request_head(
 ) -> tuple[bytes, bool]:
     """The head's bytes, and whether the body goes chunked."""
     lines = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n"]
-    lines.extend(f"{name}: {value}\r\n" for name, value in headers.items())
+    lines += [f"{name}: {value}\r\n" for name, value in headers.items()]  # no generator resumed per header
     chunked = False
     if "Content-Length" not in headers:
         size = body_size(body)

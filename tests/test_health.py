@@ -79,25 +79,25 @@ async def test_answered_traffic_stands_in_for_the_health_probe(sidecar: SidecarF
     """While the engine answers requests, it is not probed as well; once they stop, probes resume."""
     status, hits = [200], [0]
     async with serve_app(_engine(status, hits)) as engine:
-        proxy = await sidecar(engine, engine="vllm", health_interval=0.25)
+        proxy = await sidecar(engine, engine="vllm", health_interval=0.4)
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             await wait_status(session, proxy + "/-/ready", 200)
             during = await _probes_while(session, proxy, hits, traffic=True)
             async with session.get(proxy + "/-/ready") as response:
                 assert response.status == 200  # answers keep it ready without probes
             after = await _probes_while(session, proxy, hits, traffic=False)
-    # About 8 intervals each: probed in none of those with answers (a boundary's one allowed),
-    # in most of those without.
+    # About 5 intervals each: probed in none of those with answers (a boundary's one, and one
+    # after a stall of the loaded machine, allowed), in most of those without.
     assert during <= 2, f"{during} probes while the engine answered traffic"
-    assert after >= 4, f"only {after} probes after the traffic stopped"
+    assert after >= 3, f"only {after} probes after the traffic stopped"
 
 
 async def test_answers_of_500_do_not_stand_in_for_the_probe(sidecar: SidecarFactory) -> None:
     """An engine answering 5xx is probed as if idle: only an answer below 500 says it serves."""
     status, hits = [500], [0]
     async with serve_app(_engine(status, hits)) as engine:
-        proxy = await sidecar(engine, engine="vllm", health_interval=0.25)
+        proxy = await sidecar(engine, engine="vllm", health_interval=0.4)
         async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
             await wait_status(session, proxy + "/-/ready", 200)
             during = await _probes_while(session, proxy, hits, traffic=True)
-    assert during >= 4, f"only {during} probes while every answer was a 500"
+    assert during >= 3, f"only {during} probes while every answer was a 500"

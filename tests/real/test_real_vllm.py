@@ -211,7 +211,12 @@ async def test_client_disconnect_mid_stream_frees_the_engine(vllm: Pair) -> None
             assert resp.status == 200
             for _ in range(5):  # a few chunks: the request is decoding
                 assert await resp.content.readline()
-            assert (await _running(s, vllm) or 0) >= 1
+
+            async def running() -> bool | None:
+                """True once vLLM's gauge counts the generation (it lags the tokens on a loaded machine)."""
+                return True if (await _running(s, vllm) or 0) >= 1 else None
+
+            await eventually(running, 15.0, "vllm:num_requests_running to count the generation")
             resp.close()  # drop the connection mid-stream
 
         async def idle() -> bool | None:

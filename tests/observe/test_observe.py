@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from typing import Any
 
@@ -696,6 +697,38 @@ def test_a_small_json_answer_is_decoded_whole() -> None:
     answer.feed(b'{"usage": {"prompt_tokens": 3, ')
     answer.feed(b'"completion_tokens": 1}, "id": "x", "timings": {"cache_n": 2, "prompt_n": 1}}')
     assert answer.usage() == Usage(3, 1, 2, "timings.cache_n") and answer.engine_id() == "x"
+
+
+_KEYS = st.sampled_from(["id", "object", "usage", "prompt_tokens", "cached_tokens", "choices", "timings"])
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 5000) | st.text(max_size=8) | st.just('"id": "x"'),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@given(
+    body=st.dictionaries(_KEYS, _JSON, max_size=5),
+    first_id=st.none() | st.text(max_size=140) | st.integers(-1000, 10**6),
+    compact=st.booleans(),
+    cut=st.integers(0, 10_000),
+)
+@example(body={"choices": {"id": "nested"}}, first_id="top", compact=True, cut=3)
+def test_reading_a_json_answer_once_finds_what_usage_and_engine_id_find(
+    body: dict[str, Any], first_id: object, compact: bool, cut: int
+) -> None:
+    """`read()` decodes a whole answer once; it must say what `usage()` and `engine_id()` say, an
+    answer that opens with its id, one with more ids (nested, or a later duplicate) and one
+    without alike."""
+    if first_id is not None:
+        body = {"id": first_id, **{k: v for k, v in body.items() if k != "id"}}
+    raw = orjson.dumps(body) if compact else json.dumps(body).encode()
+    if isinstance(first_id, str) and compact and cut % 3 == 0:
+        raw = raw[:-1] + b',"id":"later"}'  # a duplicate: the first one is the engine's id
+    answer = JsonBody()
+    answer.feed(raw[: cut % (len(raw) + 1)])
+    answer.feed(raw[cut % (len(raw) + 1) :])
+    assert answer.read() == (answer.usage(), answer.engine_id())
 
 
 # --- each engine's stream rules -----------------------------------------------------

@@ -193,10 +193,10 @@ def _upstream_failure(exc: BaseException, exchange: Exchange) -> web.Response:
     return error_response(status, f"{what} ({type(exc).__name__})", type_="upstream_error", code=code)
 
 
-def _upstream_data(prepared: PreparedRequest) -> Body:
-    """What goes upstream: a small body as bytes, a large one as pieces of the client's buffer
-    (written in slices, never copied whole). Both can be sent twice (a stale pooled connection)."""
-    if prepared.upstream_size > _CHUNK:
+def _upstream_data(prepared: PreparedRequest, size: int) -> Body:
+    """What goes upstream (`size` bytes): a small body as bytes, a large one as pieces of the client's
+    buffer (written in slices, never copied whole). Both can be sent twice (a stale pooled connection)."""
+    if size > _CHUNK:
         return prepared.upstream_pieces()
     return prepared.upstream_body()
 
@@ -224,9 +224,10 @@ async def _exchange(
     )
     data: Body = body
     if prepared is not None:
-        data = _upstream_data(prepared)
+        size = prepared.upstream_size
+        data = _upstream_data(prepared, size)
         # The body may carry the injection: its length is ours to say.
-        headers["Content-Length"] = str(prepared.upstream_size)
+        headers["Content-Length"] = str(size)
     exchange.upstream_sent_ns = time.time_ns()
     try:
         upstream = await app[UPSTREAM_LEG].send(request.method, request.raw_path, headers, data)

@@ -87,6 +87,8 @@ class PreparedRequest:
 
     def upstream_body(self) -> bytes:
         """The body the engine gets, as one new bytes object (a copy: for small bodies)."""
+        if self.injection is None:
+            return bytes(self.body)
         return b"".join(self.upstream_pieces())
 
     def without_injection(self) -> PreparedRequest:

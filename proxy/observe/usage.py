@@ -86,10 +86,18 @@ def usage_from_object(obj: Any) -> Usage:
     if isinstance(usage, dict):
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
-            cached = _int(details.get("cached_tokens"))
-            prompt = _int(usage.get("prompt_tokens"))
-            completion = _int(usage.get("completion_tokens"))
-            if cached is not None and prompt is not None and completion is not None:
+            cached = details.get("cached_tokens")
+            prompt = usage.get("prompt_tokens")
+            completion = usage.get("completion_tokens")
+            # `_int` written out (`type(x) is int` is never a bool); anything else takes the way below.
+            if (
+                type(cached) is int
+                and type(prompt) is int
+                and type(completion) is int
+                and cached >= 0
+                and prompt >= 0
+                and completion >= 0
+            ):
                 return Usage(prompt, completion, cached, DETAILS_SOURCE)
     usage = _usage_block(obj)
     # The order of docs/evidence.md, then llama.cpp's /v1/messages field.

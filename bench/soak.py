@@ -11,7 +11,7 @@ and the table says so.
 
 Criteria (exit 1 when one fails): the sidecar never exits before the end and exits 0 on SIGTERM;
 no request fails at the client for any reason but the engine's absence; RSS after the run is
-within 10 % of RSS just after warm-up; evidence lines of `infer.cache_observation` = inference
+within 10 % of RSS after warm-up (the tenth of the run before the engine is killed); evidence lines of `infer.cache_observation` = inference
 requests the sidecar answered - records counted lost (`cachewitness_evidence_dropped_total`).
 """
 
@@ -42,8 +42,12 @@ from proxy.config import resets_beside
 from proxy.evidence.reader import evidence_files
 
 PY = sys.executable
-WARMUP = 0.2  # fraction of the run before the RSS baseline is taken
 KILL_AT, FILL_AT, FREE_AT = 0.35, 0.55, 0.75
+# The RSS baseline: the last tenth of the run before the engine is killed. Under a loaded machine
+# (CI runs the soak beside the other suites) the sidecar answers fewer requests a second, and its
+# RSS was still climbing to its steady state at 20-30 % of the run (72 MB there, 80-82 from 35 %
+# on, the same 82 at the end): a baseline taken that early read warm-up as growth.
+WARMUP = KILL_AT - 0.1  # fraction of the run before the RSS baseline is taken
 # Rotated evidence files kept (and read back): enough that nothing rotates away during a soak.
 EVIDENCE_KEEP = 50
 NO_RESETS = (0.5, 0.8)  # no resets around the full disk: only observations can be lost there
@@ -276,7 +280,7 @@ def report(
         if name == "cachewitness_evidence_dropped_total"
     }
     lost = int(sum(dropped.values()))
-    after_warmup = [mb for t, mb in tally.rss if WARMUP * seconds <= t <= (WARMUP + 0.1) * seconds]
+    after_warmup = [mb for t, mb in tally.rss if WARMUP * seconds <= t <= KILL_AT * seconds]
     final = [mb for t, mb in tally.rss if t >= seconds - max(3.0, 0.05 * seconds)]
     baseline = statistics.median(after_warmup) if after_warmup else float("nan")
     end_rss = statistics.median(final) if final else float("nan")

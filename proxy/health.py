@@ -47,7 +47,6 @@ class UpstreamHealth:
         self._path = path
         self._on_up = on_up
         self._answered_at = answered_at
-        self.probes = 0  # probes sent (tests: traffic stands in for them)
         self._last_ok: float | None = None
         self._was_up: bool | None = None
         self.shutting_down = False
@@ -66,7 +65,6 @@ class UpstreamHealth:
 
     async def probe(self, session: aiohttp.ClientSession) -> bool:
         """One probe; True when the upstream answered below 500."""
-        self.probes += 1
         timeout = aiohttp.ClientTimeout(total=max(self._interval, 0.5))
         try:
             async with session.get(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -47,12 +49,12 @@ async def test_ready_turns_503_when_upstream_goes_away(sidecar: SidecarFactory) 
         await wait_status(session, proxy + "/-/ready", 503)
 
 
-def _engine(status: list[int], hits: list[int]) -> web.Application:
-    """An engine whose completions answer `status[0]`, counting the probes of its health path in `hits`."""
+def _engine(status: int, hits: list[int]) -> web.Application:
+    """An engine whose completions answer `status`, counting the probes of its health path in `hits`."""
 
     async def completions(request: web.Request) -> web.Response:
         await request.read()
-        return web.json_response({"id": "chatcmpl-1"}, status=status[0])
+        return web.json_response({"id": "chatcmpl-1"}, status=status)
 
     async def health(request: web.Request) -> web.Response:
         hits[0] += 1
@@ -62,6 +64,20 @@ def _engine(status: list[int], hits: list[int]) -> web.Application:
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_get("/health", health)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _ready_sidecar(
+    sidecar: SidecarFactory, status: int
+) -> AsyncIterator[tuple[aiohttp.ClientSession, str, list[int]]]:
+    """A ready sidecar (probing every 0.4 s) before an engine answering `status`: a client
+    session, the sidecar's URL, and the engine's count of probes."""
+    hits = [0]
+    async with serve_app(_engine(status, hits)) as engine:
+        proxy = await sidecar(engine, engine="vllm", health_interval=0.4)
+        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
+            await wait_status(session, proxy + "/-/ready", 200)
+            yield session, proxy, hits
 
 
 async def _probes_while(session: aiohttp.ClientSession, proxy: str, hits: list[int], *, traffic: bool) -> int:
@@ -77,15 +93,11 @@ async def _probes_while(session: aiohttp.ClientSession, proxy: str, hits: list[i
 
 async def test_answered_traffic_stands_in_for_the_health_probe(sidecar: SidecarFactory) -> None:
     """While the engine answers requests, it is not probed as well; once they stop, probes resume."""
-    status, hits = [200], [0]
-    async with serve_app(_engine(status, hits)) as engine:
-        proxy = await sidecar(engine, engine="vllm", health_interval=0.4)
-        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-            await wait_status(session, proxy + "/-/ready", 200)
-            during = await _probes_while(session, proxy, hits, traffic=True)
-            async with session.get(proxy + "/-/ready") as response:
-                assert response.status == 200  # answers keep it ready without probes
-            after = await _probes_while(session, proxy, hits, traffic=False)
+    async with _ready_sidecar(sidecar, 200) as (session, proxy, hits):
+        during = await _probes_while(session, proxy, hits, traffic=True)
+        async with session.get(proxy + "/-/ready") as response:
+            assert response.status == 200  # answers keep it ready without probes
+        after = await _probes_while(session, proxy, hits, traffic=False)
     # About 5 intervals each: probed in none of those with answers (a boundary's one, and one
     # after a stall of the loaded machine, allowed), in most of those without.
     assert during <= 2, f"{during} probes while the engine answered traffic"
@@ -94,10 +106,6 @@ async def test_answered_traffic_stands_in_for_the_health_probe(sidecar: SidecarF
 
 async def test_answers_of_500_do_not_stand_in_for_the_probe(sidecar: SidecarFactory) -> None:
     """An engine answering 5xx is probed as if idle: only an answer below 500 says it serves."""
-    status, hits = [500], [0]
-    async with serve_app(_engine(status, hits)) as engine:
-        proxy = await sidecar(engine, engine="vllm", health_interval=0.4)
-        async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session:
-            await wait_status(session, proxy + "/-/ready", 200)
-            during = await _probes_while(session, proxy, hits, traffic=True)
+    async with _ready_sidecar(sidecar, 500) as (session, proxy, hits):
+        during = await _probes_while(session, proxy, hits, traffic=True)
     assert during >= 3, f"only {during} probes while every answer was a 500"

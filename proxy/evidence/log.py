@@ -88,9 +88,7 @@ class EvidenceLog:
 
     def write_later(self, event_type: str, build: Callable[[], dict[str, Any]]) -> None:
         """Enqueue one record in its file, built at the flush (EvidenceWriter.write_later)."""
-        # `_file_of` written out: this runs for every observed request (bench/calls.py, issue 34).
-        writer = self.resets if event_type in RESET_EVENTS else self.observations
-        writer.write_later(event_type, build)
+        self._file_of(event_type).write_later(event_type, build)
 
     def _file_of(self, event_type: object) -> EvidenceWriter:
         """The writer of the file a record of this type goes to."""

@@ -187,8 +187,7 @@ class EvidenceWriter:
 
     def _enqueue(self, event_type: str, line: bytes | Build, size: int) -> None:
         """Queue a line (or a record to build) counted at `size` bytes, within the queue's bound."""
-        # `pending_bytes` written out: this runs for every record (bench/calls.py, issue 34).
-        if self._queued_bytes + self._flushing_bytes + self._unwritten_bytes + size > self.max_queue_bytes:
+        if self.pending_bytes + size > self.max_queue_bytes:
             self.drop(DropReason.QUEUE_FULL, event_type)
             return
         self._queue.append((event_type, line, self._gap))

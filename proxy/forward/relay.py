@@ -25,6 +25,7 @@ from proxy.forward.headers import add_response_headers
 from proxy.logs import log_event
 from proxy.observe import JsonBody, StreamScanner, rules_for
 from proxy.upstream import UpstreamBadResponse, UpstreamError, UpstreamResponse
+from proxy.upstream.head import framed
 from proxy.upstream.response import HIGH_WATER, Sink
 from proxy.vocabulary import Outcome
 
@@ -95,7 +96,6 @@ def client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunke
     writing, which is what the relay's `drain()` waits out (below it, drain returns at once).
     """
     behind = max(HIGH_WATER, transport.get_write_buffer_limits()[1])
-    write, buffered = transport.write, transport.get_write_buffer_size
 
     def sink(chunk: bytes) -> bool:
         if observe is not None:
@@ -104,9 +104,8 @@ def client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunke
                 return False  # the scanner holds a partial event
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
-        # proxy/upstream/head.py's `framed`, written out: this runs for every read of a stream (issue 34).
-        write(b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk)
-        return buffered() > behind
+        transport.write(framed(chunk, chunked=chunked))
+        return transport.get_write_buffer_size() > behind
 
     return sink
 

@@ -98,13 +98,11 @@ class UpstreamResponse:
         and one write to the client for all of them costs what one write costs. True when
         the sink's reader is behind (stop reading from the engine).
         """
-        sink, chunks = self._sink, self._chunks
-        if sink is None or not chunks:
+        sink = self._sink
+        if sink is None or not self._chunks:
             return False
-        # `_take` written out, the sink called here: this runs for every read of a stream (issue 34).
-        self._chunks, self._buffered = [], 0
         try:
-            behind = sink(chunks[0] if len(chunks) == 1 else b"".join(chunks))
+            behind = sink(self._take())
         except Exception as exc:
             self._sink, self._sink_error = None, exc
             self._wake()

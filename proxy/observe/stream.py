@@ -42,6 +42,28 @@ decode_count = _DecodeCounter()
 class StreamScanner:
     """One SSE answer's scanner; `rules` given means the sidecar injected include_usage into it."""
 
+    # Slots, and the one `_quiet` flag the per-read check reads: at a paced load a stream's
+    # scanner is touched once every event, cold after the other streams' events, and each
+    # object or line of memory that check reads is a cache miss (issue 34).
+    __slots__ = (
+        "_big",
+        "_big_finish",
+        "_carry",
+        "_deferred",
+        "_dropped",
+        "_engine_id",
+        "_finish",
+        "_id_read",
+        "_no_data",
+        "_notable",
+        "_pending",
+        "_quiet",
+        "_rules",
+        "_saw_usage",
+        "_usage",
+        "_usage_chunk",
+    )
+
     def __init__(self, rules: StreamRules | None = None) -> None:
         """Start with nothing seen."""
         self._rules = rules
@@ -58,6 +80,10 @@ class StreamScanner:
         self._usage_chunk = b""  # the payload of the usage chunk just dropped
         # What the event just scanned was: sets `finish_reason`, was dropped, has no data.
         self._finish = self._dropped = self._no_data = False
+        # Nothing held, nothing carried and the engine's id read: a read of whole events
+        # with nothing notable in them goes out as it is (kept by feed(), which alone
+        # changes what it sums up).
+        self._quiet = False
 
     @property
     def usage(self) -> Usage:
@@ -81,15 +107,16 @@ class StreamScanner:
         Passing through, that is `chunk` itself; stripping, what of it (and of what came
         before) can go now.
         """
-        if (
-            self._id_read
-            and not self._carry
-            and self._big is None
-            and self._pending.pending is None
-            and chunk.endswith(READ_END)
-            and self._notable(chunk) is None
-        ):
+        if self._quiet and chunk.endswith(READ_END) and self._notable(chunk) is None:
             return chunk  # whole events, nothing in them to read or cut, nothing held before them
+        emitted = self._feed(chunk)
+        self._quiet = (
+            self._id_read and not self._carry and self._big is None and self._pending.pending is None
+        )
+        return emitted
+
+    def _feed(self, chunk: bytes) -> bytes:
+        """feed() for a read that is not plainly quiet."""
         strip = self._rules is not None
         if not chunk:
             return chunk

@@ -80,6 +80,37 @@ class Connection(asyncio.Protocol):
     connection back to the pool.
     """
 
+    # Slots: every read from the engine (each SSE event of a paced stream) touches this object
+    # after the other streams' reads have pushed it out of the cache, and a slotted object's
+    # fields are in the object, not in a values array of their own (issue 34).
+    __slots__ = (
+        "_drain",
+        "_fields",
+        "_head_left",
+        "_head_only",
+        "_informational",
+        "_keep_alive",
+        "_last_read",
+        "_loop",
+        "_max_head",
+        "_parser",
+        "_phase",
+        "_poll",
+        "_pool",
+        "_quiet",
+        "_raw_headers",
+        "_read_paused",
+        "_reason",
+        "_response",
+        "_reusable",
+        "_transport",
+        "_until_close",
+        "_write_paused",
+        "idle_since",
+        "lost",
+        "served",
+    )
+
     def __init__(self, pool: Pool) -> None:
         self._pool = pool
         self._loop = asyncio.get_running_loop()

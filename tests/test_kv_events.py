@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import gc
+import socket
+import warnings
 from contextlib import AsyncExitStack
 
 import pytest
+import zmq
 
 from proxy.sim import SimConfig, add_sim_arguments, sim_config_from_args
 from proxy.witnesses.events import KvEvents
 from tests.support.kv_events import Ports, caught_up, core, engine, request, stack, until
-from tests.support.sim import sim
+from tests.support.sim import fast, sim
 
 # Long enough for a published clear to arrive on a loaded machine; only ever waited out when
 # the test expects nothing to come.
@@ -260,3 +264,28 @@ async def test_an_endpoint_that_cannot_be_bound_fails_the_start() -> None:
         with pytest.raises(OSError, match="cannot bind"):
             async with KvEvents(core(ports)):
                 pass
+
+
+@pytest.mark.parametrize("taken", ["replay", "pub"])
+async def test_a_simulator_whose_events_port_is_taken_fails_to_start_and_leaves_nothing_open(
+    taken: str,
+) -> None:
+    """A port taken (CI: another process had it) fails the start with ZeroMQ's error; its sockets
+    and context are closed behind it, not left for the garbage collector to warn about."""
+    ports = Ports()
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # The publisher binds only when its address has `*` (else it connects, as vLLM's does).
+    endpoint = ports.endpoint.replace("127.0.0.1", "*") if taken == "pub" else ports.endpoint
+    try:
+        held.bind(("127.0.0.1", ports.replay if taken == "replay" else ports.pub))
+        held.listen()
+        config = fast("vllm", kv_events_endpoint=endpoint, kv_events_replay=ports.replay_endpoint)
+        with pytest.raises(zmq.ZMQError):
+            async with sim(config):
+                pass
+    finally:
+        held.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResourceWarning)
+        gc.collect()
+    assert not [w for w in gc.garbage if isinstance(w, zmq.Context)]

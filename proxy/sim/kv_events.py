@@ -164,7 +164,11 @@ class KvEventPublisher:
     async def start(self) -> None:
         """Open the PUB socket (bound when its address has `*`, else connected, as vLLM does) and the ROUTER."""
         self._ctx = zmq.asyncio.Context()
-        await self._open()
+        try:
+            await self._open()
+        except BaseException:
+            await self.close()  # an address taken: nothing is left open behind the error
+            raise
 
     async def _open(self) -> None:
         assert self._ctx is not None
@@ -185,10 +189,14 @@ class KvEventPublisher:
         # The replay socket first: an engine answers replays before it publishes.
         pub: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
-        if "*" in self.endpoint:
-            pub.bind(self.endpoint)
-        else:
-            pub.connect(self.endpoint)
+        try:
+            if "*" in self.endpoint:
+                pub.bind(self.endpoint)
+            else:
+                pub.connect(self.endpoint)
+        except zmq.ZMQError:
+            pub.close(linger=0)  # the context's term() waits for every socket
+            raise
         self._pub = pub
 
     async def _close_sockets(self) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +17,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.support.ports import fixed_ports
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_START_TIMEOUT_S = 60.0
@@ -56,37 +56,9 @@ def logs_dir() -> Path:
 
 
 def free_port() -> int:
-    """A loopback TCP port that was free a moment ago, below the kernel's ephemeral range.
-
-    An engine binds its port seconds after it is chosen (vLLM: 10-30 s of start-up). A port
-    from the ephemeral range (what binding port 0 gives) can meanwhile go to any other socket
-    on the machine, the fast suite's servers and client connections running beside these
-    tests among them; one below it is only ever taken by asking for it. (CI saw it happen:
-    a test server answered vLLM's `/health` on vLLM's port before vLLM was up.)
-    """
-    low = _ephemeral_low()
-    for _ in range(200):
-        port = random.randrange(_FIXED_PORTS_FROM, low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {_FIXED_PORTS_FROM}-{low - 1}")
-
-
-# Ports chosen for engines start here (above the registered services most machines run).
-_FIXED_PORTS_FROM = 20000
-
-
-def _ephemeral_low() -> int:
-    """The lowest port of the kernel's ephemeral range (32768 where it cannot be read)."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-    return max(low, _FIXED_PORTS_FROM + 1000)
+    """A loopback TCP port for an engine, which binds it seconds after it is chosen (vLLM: 10-30 s
+    of start-up): below the kernel's ephemeral range (tests/support/ports.py)."""
+    return fixed_ports(1)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
@@ -10,27 +9,14 @@ from typing import Any
 
 from proxy.witnesses.events import KvEvents, KvEventsConfig
 from proxy.witnesses.events_state import RankSnapshot
+from tests.support.ports import fixed_ports
 from tests.support.sim import WAIT_S, Sim, chat, fast, sim, words
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_ports(n: int) -> int:
-    """The first of n consecutive loopback ports nothing listens on (rank r uses base + r)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base: int = sock.getsockname()[1]
-        if base + n < 65536 and all(_bindable(base + i) for i in range(n)):
-            return base
-    raise AssertionError(f"no run of {n} free ports")
+    """The first of n consecutive loopback ports nothing listens on (rank r uses base + r), below
+    the ephemeral range: the simulator binds them only once its app starts."""
+    return fixed_ports(n)
 
 
 @dataclass

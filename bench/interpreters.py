@@ -18,8 +18,10 @@ __all__ = ["describe", "sidecar_python"]
 
 ROOT = Path(__file__).resolve().parent.parent
 _ENVS = ROOT / ".cache" / "bench-python"
-# What the sidecar imports that is not in the standard library: present, the interpreter is used as is.
-_PROBE = "import aiohttp, httptools, orjson, uvloop, prometheus_client, zmq, msgpack, aiodns, cryptography"
+# The sidecar's modules, imported from this checkout, with their dependencies: when they import,
+# the interpreter is used as is. uvloop by name: the sidecar falls back to asyncio's loop without
+# it, and a bench on that loop would measure something else.
+_PROBE = "import proxy.serve, uvloop"
 
 
 def sidecar_python(python: str | None) -> str:
@@ -27,7 +29,7 @@ def sidecar_python(python: str | None) -> str:
     its environment holds the project's dependencies, or a venv of `python`'s made (once) for it."""
     if python is None:
         return sys.executable
-    if subprocess.run([python, "-c", _PROBE], capture_output=True, check=False).returncode == 0:
+    if subprocess.run([python, "-c", _PROBE], cwd=ROOT, capture_output=True, check=False).returncode == 0:
         return python
     pyproject = (ROOT / "pyproject.toml").read_bytes()
     key = hashlib.sha256(str(Path(python).resolve()).encode() + pyproject).hexdigest()[:12]

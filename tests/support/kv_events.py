@@ -13,12 +13,6 @@ from tests.support.ports import fixed_ports
 from tests.support.sim import WAIT_S, Sim, chat, fast, sim, words
 
 
-def free_ports(n: int) -> int:
-    """The first of n consecutive loopback ports nothing listens on (rank r uses base + r), below
-    the ephemeral range: the simulator binds them only once its app starts."""
-    return fixed_ports(n)
-
-
 @dataclass
 class Ports:
     """The addresses of one engine's events: rank 0's publish and replay ports."""
@@ -28,8 +22,10 @@ class Ports:
     replay: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.pub = free_ports(self.ranks)
-        self.replay = free_ports(self.ranks)
+        # Runs of ports (rank r uses base + r) below the ephemeral range: the simulator binds
+        # them only once its app starts (tests/support/ports.py).
+        self.pub = fixed_ports(self.ranks)
+        self.replay = fixed_ports(self.ranks)
 
     @property
     def endpoint(self) -> str:

@@ -285,7 +285,8 @@ async def test_a_simulator_whose_events_port_is_taken_fails_to_start_and_leaves_
                 pass
     finally:
         held.close()
+    # A context left open warns as it is collected: made an error, pytest's unraisable-exception
+    # hook fails this test with it (as it failed the next test on the worker in CI).
     with warnings.catch_warnings():
         warnings.simplefilter("error", ResourceWarning)
         gc.collect()
-    assert not [w for w in gc.garbage if isinstance(w, zmq.Context)]

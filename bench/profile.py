@@ -5,6 +5,7 @@
     .venv/bin/python bench/profile.py --load wrk [--concurrency 16]
     .venv/bin/python bench/profile.py --load paced [--rate 400] [--connections 48]
     .venv/bin/python bench/profile.py --load streams [--streams 100]
+    .venv/bin/python bench/profile.py --load paced --rate 100 --sampler perf --sidecar-python /usr/bin/python3.11
 
 Starts the vLLM simulator and one sidecar (defaults: evidence and injection on; `--bare`:
 `--no-observe --no-inject-usage`), each pinned as in `make bench`, and samples the sidecar
@@ -23,6 +24,12 @@ functions with the largest inclusive and self shares of the samples, with the µ
 (event) each share stands for. uvloop's own work (its C code and the system calls it makes)
 shows as self time of `Runner.run` (py-spy's `--native` would name it, but must pause the
 sidecar at every sample, which queues the paced load). `--raw FILE` keeps py-spy's collapsed stacks (feed them to a flame graph tool).
+
+`--sampler perf` samples the machine code instead (Linux perf, bench/native_profile.py): the CPU
+by part — the interpreter, the kernel, uvloop, httptools, libc, other extensions — by shared
+object, and the hottest native functions. That names what py-spy folds into `Runner.run`: the
+kernel's share, and within it the scheduler waking the process, against the bytecode's.
+`--sidecar-python` runs the sidecar on another interpreter, as `bench/paced.py`'s.
 """
 
 from __future__ import annotations
@@ -38,7 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import native_profile
 from harness import RT_LOADGEN_PRIORITY, Cores, Service, cpu_seconds, ensure_tools, realtime, start_simulator
+from interpreters import describe, sidecar_python
 from loads import WRK_SCRIPT, run_wrk
 from paths import BARE, start_sidecar
 
@@ -111,15 +120,25 @@ def main() -> int:
     parser.add_argument("--sample-rate", type=int, default=500, help="py-spy samples per second")
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
     parser.add_argument(
+        "--sampler",
+        choices=("py-spy", "perf"),
+        default="py-spy",
+        help="py-spy: Python functions; perf: machine code, by shared object (the interpreter, the "
+        "kernel, uvloop...) and native function (bench/native_profile.py)",
+    )
+    parser.add_argument(
+        "--sidecar-python",
+        help="the interpreter the sidecar runs on (default: this one; bench/interpreters.py)",
+    )
+    parser.add_argument(
         "--realtime",
         action="store_true",
         help="run everything started under SCHED_FIFO (root): on a machine shared with other work "
         "each process then runs when woken, as on a dedicated core",
     )
     ns = parser.parse_args()
-    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
-    if py_spy is None:
-        sys.exit("bench/profile.py needs py-spy: .venv/bin/pip install -e '.[bench]'")
+    sampler = _sampler(ns.sampler)
+    python = sidecar_python(ns.sidecar_python)
     wrk = ensure_tools()[1] if ns.load == "wrk" else ""
     if ns.realtime:  # after any install
         realtime()
@@ -127,36 +146,70 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cw-profile-") as tmp:
         work = Path(tmp)
         sim = start_simulator(cores.rest, work, decode_rate=0 if ns.load == "wrk" else 100)
-        sidecar = start_sidecar("sidecar", sim.url, BARE if ns.bare else [], cores.proxy, work)
+        sidecar = start_sidecar("sidecar", sim.url, BARE if ns.bare else [], cores.proxy, work, python=python)
         raw_path = work / "profile.txt"
         try:
             _load(ns, wrk, cores, work, sidecar, 1.0)  # warm-up
-            spy = subprocess.Popen(
-                [
-                    *(py_spy, "record", "--pid", str(sidecar.proc.pid), "--duration", str(round(ns.seconds))),
-                    *("--rate", str(ns.sample_rate), "--format", "raw", "--output", str(raw_path)),
-                    "--nonblocking",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
+            if ns.sampler == "perf":
+                sampling = native_profile.record(sampler, sidecar.proc.pid, ns.seconds, work / "perf.data")
+            else:
+                sampling = subprocess.Popen(
+                    [
+                        *(
+                            sampler,
+                            "record",
+                            "--pid",
+                            str(sidecar.proc.pid),
+                            "--duration",
+                            str(round(ns.seconds)),
+                        ),
+                        *("--rate", str(ns.sample_rate), "--format", "raw", "--output", str(raw_path)),
+                        "--nonblocking",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
             spent, count, figure = _load(ns, wrk, cores, work, sidecar, ns.seconds)
-            spy.wait(timeout=ns.seconds + 60)
+            sampling.wait(timeout=ns.seconds + 60)
         finally:
             sidecar.stop()
             sim.stop()
-        raw = raw_path.read_text() if raw_path.exists() else ""
+        if ns.sampler == "perf":
+            raw = native_profile.report(sampler, work / "perf.data")
+        else:
+            raw = raw_path.read_text() if raw_path.exists() else ""
         if ns.raw is not None:
             ns.raw.write_text(raw)
     us = 1e6 * spent / max(1.0, count)
     unit = "event" if ns.load == "streams" else "request"
     kind = "bare" if ns.bare else "evidence + injection on"
-    print(
-        f"sidecar ({kind}), {figure} for {ns.seconds:g} s: CPU {us:.{0 if us >= 100 else 2}f} µs per {unit} "
-        f"(py-spy --nonblocking at {ns.sample_rate} Hz adds a little)\n"
+    how = (
+        "perf, cpu-clock at 4,999 Hz"
+        if ns.sampler == "perf"
+        else f"py-spy --nonblocking at {ns.sample_rate} Hz"
     )
-    print(summarize(raw, ns.top, us, unit))
+    print(
+        f"sidecar ({kind}) on {describe(python)}, {figure} for {ns.seconds:g} s: "
+        f"CPU {us:.{0 if us >= 100 else 2}f} µs per {unit} ({how} adds a little)\n"
+    )
+    if ns.sampler == "perf":
+        print(native_profile.summarize(native_profile.parse_report(raw), us, ns.top, unit))
+    else:
+        print(summarize(raw, ns.top, us, unit))
     return 0
+
+
+def _sampler(kind: str) -> str:
+    """The sampler's binary, or exit saying how to install it."""
+    if kind == "perf":
+        perf = native_profile.find_perf()
+        if perf is None:
+            sys.exit("bench/profile.py --sampler perf needs perf: apt-get install -y linux-perf")
+        return perf
+    py_spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if py_spy is None:
+        sys.exit("bench/profile.py needs py-spy: .venv/bin/pip install -e '.[bench]'")
+    return py_spy
 
 
 def _load(

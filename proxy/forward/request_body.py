@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import cast
 
 import aiohttp
 from aiohttp import web
@@ -45,7 +44,7 @@ async def limited_body(
     limit: int,
     start: BodyStart | None = None,
     start_sent: Callable[[], None] | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[bytes | bytearray]:
     """Stream the client's body upstream, stopping once it passes `limit` bytes.
 
     `start`: what was read of it already; `start_sent` is called once the upstream took it.
@@ -54,7 +53,7 @@ async def limited_body(
     if start is not None and (data := start.take()):
         seen = len(data)
         # Not copied to bytes: the upstream transport only writes it, and this was its last reference.
-        yield cast(bytes, data)
+        yield data
         del data
         if start_sent is not None:
             start_sent()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from proxy.upstream.head import Body, framed
+from proxy.upstream.head import Body
 
 __all__ = ["write_body"]
 
@@ -30,7 +30,11 @@ async def write_body(
     async for chunk in body:
         if not chunk:
             continue  # an empty chunk would end a chunked body
-        transport.write(framed(chunk, chunked=chunked))
+        if chunked:
+            # Framed around it, not into a copy: the first chunk may be all the body read so far.
+            transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+        else:
+            transport.write(chunk)
         await drained()
     if chunked:
         transport.write(b"0\r\n\r\n")

@@ -18,7 +18,7 @@ __all__ = ["Body", "Pieces", "body_size", "framed", "pieces_size", "request_head
 # observed body with the injection spliced in); both can be sent twice. A stream of the
 # client's own body cannot.
 Pieces = tuple[bytes | bytearray | memoryview, ...]
-Body = bytes | Pieces | AsyncIterator[bytes] | None
+Body = bytes | Pieces | AsyncIterator[bytes | bytearray] | None
 
 # Methods aiohttp sends without a Content-Length when they carry no body.
 _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})

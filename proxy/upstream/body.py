@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from proxy.upstream.head import Body
+from proxy.upstream.head import Body, chunk_pieces
 
 __all__ = ["write_body"]
 
@@ -31,8 +31,7 @@ async def write_body(
         if not chunk:
             continue  # an empty chunk would end a chunked body
         if chunked:
-            # Framed around it, not into a copy: the first chunk may be all the body read so far.
-            transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+            transport.writelines(chunk_pieces(chunk))  # the first chunk may be all the body read so far
         else:
             transport.write(chunk)
         await drained()

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 from multidict import CIMultiDict
 
-__all__ = ["Body", "Pieces", "body_size", "framed", "pieces_size", "request_head"]
+__all__ = ["Body", "Pieces", "body_size", "chunk_pieces", "framed", "pieces_size", "request_head"]
 
 # A body already in memory is sent whole (bytes) or as pieces of one buffer (a large
 # observed body with the injection spliced in); both can be sent twice. A stream of the
@@ -27,6 +27,12 @@ _BODILESS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 def framed(chunk: bytes, *, chunked: bool) -> bytes:
     """One piece of a body as it goes on the wire: an HTTP/1.1 chunk when the body is chunked."""
     return b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunked else chunk
+
+
+def chunk_pieces(chunk: bytes | bytearray) -> tuple[bytes, bytes | bytearray, bytes]:
+    """`framed(chunk, chunked=True)` as three pieces for one `writelines`: the chunk itself is
+    not copied into the frame (a large one, such as the start of a body read so far)."""
+    return b"%x\r\n" % len(chunk), chunk, b"\r\n"
 
 
 def body_size(body: Body) -> int | None:

@@ -153,22 +153,7 @@ def main() -> int:
             if ns.sampler == "perf":
                 sampling = native_profile.record(sampler, sidecar.proc.pid, ns.seconds, work / "perf.data")
             else:
-                sampling = subprocess.Popen(
-                    [
-                        *(
-                            sampler,
-                            "record",
-                            "--pid",
-                            str(sidecar.proc.pid),
-                            "--duration",
-                            str(round(ns.seconds)),
-                        ),
-                        *("--rate", str(ns.sample_rate), "--format", "raw", "--output", str(raw_path)),
-                        "--nonblocking",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
+                sampling = _py_spy_record(sampler, sidecar.proc.pid, ns.seconds, ns.sample_rate, raw_path)
             spent, count, figure = _load(ns, wrk, cores, work, sidecar, ns.seconds)
             sampling.wait(timeout=ns.seconds + 60)
         finally:
@@ -197,6 +182,18 @@ def main() -> int:
     else:
         print(summarize(raw, ns.top, us, unit))
     return 0
+
+
+def _py_spy_record(py_spy: str, pid: int, seconds: float, rate: int, out: Path) -> subprocess.Popen[bytes]:
+    """Start py-spy sampling `pid` for `seconds` into `out` (collapsed stacks); wait for the returned process."""
+    return subprocess.Popen(
+        [
+            *(py_spy, "record", "--pid", str(pid), "--duration", str(round(seconds))),
+            *("--rate", str(rate), "--format", "raw", "--output", str(out), "--nonblocking"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _sampler(kind: str) -> str:

@@ -13,7 +13,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,17 +74,20 @@ def start_sidecar(
     work: Path,
     cwd: Path | None = None,
     python: str = sys.executable,
+    entry: Sequence[str] = ("-m", "proxy"),
 ) -> Service:
     """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`
     (`cwd`: the checkout whose `proxy/` runs, for `python -m`; None: this one; `python`: the
-    interpreter, whose environment must hold the project's dependencies)."""
+    interpreter, whose environment must hold the project's dependencies; `entry`: what runs
+    `cachewitness` with the arguments after it, bench/stage_timer.py for one)."""
     port = free_port()
     return start_service(
         name,
         [
             *Cores.prefix(core),
             python,
-            *("-m", "proxy", "serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
+            *entry,
+            *("serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
             *("--evidence", str(work / f"{name}.jsonl"), "--log-level", "warning", *extra),
         ],
         f"http://127.0.0.1:{port}",

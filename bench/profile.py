@@ -30,6 +30,12 @@ by part — the interpreter, the kernel, uvloop, httptools, libc, other extensio
 object, and the hottest native functions. That names what py-spy folds into `Runner.run`: the
 kernel's share, and within it the scheduler waking the process, against the bytecode's.
 `--sidecar-python` runs the sidecar on another interpreter, as `bench/paced.py`'s.
+
+`--sampler timers` samples nothing: named functions of the sidecar are timed in place, every
+call (bench/stage_timer.py; `--time module:qualname,...`, by default the stages of a finished
+request's recording and the evidence flush). It prints each one's calls, µs per call and µs
+per request beside the sidecar's CPU per request: what a stage of a few µs costs as the
+sidecar runs it, which the samplers see too rarely and an A/B of lesions cannot resolve.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import native_profile
+import stage_timer
 from harness import RT_LOADGEN_PRIORITY, Cores, Service, cpu_seconds, ensure_tools, realtime, start_simulator
 from interpreters import describe, sidecar_python
 from loads import WRK_SCRIPT, run_wrk
@@ -121,10 +128,16 @@ def main() -> int:
     parser.add_argument("--raw", type=Path, help="also keep py-spy's collapsed stacks here")
     parser.add_argument(
         "--sampler",
-        choices=("py-spy", "perf"),
+        choices=("py-spy", "perf", "timers"),
         default="py-spy",
         help="py-spy: Python functions; perf: machine code, by shared object (the interpreter, the "
-        "kernel, uvloop...) and native function (bench/native_profile.py)",
+        "kernel, uvloop...) and native function (bench/native_profile.py); timers: named functions "
+        "timed in place (bench/stage_timer.py)",
+    )
+    parser.add_argument(
+        "--time",
+        default=",".join(stage_timer.DEFAULT_STAGES),
+        help="--sampler timers: the functions, comma-separated module:qualname",
     )
     parser.add_argument(
         "--sidecar-python",
@@ -138,6 +151,12 @@ def main() -> int:
     )
     ns = parser.parse_args()
     sampler = _sampler(ns.sampler)
+    if ns.sampler == "timers":
+        for name in ns.time.split(","):
+            try:
+                stage_timer.resolve(name)
+            except ValueError as exc:
+                sys.exit(f"bench/profile.py --time: {exc}")
     python = sidecar_python(ns.sidecar_python)
     wrk = ensure_tools()[1] if ns.load == "wrk" else ""
     if ns.realtime:  # after any install
@@ -146,11 +165,24 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="cw-profile-") as tmp:
         work = Path(tmp)
         sim = start_simulator(cores.rest, work, decode_rate=0 if ns.load == "wrk" else 100)
-        sidecar = start_sidecar("sidecar", sim.url, BARE if ns.bare else [], cores.proxy, work, python=python)
+        timers = work / "timers.json"
+        timed = (str(HERE / "stage_timer.py"), "--time", ns.time, "--out", str(timers), "--")
+        sidecar = start_sidecar(
+            "sidecar",
+            sim.url,
+            BARE if ns.bare else [],
+            cores.proxy,
+            work,
+            python=python,
+            entry=timed if ns.sampler == "timers" else ("-m", "proxy"),
+        )
         raw_path = work / "profile.txt"
         try:
             _load(ns, wrk, cores, work, sidecar, 1.0)  # warm-up
-            if ns.sampler == "perf":
+            sampling: subprocess.Popen[bytes] | stage_timer.Window
+            if ns.sampler == "timers":
+                sampling = stage_timer.Window(sidecar.proc.pid, timers)
+            elif ns.sampler == "perf":
                 sampling = native_profile.record(sampler, sidecar.proc.pid, ns.seconds, work / "perf.data")
             else:
                 sampling = _py_spy_record(sampler, sidecar.proc.pid, ns.seconds, ns.sample_rate, raw_path)
@@ -161,6 +193,8 @@ def main() -> int:
             sim.stop()
         if ns.sampler == "perf":
             raw = native_profile.report(sampler, work / "perf.data")
+        elif ns.sampler == "timers":
+            raw = timers.read_text()
         else:
             raw = raw_path.read_text() if raw_path.exists() else ""
         if ns.raw is not None:
@@ -168,17 +202,18 @@ def main() -> int:
     us = 1e6 * spent / max(1.0, count)
     unit = "event" if ns.load == "streams" else "request"
     kind = "bare" if ns.bare else "evidence + injection on"
-    how = (
-        "perf, cpu-clock at 4,999 Hz"
-        if ns.sampler == "perf"
-        else f"py-spy --nonblocking at {ns.sample_rate} Hz"
-    )
+    how = {
+        "perf": "perf, cpu-clock at 4,999 Hz,",
+        "timers": "the timers, ~0.35 µs a timed call,",
+    }.get(ns.sampler, f"py-spy --nonblocking at {ns.sample_rate} Hz")
     print(
         f"sidecar ({kind}) on {describe(python)}, {figure} for {ns.seconds:g} s: "
         f"CPU {us:.{0 if us >= 100 else 2}f} µs per {unit} ({how} adds a little)\n"
     )
     if ns.sampler == "perf":
         print(native_profile.summarize(native_profile.parse_report(raw), us, ns.top, unit))
+    elif ns.sampler == "timers":
+        print(stage_timer.summarize(json.loads(raw), count, us, unit))
     else:
         print(summarize(raw, ns.top, us, unit))
     return 0
@@ -197,7 +232,9 @@ def _py_spy_record(py_spy: str, pid: int, seconds: float, rate: int, out: Path) 
 
 
 def _sampler(kind: str) -> str:
-    """The sampler's binary, or exit saying how to install it."""
+    """The sampler's binary, or exit saying how to install it ("" for the timers, which need none)."""
+    if kind == "timers":
+        return ""
     if kind == "perf":
         perf = native_profile.find_perf()
         if perf is None:

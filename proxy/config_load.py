@@ -19,7 +19,8 @@ from typing import Any
 
 from yarl import URL
 
-from proxy.config import OPTIONS, ConfigError, NativeResetAuth, Option, Settings, url_option
+from proxy.config import ConfigError, NativeResetAuth, Settings
+from proxy.options import OPTIONS, Option, url_option
 from proxy.redact import redact_url
 
 __all__ = ["load_settings", "unknown_env"]

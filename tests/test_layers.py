@@ -25,8 +25,10 @@ PROXY = ROOT / "proxy"
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"vocabulary", "logs", "errors", "redact", "watchdog"}),
     frozenset({"config"}),
+    frozenset({"options"}),  # the option table: each key's parser, over config's choices
     # upstream (the pool and the leg) reads only config, logs and watchdog; the engines' own
-    # calls go through it. config_load reads only config: only the CLI and tests load settings.
+    # calls go through it. config_load reads only config and options: only the CLI and tests
+    # load settings.
     frozenset({"upstream", "config_load"}),
     frozenset({"observe", "engines", "sim"}),
     frozenset(

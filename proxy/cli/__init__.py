@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 
 from proxy import __version__
-from proxy.config import OPTIONS, ConfigError, Settings
+from proxy.config import ConfigError, Settings
 from proxy.config_load import load_settings
+from proxy.options import OPTIONS
 
 __all__ = ["build_parser", "main"]
 

@@ -74,19 +74,19 @@ def start_sidecar(
     work: Path,
     cwd: Path | None = None,
     python: str = sys.executable,
-    entry: Sequence[str] = ("-m", "proxy"),
+    entry: Sequence[str] | None = None,
 ) -> Service:
     """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`
     (`cwd`: the checkout whose `proxy/` runs, for `python -m`; None: this one; `python`: the
     interpreter, whose environment must hold the project's dependencies; `entry`: what runs
-    `cachewitness` with the arguments after it, bench/stage_timer.py for one)."""
+    `cachewitness` with the arguments after it, bench/stage_timer.py for one; None: `-m proxy`)."""
     port = free_port()
     return start_service(
         name,
         [
             *Cores.prefix(core),
             python,
-            *entry,
+            *(("-m", "proxy") if entry is None else entry),
             *("serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),
             *("--evidence", str(work / f"{name}.jsonl"), "--log-level", "warning", *extra),
         ],

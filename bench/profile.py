@@ -152,7 +152,7 @@ def main() -> int:
     ns = parser.parse_args()
     sampler = _sampler(ns.sampler)
     if ns.sampler == "timers":
-        for name in ns.time.split(","):
+        for name in stage_timer.names(ns.time):
             try:
                 stage_timer.resolve(name)
             except ValueError as exc:
@@ -174,7 +174,7 @@ def main() -> int:
             cores.proxy,
             work,
             python=python,
-            entry=timed if ns.sampler == "timers" else ("-m", "proxy"),
+            entry=timed if ns.sampler == "timers" else None,
         )
         raw_path = work / "profile.txt"
         try:

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_STAGES", "Window", "install", "resolve", "summarize"]
+__all__ = ["DEFAULT_STAGES", "Window", "install", "names", "resolve", "summarize"]
 
 # What a finished request's recording is made of (proxy/forward/engine_exchange.py, proxy/recorder.py),
 # and the evidence flush that writes it.
@@ -60,22 +60,21 @@ class _Totals:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.calls: dict[str, int] = {}
-        self.ns: dict[str, int] = {}
+        self._totals: dict[str, list[int]] = {}  # name: [calls, ns]
 
     def add(self, name: str, ns: int) -> None:
         with self._lock:
-            self.calls[name] = self.calls.get(name, 0) + 1
-            self.ns[name] = self.ns.get(name, 0) + ns
+            total = self._totals.setdefault(name, [0, 0])
+            total[0] += 1
+            total[1] += ns
 
     def reset(self) -> None:
         with self._lock:
-            self.calls.clear()
-            self.ns.clear()
+            self._totals.clear()
 
     def snapshot(self) -> dict[str, list[int]]:
         with self._lock:
-            return {name: [self.calls[name], self.ns[name]] for name in self.calls}
+            return {name: list(total) for name, total in self._totals.items()}
 
 
 def _timed(name: str, function: Callable[..., Any], totals: _Totals) -> Callable[..., Any]:
@@ -90,6 +89,11 @@ def _timed(name: str, function: Callable[..., Any], totals: _Totals) -> Callable
 
     timed.__wrapped__ = function  # type: ignore[attr-defined]
     return timed
+
+
+def names(text: str) -> list[str]:
+    """The names `--time` gives (comma-separated, empty ones skipped)."""
+    return [name for name in text.split(",") if name]
 
 
 def resolve(name: str) -> tuple[Any, str, Callable[..., Any]]:
@@ -117,10 +121,9 @@ def install(names: list[str], totals: _Totals) -> None:
     """Wrap each named function where it is looked up (ValueError for a name that is not one)."""
     for name in names:
         owner, attribute, function = resolve(name)
-        module = sys.modules[name.partition(":")[0]]
         timed = _timed(name, function, totals)
         setattr(owner, attribute, timed)
-        if owner is module:  # `from module import function` elsewhere bound the original
+        if inspect.ismodule(owner):  # `from module import function` elsewhere bound the original
             for other in list(sys.modules.values()):
                 if other is not None and getattr(other, attribute, None) is function:
                     setattr(other, attribute, timed)
@@ -150,12 +153,11 @@ def summarize(totals: dict[str, list[int]], count: float, cpu_us: float, unit: s
         f"| function | calls per {unit} | µs per call | µs per {unit} | of the CPU per {unit} |",
         "|---|---:|---:|---:|---:|",
     ]
+    units = max(1.0, count)
     for name, (calls, ns) in sorted(totals.items(), key=lambda item: -item[1][1]):
-        per = ns / 1000 / max(1.0, count)
+        per = ns / 1000 / units
         share = f"{100 * per / cpu_us:.1f} %" if cpu_us else "—"
-        lines.append(
-            f"| `{name}` | {calls / max(1.0, count):.2f} | {ns / 1000 / calls:.1f} | {per:.1f} | {share} |"
-        )
+        lines.append(f"| `{name}` | {calls / units:.2f} | {ns / 1000 / calls:.1f} | {per:.1f} | {share} |")
     return "\n".join(lines)
 
 
@@ -171,7 +173,7 @@ def main() -> int:
     from proxy.cli import main as cachewitness
 
     totals = _Totals()
-    install([n for n in ns.time.split(",") if n], totals)
+    install(names(ns.time), totals)
     signal.signal(signal.SIGUSR1, lambda *_: totals.reset())
     signal.signal(signal.SIGUSR2, lambda *_: ns.out.write_text(json.dumps(totals.snapshot())))
     return cachewitness(argv)

@@ -100,6 +100,14 @@ CASES = (
         10.0,
         ("--baseline-rate", "10", "--baseline-connections", "4"),
     ),
+    # The large case's load with a short prompt: what of the large case's CPU and added time
+    # is the 220 KB body, and what its rate (a request every 50 ms runs cold).
+    Case(
+        "small20",
+        ("requests", "--rate", "20", "--connections", "8", "--max-tokens", "8"),
+        10.0,
+        ("--baseline-rate", "10", "--baseline-connections", "4"),
+    ),
 )
 
 

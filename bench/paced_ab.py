@@ -10,7 +10,7 @@ project's dependencies: bench/interpreters.py). All run at once in front of one
 simulator (vLLM dialect, 100 tokens/s), the sidecars on one core and the simulator and the
 generator on the other, everything under SCHED_FIFO as `bench/paced.py --realtime` (root). Each
 round runs every case on every variant back to back, the order turned each round; the cases
-are the paced bench's (`r400`, `r100`, `streams`, `large`: bench/paced.py), without Envoy or a baseline.
+are the paced bench's (`r400`, `r100`, `streams`, `large`, `small20`: bench/paced.py), without Envoy or a baseline.
 
 Printed: every round's CPU µs per request (per SSE event for `streams`), with the p50 (time to
 first event for `streams`), then per case each variant's median and minimum and its median
@@ -53,6 +53,7 @@ CASES: dict[str, tuple[list[str], float]] = {
         ["requests", "--rate", "20", "--connections", "8", "--max-tokens", "8", "--prompt-bytes", "220000"],
         10.0,
     ),
+    "small20": (["requests", "--rate", "20", "--connections", "8", "--max-tokens", "8"], 10.0),
 }
 
 

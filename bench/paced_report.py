@@ -40,6 +40,8 @@ FIGURES: dict[str, tuple[str, Metric, int, str]] = {
     "cpu_request_1600": ("r1600", _per("requests"), 0, ""),
     "large_added_p50": ("large", _added("p50_ms"), 2, " ms"),
     "large_cpu_request": ("large", _per("requests"), 0, ""),
+    "small20_added_p50": ("small20", _added("p50_ms"), 2, " ms"),
+    "small20_cpu_request": ("small20", _per("requests"), 0, ""),
 }
 
 
@@ -118,11 +120,11 @@ def render(meta: dict[str, Any], runs: list[Run]) -> tuple[str, dict[str, Any]]:
         "answer; to the read bringing the first event) minus the engine's own, taken meanwhile by the same "
         "generator from a smaller load of the same requests straight to the simulator (100 requests/s over "
         "12 connections; 5 connections running streams of 8 tokens, the first event being what counts; "
-        "10 large requests/s over 4 connections).",
+        "10 requests/s of each 20/s case over 4 connections).",
         "",
         "| path | CPU µs per request at 100/s | at 400/s | at 1,600/s | 220 KB prompt at 20/s: added p50 "
-        "| its CPU µs per request |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| its CPU µs per request | a short prompt at 20/s: added p50 | its CPU µs per request |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for path, label in LABELS.items():
         cells = [
@@ -133,6 +135,8 @@ def render(meta: dict[str, Any], runs: list[Run]) -> tuple[str, dict[str, Any]]:
                 "cpu_request_1600",
                 "large_added_p50",
                 "large_cpu_request",
+                "small20_added_p50",
+                "small20_cpu_request",
             )
         ]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
@@ -140,7 +144,9 @@ def render(meta: dict[str, Any], runs: list[Run]) -> tuple[str, dict[str, Any]]:
         "",
         "100/s: 48 connections, 8 tokens; 1,600/s: 48 connections, 2 tokens (~20 ms: the simulator's "
         "core cannot decode 1,600 × 8 paced tokens/s beside the load generator). The large prompt: a "
-        "chat request of 220 KB (one user message), 8 tokens, 8 connections.",
+        "chat request of 220 KB (one user message), 8 tokens, 8 connections; the short prompt: the same "
+        "load with the other cases' request, so that the two apart are what the 220 KB body costs, and "
+        "the short one what a request every 50 ms costs run cold.",
     ]
     lines += _rounds_section(summary)
     lines += _aims_section(summary)
@@ -160,6 +166,8 @@ def _rounds_section(summary: dict[str, dict[str, Any]]) -> list[str]:
         "cpu_request_1600": "µs/request 1,600/s",
         "large_added_p50": "large: added p50 ms",
         "large_cpu_request": "large: µs/request",
+        "small20_added_p50": "short at 20/s: added p50 ms",
+        "small20_cpu_request": "short at 20/s: µs/request",
     }
     lines = ["", "### Every round", "", "| path | " + " | ".join(names.values()) + " |"]
     lines.append("|---|" + "---:|" * len(names))

@@ -3,7 +3,7 @@
     .venv/bin/pip install -e '.[bench]'      # py-spy, pinned in pyproject's bench extra
     .venv/bin/python bench/profile.py [--load wrk|paced|streams] [--seconds 8] [--bare] [--top 25]
     .venv/bin/python bench/profile.py --load wrk [--concurrency 16]
-    .venv/bin/python bench/profile.py --load paced [--rate 400] [--connections 48]
+    .venv/bin/python bench/profile.py --load paced [--rate 400] [--connections 48] [--prompt-bytes 220000]
     .venv/bin/python bench/profile.py --load streams [--streams 100]
     .venv/bin/python bench/profile.py --load paced --rate 100 --sampler perf --sidecar-python /usr/bin/python3.11
 
@@ -15,7 +15,8 @@ with `py-spy record --format raw` while a load runs:
   completions at `--concurrency`: the sidecar saturated;
 - `paced`: the paced bench's request case (bench/paced.py): the simulator at 100 tokens/s,
   `--rate` requests/s offered open-loop over `--connections` keep-alive connections, 8 tokens
-  each: where a deployment's per-request CPU goes, much of it per wakeup;
+  each: where a deployment's per-request CPU goes, much of it per wakeup (`--prompt-bytes`:
+  the paced bench's large prompt, e.g. `--rate 20 --connections 8 --prompt-bytes 220000`);
 - `streams`: the paced bench's stream case: `--streams` connections running streams of 200
   tokens back to back, paced by the engine: the CPU per SSE event.
 
@@ -121,6 +122,12 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="wrk's connections (--load wrk)")
     parser.add_argument("--rate", type=float, default=400.0, help="requests/s offered (--load paced)")
     parser.add_argument("--connections", type=int, default=48, help="keep-alive connections (--load paced)")
+    parser.add_argument(
+        "--prompt-bytes",
+        type=int,
+        default=0,
+        help="a long prompt of this many bytes (--load paced; 0: short)",
+    )
     parser.add_argument("--streams", type=int, default=100, help="concurrent streams (--load streams)")
     parser.add_argument("--bare", action="store_true", help="--no-observe --no-inject-usage")
     parser.add_argument("--top", type=int, default=25)
@@ -266,6 +273,7 @@ def _load(
             str(ns.connections),
             "--max-tokens",
             "8",
+            *(("--prompt-bytes", str(ns.prompt_bytes)) if ns.prompt_bytes else ()),
         ]
     else:
         argv = ["streams", "--streams", str(ns.streams), "--max-tokens", "200"]

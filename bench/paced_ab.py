@@ -10,7 +10,8 @@ project's dependencies: bench/interpreters.py). All run at once in front of one
 simulator (vLLM dialect, 100 tokens/s), the sidecars on one core and the simulator and the
 generator on the other, everything under SCHED_FIFO as `bench/paced.py --realtime` (root). Each
 round runs every case on every variant back to back, the order turned each round; the cases
-are the paced bench's (`r400`, `r100`, `streams`, `large`, `small20`: bench/paced.py), without Envoy or a baseline.
+are the paced bench's (`r400`, `r100`, `r1600`, `streams`, `large`, `small20`: bench/paced.py),
+without Envoy or a baseline.
 
 Printed: every round's CPU µs per request (per SSE event for `streams`), with the p50 (time to
 first event for `streams`), then per case each variant's median and minimum and its median
@@ -41,19 +42,13 @@ from harness import (
     start_simulator,
 )
 from interpreters import sidecar_python
+from paced import CASES as PACED_CASES
 from paths import start_sidecar
 
 HERE = Path(__file__).resolve().parent
 # The paced bench's cases (bench/paced.py): the generator's arguments and seconds.
 CASES: dict[str, tuple[list[str], float]] = {
-    "r400": (["requests", "--rate", "400", "--connections", "48", "--max-tokens", "8"], 5.0),
-    "r100": (["requests", "--rate", "100", "--connections", "48", "--max-tokens", "8"], 6.0),
-    "streams": (["streams", "--streams", "100", "--max-tokens", "200"], 6.0),
-    "large": (
-        ["requests", "--rate", "20", "--connections", "8", "--max-tokens", "8", "--prompt-bytes", "220000"],
-        10.0,
-    ),
-    "small20": (["requests", "--rate", "20", "--connections", "8", "--max-tokens", "8"], 10.0),
+    case.name: (list(case.argv), case.seconds) for case in PACED_CASES
 }
 
 

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(400)
 def test_a_60_second_soak_keeps_memory_flat_and_every_record_accounted() -> None:
     """Mixed load, the engine killed and restarted, the evidence disk filled and freed (bench/soak.py)."""
     result = subprocess.run(

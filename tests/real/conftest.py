@@ -43,11 +43,16 @@ class Pair:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test under tests/real with `real` (select with -m real, drop with -m 'not real')."""
+    """Mark every test under tests/real with `real` (select with -m real, drop with -m 'not real').
+
+    Their bound is raised from the suite's 120 s: the first test of an engine pays for its start
+    (vLLM: about a minute on 2 cores, several when the machine is shared).
+    """
     here = Path(__file__).resolve().parent
     for item in items:
         if here in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.real)
+            item.add_marker(pytest.mark.timeout(900))
 
 
 def _require(path: Path, what: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.admin.cases import handle_case_close
+from proxy.admin.cases import handle_case_close, handle_case_isolate
 from proxy.admin.middleware import ROUTE_POLICY, Handler, setup_admin
 from proxy.admin.views import handle_evidence, handle_reset, handle_state
 from proxy.admission import ADMISSION, setup_admission
@@ -93,6 +93,7 @@ def setup_routes(app: web.Application) -> None:
         ("POST", "/cache/reset", handle_reset),
         ("GET", "/cache/state", handle_state),
         ("POST", "/cache/cases/{case_id}/close", handle_case_close),
+        ("POST", "/cache/cases/{case_id}/isolate", handle_case_isolate),
         ("GET", "/cache/evidence", handle_evidence),
         ("*", "/{tail:.*}", forward),
     ]

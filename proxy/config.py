@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from proxy.vocabulary import VerifyMode
+from proxy.vocabulary import IsolationMode, VerifyMode
 
 __all__ = [
     "SETTINGS",
@@ -115,6 +115,8 @@ class Settings:
     kv_events_ranks: int = 1
     kv_events_topic: str = "kv"
     inject_usage: bool = True
+    # Every inference request isolated from the prefix cache (proxy/isolation/).
+    isolation: IsolationMode = IsolationMode.NONE
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
     request_id_header: bool = False

@@ -215,6 +215,11 @@ def _finish(settings: Settings) -> Settings:
         raise ConfigError("config: health_interval must be > 0 seconds")
     if settings.reset_attempt_timeout <= 0:
         raise ConfigError("config: reset_attempt_timeout must be > 0 seconds")
+    if settings.isolation != "none" and not settings.observe:
+        # An isolated request is proven cold from its observed answer; unobserved, nothing is proven.
+        raise ConfigError(
+            "config: isolation = request needs observe = true (each answer proves its request cold)"
+        )
     if settings.peers and settings.peers_dns:
         raise ConfigError("config: set peers (a static list) or peers_dns (a headless Service), not both")
     _check_peers_tls(settings)

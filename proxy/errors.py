@@ -16,9 +16,13 @@ def error_response(
     code: str | int | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    hint: str | None = None,
 ) -> web.Response:
-    """`{"error": {"message", "type", "code", "param"}}` with the given status."""
-    body = {"error": {"message": message, "type": type_, "code": code, "param": param}}
+    """`{"error": {"message", "type", "code", "param"}}` with the given status (and `hint`: what to do)."""
+    error: dict[str, object] = {"message": message, "type": type_, "code": code, "param": param}
+    if hint is not None:
+        error["hint"] = hint
+    body = {"error": error}
     return web.Response(
         status=status,
         body=orjson.dumps(body),

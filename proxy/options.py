@@ -15,7 +15,7 @@ from typing import Any
 from yarl import URL
 
 from proxy.config import EngineRoutes, NativeResetAuth, NativeResets, parse_listen
-from proxy.vocabulary import EngineKind, VerifyMode
+from proxy.vocabulary import EngineKind, IsolationMode, VerifyMode
 
 __all__ = ["ENGINE_KINDS", "LOG_LEVELS", "OPTIONS", "Option", "url_option"]
 
@@ -336,6 +336,13 @@ OPTIONS: tuple[Option, ...] = (
         "a whole number ≥ 1",
     ),
     Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
+    Option(
+        "isolation",
+        IsolationMode,
+        "request: every inference request is isolated from the engine's prefix cache and proven cold "
+        "(a fresh cache_salt, or cache_prompt false); none: only those that ask (header, case)",
+        "none or request",
+    ),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option(
         "inject_usage_reprobe_seconds",

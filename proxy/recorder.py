@@ -17,13 +17,14 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.evidence.log import EVIDENCE, EvidenceLog
+from proxy.isolation import Isolation
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
 from proxy.upstream.pools import UPSTREAM_POOL
-from proxy.vocabulary import CanaryOutcome, EventType, Verdict, Verified
+from proxy.vocabulary import CanaryOutcome, EventType, IsolationResult, Verdict, Verified
 from proxy.witnesses.case import CaseWitness
-from proxy.witnesses.counters import CaseVerdict
+from proxy.witnesses.counters import CaseVerdict, Reconciliation
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
 __all__ = ["RECORDER", "Recorder", "setup_recorder"]
@@ -34,10 +35,13 @@ _OBSERVATION, _VERIFICATION = str(EventType.CACHE_OBSERVATION), str(EventType.CA
 class Recorder:
     """Hands each finished fact to the witness, the evidence log and the metrics — one path."""
 
-    def __init__(self, witness: Witness, evidence: EvidenceLog, metrics: Metrics) -> None:
+    def __init__(
+        self, witness: Witness, evidence: EvidenceLog, metrics: Metrics, isolation: Isolation
+    ) -> None:
         self.witness = witness
         self._evidence = evidence
         self._metrics = metrics
+        self.isolation = isolation  # the isolated cases and their tallies (proxy/isolation/)
         self.case: CaseWitness | None = None  # the counter witness, once setup_recorder made it
 
     def begin_request(self, case_header: str | None = None) -> tuple[str | None, int | None, bool]:
@@ -62,6 +66,9 @@ class Recorder:
         if observation is not None:
             if self.case is not None:
                 self.case.observed(observation)
+            result = observation.isolation_result
+            if result is not None and result is not IsolationResult.REFUSED:  # refused: counted as refused
+                self.isolation.counted(observation.session_id, observation.case_id, result)
             settled = self.witness.observe(observation)
             # Built at the flush, in a batch: the records are frozen, their order kept.
             self._evidence.write_later(_OBSERVATION, observation.to_record)
@@ -142,9 +149,12 @@ def setup_recorder(app: web.Application) -> None:
     """The witness, the counter witness and the recorder; the engine watcher runs while the pool is open."""
     witness = Witness()
     app[WITNESS] = witness
-    recorder = Recorder(witness, app[EVIDENCE], app[METRICS])
-    app[RECORDER] = recorder
     settings, evidence, metrics = app[SETTINGS], app[EVIDENCE], app[METRICS]
+    isolation = Isolation(
+        settings.isolation, idle_s=settings.case_idle_s, write=evidence.write, count=metrics.isolated
+    )
+    recorder = Recorder(witness, evidence, metrics, isolation)
+    app[RECORDER] = recorder
 
     def revise(reset_id: str | None, verdict: CaseVerdict, reason: str) -> None:
         weaker = Verdict.CONTRADICTED if verdict == CaseVerdict.CONTRADICTED else Verdict.INCONCLUSIVE
@@ -161,16 +171,31 @@ def setup_recorder(app: web.Application) -> None:
         on_bypass=metrics.bypass,
         on_event=lambda kind: metrics.engine_event(kind.value),
         on_verdict=revise,
+        on_closed=lambda done: isolation.case_closed(
+            done.session_id, done.case_id, done.closed_by, _counters(done)
+        ),
         api_key=settings.engine_key,
     )
     recorder.case = case
     witness.case_state = case.state
 
     async def lifetime(_app: web.Application) -> AsyncIterator[None]:
-        watcher = asyncio.create_task(case.watch(settings.health_interval), name="cachewitness-case-watch")
+        watchers = (
+            asyncio.create_task(case.watch(settings.health_interval), name="cachewitness-case-watch"),
+            asyncio.create_task(isolation.watch(), name="cachewitness-isolation-watch"),
+        )
         yield
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        for watcher in watchers:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
     app.cleanup_ctx.append(lifetime)
+
+
+def _counters(done: Reconciliation) -> tuple[dict[str, int | None] | None, int, int, str]:
+    """What an isolated case's tally takes of the case witness's reconciliation: the engine's
+    deltas, the canary's cached tokens, every request the engine served, the reason."""
+    bypass = (done.bypass or {}).get("requests") or 0
+    served = done.observed.requests + done.unobserved.requests + max(0, bypass)
+    return done.engine, done.canary.cached_tokens, served, done.reason

@@ -15,6 +15,8 @@ __all__ = [
     "CanaryOutcome",
     "EngineKind",
     "EventType",
+    "IsolationMode",
+    "IsolationResult",
     "Outcome",
     "Requested",
     "ResetAnswer",
@@ -160,6 +162,7 @@ class EventType(StrEnum):
     CACHE_VERIFICATION = "infer.cache_verification"
     CACHE_BLOCKS = "infer.cache_blocks"  # the engine's KV index at a reset and a case start
     CACHE_RECONCILIATION = "infer.cache_reconciliation"  # engine counters against what was seen
+    CACHE_ISOLATION = "infer.cache_isolation"  # an isolated case's requests, each proven cold or not
     ENGINE_EVENT = "infer.engine_event"  # a restart, a sleep, an outage: the cache is unknown
     EVIDENCE_OPENED = "infer.evidence_opened"  # a writer's start: where its chain resumes
     EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
@@ -169,3 +172,20 @@ class EventType(StrEnum):
     PROOF_CHAIN = "cachewitness.proof_chain"  # the lines that follow are of this file's chain
     PROOF_POD = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
     PROOF_READ = "cachewitness.proof_read"  # a pod's proof ends: what each chain sent
+
+
+class IsolationMode(StrEnum):
+    """Whether requests are isolated from the engine's prefix cache: config, reset input `isolation`."""
+
+    NONE = "none"
+    REQUEST = "request"  # every request on its own: a fresh salt, or the engine's cache bypass
+
+
+class IsolationResult(StrEnum):
+    """What one isolated request's answer proved (observation `isolation.result`), and a case's verdict."""
+
+    COLD = "cold"  # the engine reported 0 cached tokens
+    CONTRADICTED = "contradicted"  # it reported more: the engine ignored the isolation
+    UNOBSERVABLE = "unobservable"  # no cached-token field in the answer
+    REFUSED = "refused"  # the sidecar answered it itself (400, 413, 501): it never ran
+    EMPTY = "empty"  # a case's verdict only: no isolated request reached the engine

@@ -119,7 +119,9 @@ def table(outcomes: list[Outcome]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mutants", type=Path, default=ROOT / "scripts" / "mutants.toml")
     parser.add_argument("--only", action="append", default=[], help="run this mutant id (repeatable)")
     parser.add_argument("--no-suite", action="store_true", help="related tests only")

@@ -36,6 +36,7 @@ LAYERS: tuple[frozenset[str], ...] = (
             "evidence",
             "metrics",
             "witnesses",
+            "isolation",
             "admission",
             "body_budget",
             "connections",

@@ -22,6 +22,7 @@ from proxy.errors import error_response
 from proxy.evidence.log import EVIDENCE
 from proxy.forward.ids import is_stored_id
 from proxy.health import HEALTH
+from proxy.recorder import RECORDER
 from proxy.reset.params import BadInput, read_params
 from proxy.reset.service import RESETS
 from proxy.vocabulary import EventType, Scope
@@ -67,6 +68,7 @@ async def handle_state(request: web.Request) -> web.Response:
     app = request.app
     state = app[WITNESS].state()
     state["engine"] = app[ENGINE].info.to_json()
+    state["isolation"] = app[RECORDER].isolation.state()
     admission = app[ADMISSION]
     evidence = app[EVIDENCE]
     state["sidecar"] = {

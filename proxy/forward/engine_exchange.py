@@ -21,6 +21,7 @@ from proxy.errors import error_response
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
+from proxy.forward.isolating import isolate
 from proxy.forward.request_body import BodyTooLarge, ClientGone
 from proxy.forward.side import Side
 from proxy.logs import log_event
@@ -133,6 +134,10 @@ async def admitted_exchange(
     `prepared` is an observed body in hand; None: `body` is what goes upstream as it is.
     """
     app, request = side.app, side.request
+    isolated = isolate(app, request, exchange, prepared)
+    if isinstance(isolated, web.Response):  # it must be isolated and cannot be: it does not run
+        return await side.answer(rejected(exchange, isolated))
+    prepared = isolated
     admission = app[ADMISSION]
     if not await admission.admit():
         return await side.answer(

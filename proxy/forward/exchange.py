@@ -9,9 +9,10 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.body_budget import Reading
 from proxy.engines.base import EngineInfo
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
+from proxy.isolation import request_result
 from proxy.observe import JsonBody, Observation, StreamScanner, Usage
 from proxy.observe.record import Forwarded
-from proxy.vocabulary import Outcome
+from proxy.vocabulary import IsolationResult, Outcome
 
 __all__ = ["ClientRequest", "Exchange"]
 
@@ -61,6 +62,8 @@ class Exchange:
     json_body: JsonBody | None = None
     admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
     bad_answer: bool = False  # the engine's response broke HTTP or the leg's limits (UpstreamBadResponse)
+    isolation_field: str | None = None  # the member that isolated it (proxy/forward/isolating.py)
+    isolation_refused: bool = False  # isolated, and answered by the sidecar: it could not be isolated
 
     def __init__(self, request_id: str, started_ns: int) -> None:
         self.request_id = request_id
@@ -90,6 +93,11 @@ class Exchange:
         elif self.json_body is not None:
             usage, engine_id = self.json_body.read()
         headers = request.headers
+        isolation = None
+        if self.isolation_refused:
+            isolation = IsolationResult.REFUSED
+        elif self.isolation_field is not None:
+            isolation = request_result(usage.cached_tokens)
         # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to
         # build, positionally 2.1 µs (timeit, issue 19).
         return Observation(
@@ -114,4 +122,6 @@ class Exchange:
             self.usage_injected,
             engine_id,
             self.case_token_carried,
+            isolation,
+            self.isolation_field,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.forward.ids import ID_HEADERS, forwardable
+from proxy.isolation import ISOLATION_HEADER
 
 __all__ = ["CASE_HEADER", "HOP_BY_HOP", "add_response_headers", "request_headers"]
 
@@ -28,7 +29,8 @@ HOP_BY_HOP = frozenset(
 # `Expect: 100-continue` is answered by the sidecar itself (aiohttp sends the 100 before the
 # handler reads the body); forwarded with a body already in hand, an upstream that never
 # sends 100 would stall the request.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "expect", CASE_HEADER.lower()}
+# The isolation header is the sidecar's own word (proxy/isolation/), never the engine's.
+_REQUEST_DROP = HOP_BY_HOP | {"host", "expect", CASE_HEADER.lower(), ISOLATION_HEADER.lower()}
 
 
 def _end_to_end(

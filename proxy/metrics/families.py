@@ -33,7 +33,7 @@ from proxy.metrics.labels import (
 from proxy.metrics.models import ModelLabels
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
-from proxy.vocabulary import CanaryOutcome, EngineKind, Outcome, Verified
+from proxy.vocabulary import CanaryOutcome, EngineKind, IsolationResult, Outcome, Verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,10 @@ _BATCH = 64
 
 # `kind` of cachewitness_engine_events_total (the `infer.engine_event` kinds).
 ENGINE_EVENT_KINDS = ("restarted", "slept", "woke", "unreachable", "back")
+# A request's results (a case's `empty` is no request's); pre-created at 0 for the alert.
+ISOLATED_RESULTS: tuple[IsolationResult, ...] = tuple(
+    result for result in IsolationResult if result is not IsolationResult.EMPTY
+)
 
 
 class Metrics:
@@ -184,6 +188,13 @@ class Metrics:
             ("kind",),
             registry=registry,
         )
+        self.isolated_requests = Counter(
+            PREFIX + "isolated_requests_total",
+            "Isolated requests by what their answer proved: cold (0 cached tokens), contradicted (the engine "
+            "ignored the isolation), unobservable (no cached-token field), refused (could not be isolated, never ran).",
+            ("result",),
+            registry=registry,
+        )
         self.resets_verified = Counter(
             PREFIX + "cache_resets_verified_total",
             "Cache resets by what their canary proved (unverified: no canary, or it could not tell).",
@@ -224,6 +235,9 @@ class Metrics:
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
         self._canary = {outcome: self.canary_requests.labels(outcome.value) for outcome in CanaryOutcome}
         self._verified = {verified: self.resets_verified.labels(verified.value) for verified in Verified}
+        self._isolated: dict[IsolationResult, Counter] = {
+            result: self.isolated_requests.labels(result.value) for result in ISOLATED_RESULTS
+        }
         for kind in ENGINE_EVENT_KINDS:  # pre-created at 0: alerts see a series from the start
             self.engine_events.labels(kind)
         # Created per engine kind as it is detected (show_engine), not for every kind there is.
@@ -338,6 +352,10 @@ class Metrics:
     def engine_event(self, kind: str) -> None:
         """Count one engine event."""
         self.engine_events.labels(kind).inc()
+
+    def isolated(self, result: IsolationResult) -> None:
+        """Count one isolated request by its result."""
+        self._isolated[result].inc()
 
     def canary_request(self, outcome: CanaryOutcome) -> None:
         """Count one canary request."""

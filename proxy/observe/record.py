@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.vocabulary import EventType, Outcome
+from proxy.vocabulary import EventType, IsolationResult, Outcome
 
 __all__ = ["Forwarded", "Observation"]
 
@@ -55,6 +55,9 @@ class Observation:
     engine_request_id: str | None = None
     # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
     case_token_carried: bool = False
+    # An isolated request (proxy/isolation/): what its answer proved, and the member that isolated it.
+    isolation_result: IsolationResult | None = None
+    isolation_field: str | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.cache_observation` evidence record (docs/evidence.md)."""
@@ -83,4 +86,9 @@ class Observation:
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
             "case_token_carried": self.case_token_carried,
+            "isolation": (
+                None
+                if self.isolation_result is None
+                else {"mode": "request", "result": self.isolation_result, "field": self.isolation_field}
+            ),
         }

@@ -25,6 +25,7 @@ __all__ = [
     "is_usage_only",
     "moved_members",
     "rules_for",
+    "version_tuple",
     "with_members",
 ]
 
@@ -103,7 +104,7 @@ STREAM_RULES: tuple[RuleEntry, ...] = (
 DEFAULT_RULES = StreamRules()
 
 
-def _version(text: str | None) -> tuple[int, ...]:
+def version_tuple(text: str | None) -> tuple[int, ...]:
     """The leading numeric parts of a version string: '0.5.10rc1' -> (0, 5, 10)."""
     match = re.match(r"\d+(?:\.\d+)*", text or "")
     return tuple(int(part) for part in match.group(0).split(".")) if match else ()
@@ -135,7 +136,7 @@ _CHOSEN_MAX = 64
 
 def _choose(kind: str, version_text: str | None, table: tuple[RuleEntry, ...]) -> StreamRules:
     """The last entry of `table` for `kind` whose `since` the version reaches."""
-    version = _version(version_text)
+    version = version_tuple(version_text)
     chosen = DEFAULT_RULES
     for entry in table:
         if entry.kind == kind and (not entry.since or (version and version >= entry.since)):

@@ -12,7 +12,7 @@ import orjson
 from aiohttp import web
 
 from proxy.config import Settings
-from proxy.vocabulary import Requested, Scope, VerifyMode, Via
+from proxy.vocabulary import IsolationMode, Requested, Scope, VerifyMode, Via
 from proxy.witnesses.canary import MOST_CANARY_CALLS
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "is_valid_id",
     "parse_params",
     "read_params",
+    "read_session_id",
     "tag_header",
     "worst_case_seconds",
 ]
@@ -50,6 +51,7 @@ INPUT_FIELDS = (
     "parent_reset_id",
     "verify",
     "bind",
+    "isolation",
 )
 # `scope`: this pod's engine, or every peer's (proxy/cluster/fanout.py).
 _BODY_LIMIT = 64 * 1024
@@ -83,6 +85,8 @@ class ResetParams:
     verify: VerifyMode = VerifyMode.CANARY
     # Only requests carrying the reset's case_token decide its traffic verdict (proxy/witnesses/traffic.py).
     bind: bool = False
+    # request: every request of the case is isolated from the prefix cache until its next reset (proxy/isolation/).
+    isolation: IsolationMode = IsolationMode.NONE
     # Not caller input: how the reset reached the sidecar, and whether a refusal is retried
     # (an engine's own reset route called with native_resets = "engine" makes one attempt).
     via: Via = Via.API
@@ -125,6 +129,10 @@ def _parse_field(name: str, value: Any, from_query: bool) -> Any:
         if value not in tuple(Scope):
             raise BadInput(name, 'scope must be "pod" or "cluster"')
         return Scope(value)
+    if name == "isolation":
+        if value not in tuple(IsolationMode):
+            raise BadInput(name, 'isolation must be "none" or "request"')
+        return IsolationMode(value)
     if name == "requested":
         if value not in (Requested.COLD, Requested.UNSPECIFIED):
             raise BadInput(name, 'requested must be "cold" or "unspecified"')
@@ -183,6 +191,9 @@ def parse_params(query: Mapping[str, str], body: Mapping[str, Any], settings: Se
         raise BadInput(
             "parent_reset_id", "a cluster reset cannot be part of another one: leave out parent_reset_id"
         )
+    if values.get("isolation") == IsolationMode.REQUEST and values.get("case_id") is None:
+        # Requests are isolated by the case they carry (X-Case-Id): without one there is nothing to match.
+        raise BadInput("isolation", 'isolation "request" isolates a case: give its case_id (and session_id)')
     return ResetParams(**values)
 
 
@@ -239,3 +250,27 @@ async def read_params(request: web.Request, settings: Settings) -> ResetParams:
         if not isinstance(body, dict):
             raise BadInput(None, "the body must be a JSON object", "invalid_json")
     return parse_params(query, body, settings)
+
+
+async def read_session_id(request: web.Request) -> str | None:
+    """`session_id` from a JSON body or the query (the body wins), for the case routes; raises BadInput."""
+    unknown = sorted(set(request.query) - {"session_id"})
+    if unknown:
+        raise BadInput(
+            unknown[0], f"unknown field {unknown[0]!r}; the only field is session_id", "unknown_field"
+        )
+    value: Any = request.query.get("session_id")
+    raw = await _read_bounded(request) if request.body_exists else b""
+    if raw.strip():
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise BadInput(
+                None, "the body is not valid JSON; send a JSON object or no body", "invalid_json"
+            ) from None
+        if not isinstance(body, dict) or set(body) - {"session_id"}:
+            raise BadInput(None, 'the body must be a JSON object with at most "session_id"', "invalid_json")
+        value = body.get("session_id", value)
+    if value is not None and not is_valid_id(value):
+        raise BadInput("session_id", "session_id must be 1 to 128 characters of A-Z a-z 0-9 . _ : -")
+    return value if isinstance(value, str) else None

@@ -198,6 +198,10 @@ class ResetService:
             # The case before this reset ends here: its engine counters are read (proxy/witnesses/case.py).
             if recorder.case is not None:
                 await recorder.case.reset_started()
+            for caller in current.callers:  # inside the drain window: requests after it see the new isolation
+                recorder.isolation.reset(
+                    caller.params.session_id, caller.params.case_id, caller.params.isolation
+                )
             # The events witness wraps the engine reset (marker, reset, flush probe, clear), and the
             # canary (inside the drain window) wraps both: proxy/witnesses/events_witness.py, canary.py.
             events = self._events(params)

@@ -60,25 +60,26 @@ class PrefixCache:
         """Number of cached blocks."""
         return len(self._blocks)
 
-    def _block_hashes(self, tokens: Sequence[str], n_blocks: int) -> list[int]:
-        """Chained hashes of the first `n_blocks` full blocks of `tokens`."""
+    def _block_hashes(self, tokens: Sequence[str], n_blocks: int, root: int = 0) -> list[int]:
+        """Chained hashes of the first `n_blocks` full blocks of `tokens`, the first chained to `root`."""
         size = self.block_size
         hashes: list[int] = []
-        parent = 0
+        parent = root
         for i in range(n_blocks):
             parent = hash((parent, tuple(tokens[i * size : (i + 1) * size])))
             hashes.append(parent)
         return hashes
 
-    def lookup(self, tokens: Sequence[str]) -> int:
+    def lookup(self, tokens: Sequence[str], root: int = 0) -> int:
         """Cached token count for a prompt: block-aligned, never the last token.
 
-        Refreshes the LRU position of the blocks that hit.
+        Refreshes the LRU position of the blocks that hit. `root` is what the first block's hash
+        chains to: a salt's (vLLM mixes `cache_salt` into the first block's hash), else 0.
         """
         limit = cacheable_prefix_len(len(tokens), self.block_size) // self.block_size
         size = self.block_size
         blocks = self._blocks
-        parent = 0
+        parent = root
         hit = 0
         # Hash lazily: a long prompt that misses early costs one block's hash.
         while hit < limit:
@@ -89,14 +90,14 @@ class PrefixCache:
             hit += 1
         return hit * size
 
-    def insert(self, tokens: Sequence[str]) -> int:
-        """Cache every full block of `tokens`; return how many blocks were new."""
+    def insert(self, tokens: Sequence[str], root: int = 0) -> int:
+        """Cache every full block of `tokens` (chained to `root`, as `lookup`); return how many blocks were new."""
         if self.capacity == 0:
             return 0
         added = 0
         run: list[int] = []  # consecutive new blocks not yet told to the listener
         run_start, run_parent, prev = 0, None, None
-        for i, block_hash in enumerate(self._block_hashes(tokens, len(tokens) // self.block_size)):
+        for i, block_hash in enumerate(self._block_hashes(tokens, len(tokens) // self.block_size, root)):
             if block_hash in self._blocks:
                 self._blocks.move_to_end(block_hash)
                 self._tell_stored(run, run_parent, tokens, run_start)

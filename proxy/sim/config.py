@@ -55,6 +55,9 @@ class SimConfig:
     # A reset that answers success but clears nothing (vllm, sglang): as an engine whose
     # cache sits in a tier its reset does not reach, for tests of a contradicted reset.
     reset_leaves_warm: bool = False
+    # The engine caches whatever the request's isolation field says (cache_salt, cache_prompt):
+    # an engine that ignores isolation, for tests of contradicted isolation.
+    ignore_isolation: bool = False
     # vllm
     legacy_empty_body: bool = False
     dev_mode: bool = True
@@ -228,6 +231,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="vllm, sglang: the reset answers success but the cache stays warm",
     )
+    parser.add_argument(
+        "--ignore-isolation",
+        action="store_true",
+        help="cache every request whatever its cache_salt or cache_prompt says (contradicted isolation)",
+    )
     vllm = parser.add_argument_group("vllm dialect")
     vllm.add_argument(
         "--legacy-empty-body",
@@ -322,6 +330,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         keepalive_timeout=ns.keepalive_timeout,
         reject_stream_options=ns.reject_stream_options,
         reset_leaves_warm=ns.reset_leaves_warm,
+        ignore_isolation=ns.ignore_isolation,
         word_pieces=ns.word_pieces,
         scheduling_policy=ns.scheduling_policy,
         legacy_empty_body=ns.legacy_empty_body,

@@ -123,19 +123,21 @@ class SimDialect:
         if self._places is not None:
             self._places.leave()
         if seq.cache_prompt:
-            self.cache_of(seq).insert(seq.kv_tokens() if seq.reuse_generated_state else seq.prompt)
+            self.cache_of(seq).insert(
+                seq.kv_tokens() if seq.reuse_generated_state else seq.prompt, seq.cache_root
+            )
         self.end_step()
 
     def lookup(self, seq: Sequence) -> int:
         """Cached prompt tokens for a sequence about to prefill."""
         if not seq.cache_prompt:
             return 0
-        return self.cache_of(seq).lookup(seq.prompt)
+        return self.cache_of(seq).lookup(seq.prompt, seq.cache_root)
 
     def prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists now: its full blocks become hits for later requests."""
         if seq.cache_prompt:
-            self.cache_of(seq).insert(seq.kv_tokens())
+            self.cache_of(seq).insert(seq.kv_tokens(), seq.cache_root)
         self.end_step()
 
     def decoded(self, seq: Sequence, token: str) -> None:

@@ -42,6 +42,7 @@ class Sequence:
     max_tokens: int
     user: str | None = None  # mindnano: the tag of the cache entry it reads and writes
     cache_prompt: bool = True
+    cache_salt: str | None = None  # vllm, sglang: keys its prefix-cache blocks apart (proxy/sim/isolation.py)
     reuse_generated_state: bool = True
     id_slot: int = -1  # llama.cpp: pin to a slot; -1 = any free slot
     priority: int = 0  # vLLM: lower runs earlier under --scheduling-policy priority
@@ -56,6 +57,11 @@ class Sequence:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     _tokens: Iterator[str] | None = None
+
+    @property
+    def cache_root(self) -> int:
+        """What its first cache block's hash chains to: its salt's hash, 0 without one."""
+        return hash(("cache_salt", self.cache_salt)) if self.cache_salt else 0
 
     def cancel(self) -> None:
         """Ask the engine to stop this sequence (it ends at its next step, or at once in prefill)."""

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from proxy.sim.engine import Sequence
+from proxy.sim.isolation import read_isolation
 from proxy.sim.llamacpp_slots import N_CTX, SlotsDialect, llama_error
 from proxy.sim.text import PromptError, common_prefix, token_ids
 from proxy.sim.wire import (
@@ -218,7 +219,7 @@ class LlamacppDialect(SlotsDialect):
         seq = Sequence(
             prompt=prompt, max_tokens=self.config.default_max_tokens if n_predict < 0 else n_predict
         )
-        bad = self.parse_options(body, seq)
+        bad = self.parse_options(body, seq) or read_isolation(self, body, seq)
         if bad is not None:
             return bad
 

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
+from proxy.sim.isolation import read_isolation
 from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.llamacpp import LlamacppDialect
 from proxy.sim.mindnano import MindnanoDialect
@@ -99,7 +100,11 @@ class OpenAIRoutes:
         if isinstance(max_tokens, web.Response):
             return max_tokens
         seq = Sequence(prompt=prompt, max_tokens=max_tokens)
-        bad = self.dialect.parse_options(body, seq) or self.dialect.route(request, body, seq)
+        bad = (
+            self.dialect.parse_options(body, seq)
+            or read_isolation(self.dialect, body, seq)
+            or self.dialect.route(request, body, seq)
+        )
         if bad is not None:
             return bad
         requested_model = body.get("model")

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.sim.cache import PrefixCache
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.isolation import read_isolation
 from proxy.sim.text import PromptError
 from proxy.sim.wire import DONE, error_response, read_json, send_event, sse_response
 
@@ -52,14 +53,18 @@ class SglangDialect(SimDialect):
     def lookup(self, seq: Sequence) -> int:
         """Device hits first, then the storage tier's longer prefix (prefetched back)."""
         device = super().lookup(seq)
-        stored = self.storage.lookup(seq.prompt) if self.storage is not None and seq.cache_prompt else 0
+        stored = (
+            self.storage.lookup(seq.prompt, seq.cache_root)
+            if self.storage is not None and seq.cache_prompt
+            else 0
+        )
         return max(device, stored)
 
     def prefilled(self, seq: Sequence) -> None:
         """Blocks go to the device cache and are backed up to the storage tier."""
         super().prefilled(seq)
         if self.storage is not None and seq.cache_prompt:
-            self.storage.insert(seq.kv_tokens())
+            self.storage.insert(seq.kv_tokens(), seq.cache_root)
 
     def rank_hint(self, request: web.Request, body: dict[str, Any]) -> object:
         """The header (which wins, as SGLang's serving_base), else `routed_dp_rank`, else `data_parallel_rank`."""
@@ -169,6 +174,9 @@ class SglangDialect(SimDialect):
         if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 0:
             return error_response(400, "'max_new_tokens' must be a non-negative integer")
         seq = Sequence(prompt=prompt, max_tokens=max_new)
+        bad = read_isolation(self, body, seq)
+        if bad is not None:
+            return bad
         rid = body.get("rid") if isinstance(body.get("rid"), str) else uuid.uuid4().hex
         started = time.perf_counter()
 

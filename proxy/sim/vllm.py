@@ -40,7 +40,9 @@ class VllmDialect(SimDialect):
     def lookup(self, seq: Sequence) -> int:
         """Device hits first, then the host tier's longer prefix (each counted by source)."""
         device = super().lookup(seq)
-        host = self.host.lookup(seq.prompt) if self.host is not None and seq.cache_prompt else 0
+        host = (
+            self.host.lookup(seq.prompt, seq.cache_root) if self.host is not None and seq.cache_prompt else 0
+        )
         self.cached_by_source[seq.rank]["device"] += device
         self.cached_by_source[seq.rank]["host"] += max(0, host - device)
         return max(device, host)
@@ -49,7 +51,7 @@ class VllmDialect(SimDialect):
         """Blocks go to the device cache and are offloaded to the host tier."""
         super().prefilled(seq)
         if self.host is not None and seq.cache_prompt:
-            self.host.insert(seq.kv_tokens())
+            self.host.insert(seq.kv_tokens(), seq.cache_root)
 
     async def restart(self, reconnect: bool = False) -> None:
         """Every tier empty, counters at 0."""

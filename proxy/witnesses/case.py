@@ -102,6 +102,7 @@ class CaseWitness:
     on_bypass: Callable[[int], None] = lambda _n: None
     on_event: Callable[[EventKind], None] = lambda _kind: None
     on_verdict: Callable[[str | None, CaseVerdict, str], None] = lambda _r, _v, _why: None
+    on_closed: Callable[[Reconciliation], None] = lambda _done: None  # each case's end (isolation's tally)
     api_key: str | None = field(default=None, repr=False)
     _segment: _Segment | None = None
     _baseline: Totals | None = None  # the read at the start of a reset, for the sequence it opens
@@ -211,6 +212,7 @@ class CaseWitness:
             self.on_bypass(bypass["requests"] or 0)
         if verdict != CaseVerdict.CONSISTENT:
             self.on_verdict(seg.reset_id, verdict, reason)
+        self.on_closed(done)
         # Traffic after a case end, until the next reset, is a case of its own (no case_id).
         self._segment = _Segment(seg.reset_id, seg.session_id, None, time.time_ns(), totals)
         return done

@@ -6,6 +6,7 @@ Tests put it between the sidecar and the simulator to see exactly what reached t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class Seen:
     raw_path: str
     authorization: tuple[str, ...]
     headers: tuple[tuple[str, str], ...]
+    body: bytes = b""
 
 
 @dataclass
@@ -53,16 +55,17 @@ async def capturing(target: str, port: int = 0) -> AsyncIterator[Capture]:
     capture = Capture(url="")
 
     async def relay(request: web.Request) -> web.StreamResponse:
-        capture.seen.append(
-            Seen(
-                method=request.method,
-                raw_path=request.raw_path,
-                authorization=tuple(request.headers.getall("Authorization", [])),
-                headers=tuple(request.headers.items()),
-            )
+        seen = Seen(
+            method=request.method,
+            raw_path=request.raw_path,
+            authorization=tuple(request.headers.getall("Authorization", [])),
+            headers=tuple(request.headers.items()),
         )
+        capture.seen.append(seen)  # seen as its head arrives, before its body
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         body = await request.read()
+        at = next(i for i, entry in enumerate(capture.seen) if entry is seen)
+        capture.seen[at] = dataclasses.replace(seen, body=body)
         client = request.app[_CLIENT]
         async with client.request(
             request.method,

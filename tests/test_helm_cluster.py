@@ -211,6 +211,7 @@ EXPECTED_ALERTS = {
     "CachewitnessResetFailed",
     "CachewitnessResetContradicted",
     "CachewitnessTrafficContradicted",
+    "CachewitnessIsolationContradicted",
     "CachewitnessUpstreamDown",
     "CachewitnessEngineNotStarted",
     "CachewitnessEvidenceLost",

@@ -52,6 +52,29 @@ async def test_bind_asks_to_bind_and_prints_the_case_token(tmp_path: Path) -> No
     assert plain.code == 0 and "case_token" not in plain.stdout
 
 
+async def test_isolation_request_isolates_the_case_until_its_next_reset(tmp_path: Path) -> None:
+    """`--isolation request`: the case's requests are isolated; the line says so."""
+    tags = {"X-Session-Id": "s1", "X-Case-Id": "c1"}
+    async with (
+        sidecar(fast("vllm"), tmp_path) as (_, url),
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
+        run = await cli(
+            "reset", "--url", url, "--session-id", "s1", "--case-id", "c1", "--isolation", "request"
+        )
+        cached = []
+        for _ in range(2):
+            async with http.post(
+                url + "/v1/chat/completions", json=chat(words(40), 2), headers=tags
+            ) as response:
+                cached.append((await response.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+        refused = await cli("reset", "--url", url, "--isolation", "request")
+    assert run.code == 0, run.stderr
+    assert "the case's requests are isolated until its next reset" in run.stdout
+    assert cached == [0, 0]
+    assert refused.code != 0 and "case_id" in refused.stdout + refused.stderr
+
+
 async def test_accepted_unverified_exits_3(tmp_path: Path) -> None:
     async with sidecar(fast("vllm", legacy_empty_body=True), tmp_path) as (_, url):
         run = await cli("reset", "--url", url)

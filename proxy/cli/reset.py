@@ -71,13 +71,28 @@ def add_reset_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="only requests carrying the answer's case_token (header X-Cachewitness-Case) decide the verdict",
     )
+    parser.add_argument(
+        "--isolation",
+        choices=("none", "request"),
+        default=None,
+        help="request: every request of the case (X-Session-Id/X-Case-Id) is isolated from the prefix "
+        "cache and proven cold until the case's next reset (needs --case-id)",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer's JSON body")
 
 
 def _reset_body(ns: argparse.Namespace) -> dict[str, Any]:
     """The JSON body of the reset call: only what the user gave."""
     body: dict[str, Any] = {}
-    for name in ("session_id", "case_id", "requested", "warmup_requests", "retry_seconds", "verify"):
+    for name in (
+        "session_id",
+        "case_id",
+        "requested",
+        "warmup_requests",
+        "retry_seconds",
+        "verify",
+        "isolation",
+    ):
         value = getattr(ns, name, None)
         if value is not None:
             body[name] = value
@@ -115,6 +130,8 @@ def _human_line(answer: dict[str, Any]) -> str:
     if answer.get("verified") and answer.get("answer") in _PROVABLE:
         # A reset that failed has nothing to prove: its detail says why, once.
         parts.append(f"{answer['verified']} ({(answer.get('verification') or {}).get('reason')})")
+    if answer.get("isolation") == "request":
+        parts.append("the case's requests are isolated until its next reset")
     if answer.get("bind") and answer.get("case_token"):
         # The caller asked to bind: its benchmark must send this token, so it is shown.
         parts.append(f"case_token {answer['case_token']} (send it as X-Cachewitness-Case)")

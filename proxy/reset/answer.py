@@ -115,6 +115,8 @@ def caller_answer(
             # Only a reset that started a new sequence has traffic of its own to name.
             "case_token": current.case_token if reset.succeeded else None,
             "bind": current.params.bind if reset.succeeded else None,
+            # The case's requests isolated until its next reset (proxy/isolation/), whatever the reset's answer.
+            "isolation": params.isolation.value,
             "cache_state": record,
         }
     )

@@ -94,8 +94,8 @@ class Exchange:
             usage, engine_id = self.json_body.read()
         headers = request.headers
         isolation = None
-        if self.isolation_refused:
-            isolation = IsolationResult.REFUSED
+        if self.isolation_refused or (self.isolation_field is not None and self.outcome == Outcome.REJECTED):
+            isolation = IsolationResult.REFUSED  # the sidecar answered it (a drain's 503 too): it never ran
         elif self.isolation_field is not None:
             isolation = request_result(usage.cached_tokens)
         # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to

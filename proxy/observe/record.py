@@ -7,7 +7,7 @@ from typing import Any
 
 from proxy.vocabulary import EventType, IsolationResult, Outcome
 
-__all__ = ["Forwarded", "Observation"]
+__all__ = ["Forwarded", "IsolationMark", "Observation"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,6 +26,18 @@ class Forwarded:
     before_upstream_s: float | None
     after_upstream_s: float | None
     bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)
+
+
+@dataclass(frozen=True, slots=True)
+class IsolationMark:
+    """An isolated request (proxy/isolation/): what its answer proved, and the member that isolated it."""
+
+    result: IsolationResult
+    field: str | None  # cache_salt, extra_key, cache_prompt; None when it was refused
+
+    def to_json(self) -> dict[str, Any]:
+        """The observation's `isolation` member."""
+        return {"mode": "request", "result": self.result, "field": self.field}
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +67,7 @@ class Observation:
     engine_request_id: str | None = None
     # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
     case_token_carried: bool = False
-    # An isolated request (proxy/isolation/): what its answer proved, and the member that isolated it.
-    isolation_result: IsolationResult | None = None
-    isolation_field: str | None = None
+    isolation: IsolationMark | None = None  # None: the request was not isolated
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.cache_observation` evidence record (docs/evidence.md)."""
@@ -86,9 +96,5 @@ class Observation:
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
             "case_token_carried": self.case_token_carried,
-            "isolation": (
-                None
-                if self.isolation_result is None
-                else {"mode": "request", "result": self.isolation_result, "field": self.isolation_field}
-            ),
+            "isolation": self.isolation.to_json() if self.isolation is not None else None,
         }

@@ -5,8 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.isolation import Unrewritable, isolated_body, rule_for
+from proxy.isolation import Unrewritable, isolated_body, isolated_request, rule_for
 from proxy.isolation.rules import IsolationRule
+from proxy.observe import prepare_request
 from proxy.vocabulary import EngineKind
 
 
@@ -48,8 +49,9 @@ def test_a_clients_salt_is_kept_as_the_prefix() -> None:
     assert out["x"] == [1]
 
 
-def test_an_empty_object_gets_no_comma() -> None:
-    assert orjson.loads(isolated_body(b"{}", LLAMA)) == {"cache_prompt": False}
+@pytest.mark.parametrize("body", [b"{}", b"{" + b" " * 20000 + b"}"])  # decoded whole; scanned
+def test_an_empty_object_gets_no_comma(body: bytes) -> None:
+    assert orjson.loads(isolated_body(body, LLAMA)) == {"cache_prompt": False}
 
 
 def test_cache_prompt_true_becomes_false_in_place() -> None:
@@ -90,3 +92,27 @@ def test_rules_by_engine_route_and_version() -> None:
     assert _rule(EngineKind.MINDNANO, "0.1.0").field == "cache_prompt"
     assert rule_for(_Engine(EngineKind.LLAMACPP, "b6000"), "/v1/responses") is None
     assert rule_for(_Engine(EngineKind.GENERIC, "1"), "/v1/chat/completions") is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "m", "stream": true, "messages": []}',  # both appended at the closing brace
+        b'{"stream": true, "stream_options": {"x": 1}, "cache_salt": "c", "n": 1}',  # both replaced in place
+        b'{"cache_salt": "c", "stream": true, "stream_options": {}}',  # the injection after the salt
+        b'{"stream": true, "pad": "' + b"p" * 20000 + b'"}',  # scanned, not decoded whole
+    ],
+)
+def test_the_usage_injection_stands_beside_the_salt_and_its_retry_keeps_the_salt(body: bytes) -> None:
+    prepared = prepare_request(body, inject_usage=True, path="/v1/chat/completions")
+    assert prepared.usage_injected
+    isolated = isolated_request(prepared, VLLM)
+    sent = orjson.loads(isolated.upstream_body())
+    assert sent["stream_options"]["include_usage"] is True
+    assert len(sent["cache_salt"]) in (22, 23)
+    assert {k: v for k, v in sent.items() if k not in ("cache_salt", "stream_options")} == {
+        k: v for k, v in orjson.loads(body).items() if k not in ("cache_salt", "stream_options")
+    }
+    # An engine that refuses the injection gets the client's request again: still isolated.
+    retried = orjson.loads(isolated.without_injection().upstream_body())
+    assert retried["cache_salt"] == sent["cache_salt"]

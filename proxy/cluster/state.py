@@ -18,6 +18,7 @@ from proxy.cluster.fanout import PEER_CLIENT, admin_headers, call_peer
 from proxy.cluster.peers import Peer, PeerSet, discover_peers
 from proxy.config import SETTINGS
 from proxy.errors import error_response
+from proxy.isolation.merge import merged_isolation
 
 __all__ = ["READ_TIMEOUT_S", "cluster_state", "error_message", "no_peers"]
 
@@ -118,6 +119,9 @@ async def cluster_state(request: web.Request) -> web.Response:
     for pod in pods:
         verdict = str(pod["state"].get("verdict")) if isinstance(pod["state"], dict) else "None"
         verdicts[verdict] = verdicts.get(verdict, 0) + 1
+    isolation = merged_isolation(
+        (pod["pod"], pod["state"].get("isolation")) for pod in pods if isinstance(pod["state"], dict)
+    )
     return web.json_response(
         {
             "scope": "cluster",
@@ -125,5 +129,6 @@ async def cluster_state(request: web.Request) -> web.Response:
             "pods": pods,
             "unreadable": unreadable,
             "verdicts": verdicts,
+            "isolation": isolation,
         }
     )

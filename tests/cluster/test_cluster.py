@@ -440,3 +440,22 @@ async def test_a_dual_stack_name_lists_each_pod_once(tmp_path: Path) -> None:
         assert sorted(peer.address for peer in dual.peers) == ["10.0.0.1:9000", "10.0.0.2:9000"]
         v6 = await discover_peers(Settings(peers_dns="v6.test:9000", peers_dns_server=dns.address))
         assert sorted(peer.address for peer in v6.peers) == ["[fd00::1]:9000", "[fd00::2]:9000"]
+
+
+async def test_merged_state_sums_each_isolated_case_over_the_pods(tmp_path: Path) -> None:
+    """Isolation needs no fan-out; `scope=cluster` adds up each pod's tallies of a case, worst verdict wins."""
+    tags = {"X-Session-Id": "s1", "X-Case-Id": "c1", "X-Cachewitness-Isolation": "request"}
+    async with cluster(tmp_path, [fast("vllm"), fast("vllm", ignore_isolation=True)]) as c:
+        for pod in c.pods:
+            for _ in range(2):
+                async with c.http.post(
+                    f"{pod.url}/v1/chat/completions", json=chat(words(40), 2), headers=tags
+                ) as r:
+                    assert r.status == 200
+        status, raw = await c.get("/cache/state?scope=cluster")
+        assert status == 200
+        [case] = orjson.loads(raw)["isolation"]
+        assert (case["session_id"], case["case_id"]) == ("s1", "c1")
+        assert (case["requests"], case["cold"], case["contradicted"]) == (4, 3, 1)
+        assert case["verdict"] == "contradicted"
+        assert sorted(case["pods"]) == sorted(pod.address for pod in c.pods)

@@ -23,7 +23,7 @@ from tests.support.capture import Capture, capturing
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.metrics import scrape
 from tests.support.process import start_sidecar, stop
-from tests.support.sim import Sim, chat, fast, sim, words
+from tests.support.sim import WAIT_S, Sim, chat, fast, sim, words
 
 PROMPT = words(40)
 ISOLATED = {"X-Cachewitness-Isolation": "request"}
@@ -242,3 +242,22 @@ async def test_an_engine_that_ignores_isolation_makes_the_case_contradicted(tmp_
         assert record["counters"]["result"] == "contradicted"  # the engine's own counters agree
         metrics = await scrape(s.http, s.url)
         assert metrics.value("cachewitness_isolated_requests_total", result="contradicted") == 1
+
+
+async def test_an_idle_isolated_case_ends_as_a_record(tmp_path: Path) -> None:
+    tags = {**ISOLATED, "X-Session-Id": "s2", "X-Case-Id": "idle-case"}
+    async with served(fast("vllm"), tmp_path, "--case-idle-s", "0.3") as s:
+        assert await s.cached(tags) == 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_S
+        while not (records := await s.records("infer.cache_isolation")):
+            assert loop.time() < deadline, await s.state()
+            await asyncio.sleep(0.05)
+        [record] = records
+        assert (record["case_id"], record["closed_by"], record["requests"], record["verdict"]) == (
+            "idle-case",
+            "idle",
+            1,
+            "cold",
+        )
+        assert (await s.state())["isolation"]["open"] == []

@@ -21,7 +21,8 @@ from tests.support.report_session import (
     session_records,
     session_run,
 )
-from tests.support.sidecar import closed_port_url
+from tests.support.sidecar import closed_port_url, stack
+from tests.support.sim import chat, fast, words
 
 
 class _Page(HTMLParser):
@@ -200,3 +201,43 @@ async def test_report_of_an_edited_bundle_says_its_chain_is_not_whole(tmp_path: 
     result = await cli("report", "--from-bundle", str(edited), "--session-id", SESSION, "-o", str(out))
     assert result.code == 0, result.stderr
     assert f"Records from bundle {edited}, NOT whole: " in out.read_text()
+
+
+class _Circles(HTMLParser):
+    """Every plotted request: its classes and its title."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.circles: list[tuple[str, str]] = []
+        self._class: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag == "circle":
+            self._class = dict(attrs).get("class") or ""
+
+    def handle_data(self, data: str) -> None:
+        if self._class is not None:
+            self.circles.append((self._class, data))
+            self._class = None
+
+
+async def test_isolated_requests_are_marked_cold_or_contradicted(tmp_path: Path) -> None:
+    """Each isolated request's point is ringed, a contradicted one in red, its title says its result."""
+    tags = {"X-Session-Id": "iso", "X-Case-Id": "c1", "X-Cachewitness-Isolation": "request"}
+    out = tmp_path / "report.html"
+    async with stack(fast("vllm", ignore_isolation=True), tmp_path) as s:
+        for headers in (tags, tags, {"X-Session-Id": "iso", "X-Case-Id": "c1"}):
+            async with s.http.post(
+                f"{s.url}/v1/chat/completions", json=chat(words(40), 2), headers=headers
+            ) as r:
+                assert r.status == 200
+        result = await cli("report", "--url", s.url, "--session-id", "iso", "-o", str(out))
+    assert result.code == 0, result.stderr
+    page = _Circles()
+    page.feed(out.read_text(encoding="utf-8"))
+    ttft = [(css, title) for css, title in page.circles if "tokens" not in css]
+    assert [css for css, _ in ttft] == ["cold isolated", "warm isolated contradicted", "warm"]
+    assert [title.rsplit(", ", 1)[-1] for _, title in ttft][:2] == [
+        "isolated: cold",
+        "isolated: contradicted",
+    ]

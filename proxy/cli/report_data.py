@@ -80,6 +80,19 @@ class RequestPoint:
     prompt_tokens: int | None
     ttft_ms: float | None  # first byte to the client minus start; None when none was sent
     heat: Heat
+    # An isolated request's result (cold, contradicted, unobservable, refused); None: not isolated.
+    isolation: str | None = None
+
+    def css(self, base: str) -> str:
+        """Its CSS classes on a plot: `base`, and `isolated` (`isolated contradicted`) when isolated."""
+        if self.isolation is None:
+            return base
+        return f"{base} isolated" + (" contradicted" if self.isolation == "contradicted" else "")
+
+    @property
+    def words(self) -> str:
+        """What its title says of its isolation ('' when not isolated)."""
+        return f", isolated: {self.isolation}" if self.isolation is not None else ""
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,8 @@ def _point(record: Mapping[str, Any]) -> RequestPoint | None:
     ttft = (first - started) / 1e6 if isinstance(first, int) else None
     cached = record.get("cached_tokens")
     prompt = record.get("prompt_tokens")
+    isolation = record.get("isolation")
+    result = isolation.get("result") if isinstance(isolation, dict) else None
     return RequestPoint(
         started_ns=started,
         case_id=record.get("case_id"),
@@ -167,6 +182,7 @@ def _point(record: Mapping[str, Any]) -> RequestPoint | None:
         prompt_tokens=prompt if isinstance(prompt, int) else None,
         ttft_ms=ttft,
         heat=_heat(cached),
+        isolation=result if isinstance(result, str) else None,
     )
 
 

@@ -31,6 +31,8 @@ svg .frame { fill: #fafbfc; stroke: #c4c9d2; } svg .grid { stroke: #e6e9ee; }
 svg text { font: 11px system-ui, sans-serif; fill: #5a6272; } svg text.axis { font-size: 12px; fill: #1d2330; }
 svg circle.cold { fill: #2563eb; } svg circle.warm { fill: #ea580c; } svg circle.unknown { fill: #9ca3af; }
 svg circle.tokens { fill: #0f766e; }
+svg circle.isolated { stroke: #1d2330; stroke-width: 1.5; } svg circle.isolated.contradicted { stroke: #b3261e; stroke-width: 3; }
+span.key.isolated { background: #fff; border: 1.5px solid #1d2330; }
 svg .reset line { stroke-width: 1.5; stroke-dasharray: 4 3; } svg .reset text { font-size: 10px; }
 svg .reset.verified line { stroke: #12733b; } svg .reset.contradicted line { stroke: #b3261e; }
 svg .reset.unverified line { stroke: #8a5a00; }
@@ -78,8 +80,8 @@ def _cached_plot(data: ReportData) -> str:
         Point(
             x=(p.started_ns - origin) / 1e9,
             y=float(p.cached_tokens),
-            css="tokens",
-            title=f"case {p.case_id or '-'}: {p.cached_tokens} of {p.prompt_tokens} prompt tokens cached",
+            css=p.css("tokens"),
+            title=f"case {p.case_id or '-'}: {p.cached_tokens} of {p.prompt_tokens} prompt tokens cached{p.words}",
         )
         for p in data.requests
         if p.cached_tokens is not None
@@ -102,8 +104,8 @@ def _ttft_plot(data: ReportData) -> str:
         Point(
             x=(p.started_ns - origin) / 1e9,
             y=p.ttft_ms,
-            css=p.heat.value,
-            title=f"case {p.case_id or '-'}: {p.ttft_ms:.1f} ms, {p.heat.value}",
+            css=p.css(p.heat.value),
+            title=f"case {p.case_id or '-'}: {p.ttft_ms:.1f} ms, {p.heat.value}{p.words}",
         )
         for p in data.requests
         if p.ttft_ms is not None
@@ -131,6 +133,7 @@ def _counts(data: ReportData) -> str:
 def render_page(data: ReportData, *, source: str) -> str:
     """The whole page for one session; `source` says where the records came from (credentials removed)."""
     keys = "".join(f'<span class="key {h.value}"></span>{h.value}' for h in Heat)
+    keys += '<span class="key isolated"></span>isolated (ringed red: contradicted)'
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>

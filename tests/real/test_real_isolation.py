@@ -1,8 +1,9 @@
-"""Isolation against a real llama-server (tiny GGUF, CPU): `cache_prompt: false`, every request cold.
+"""Isolation against real engines on the CPU: llama-server's `cache_prompt: false`, vLLM's `cache_salt`.
 
 The same prompt three times isolated reports 0 cached tokens each time; not isolated, it is
 cached from the second. With llama-server's host-RAM prompt cache on, a prompt that cache holds
-serves a plain request warm and an isolated one cold.
+serves a plain request warm and an isolated one cold. vLLM's counters over an isolated case
+count no cached token beyond the reset's canary.
 """
 
 from __future__ import annotations
@@ -12,7 +13,16 @@ from typing import Any
 import aiohttp
 
 from tests.real.conftest import Pair
-from tests.real.sidecar_client import complete, eventually, evidence, long_prompt, new_case, tags
+from tests.real.sidecar_client import (
+    REQUEST_TIMEOUT,
+    complete,
+    eventually,
+    evidence,
+    long_prompt,
+    new_case,
+    reset,
+    tags,
+)
 from tests.support.client import CLIENT_TIMEOUT
 
 MODEL = "tiny"
@@ -62,3 +72,24 @@ async def test_the_host_ram_prompt_cache_does_not_serve_an_isolated_request(llam
         cold = _cached(await complete(s, pair.url, second, ISOLATED))
     assert warm > 0
     assert cold == 0
+
+
+async def test_vllm_isolated_case_is_cold_and_its_counters_agree(vllm: Pair) -> None:
+    session_id, case_id = new_case()
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as s:
+        status, answer = await reset(s, vllm.url, session_id=session_id, case_id=case_id, isolation="request")
+        assert status == 200 and answer["isolation"] == "request", answer
+        body = _body(long_prompt())
+        cold = [_cached(await complete(s, vllm.url, body, tags(session_id, case_id))) for _ in range(3)]
+        async with s.post(f"{vllm.url}/cache/cases/{case_id}/close", timeout=REQUEST_TIMEOUT) as resp:
+            assert resp.status == 200, await resp.text()
+            closed = await resp.json()
+        plain = _body(long_prompt())
+        warm = [_cached(await complete(s, vllm.url, plain, tags(session_id, "plain"))) for _ in range(2)]
+    assert cold == [0, 0, 0]
+    assert warm[0] == 0 and warm[1] > 0
+    [record] = closed["isolation"]
+    assert (record["requests"], record["cold"], record["verdict"]) == (3, 3, "cold"), record
+    # The engine's own counters over the case: no cached token beyond the canary's.
+    assert record["counters"]["result"] == "cold", record
+    assert record["counters"]["engine"]["requests"] >= 3, record

@@ -27,6 +27,8 @@ from proxy.vocabulary import EngineKind, IsolationResult
 
 __all__ = ["isolate"]
 
+Ids = tuple[str | None, str | None]  # the request's session and case, as the evidence stores them
+
 _UNSUPPORTED_HINT = (
     "send this request without isolation (no X-Cachewitness-Isolation header, a case reset with "
     'isolation "none", config isolation = "none") and reset the cache before the case instead'
@@ -40,29 +42,31 @@ def isolate(
     isolation, headers = app[RECORDER].isolation, request.headers
     if request.method != "POST" or (not isolation.active and ISOLATION_HEADER not in headers):
         return prepared  # the common case: nothing asks for isolation
+    ids = (
+        stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+        stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+    )
     try:
         asked = header_asks(headers)
     except BadIsolationHeader as bad:
-        return _refused(app, request, exchange, 400, str(bad), "invalid_isolation")
-    session_id = stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS)
-    case_id = stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS)
+        return _refused(app, ids, exchange, 400, str(bad), "invalid_isolation")
     if not is_observed(request.method, request.path):
         if not asked:
             return prepared  # config and case isolation cover the inference routes only
         return _unsupported(
-            app, request, exchange, f"{request.path} is not an inference route the sidecar observes"
+            app, ids, exchange, f"{request.path} is not an inference route the sidecar observes"
         )
-    if not isolation.wanted(asked, session_id, case_id):
+    if not isolation.wanted(asked, *ids):
         return prepared
     settings = app[SETTINGS]
     if not settings.observe:
         return _unsupported(
-            app, request, exchange, "the sidecar runs with observe = false: nothing could prove it cold"
+            app, ids, exchange, "the sidecar runs with observe = false: nothing could prove it cold"
         )
     if prepared is None:
         return _refused(
             app,
-            request,
+            ids,
             exchange,
             413,
             f"an isolated request's body must fit max_buffered_bytes ({settings.max_buffered_bytes} bytes) "
@@ -72,11 +76,11 @@ def isolate(
     info = app[ENGINE].info
     rule = rule_for(info, request.path)
     if rule is None:
-        return _unsupported(app, request, exchange, _why_unsupported(info.kind, info.version, request.path))
+        return _unsupported(app, ids, exchange, _why_unsupported(info.kind, info.version, request.path))
     try:
         isolated = isolated_request(prepared, rule)
     except Unrewritable as bad:
-        return _refused(app, request, exchange, 400, str(bad), "isolation_invalid_body")
+        return _refused(app, ids, exchange, 400, str(bad), "isolation_invalid_body")
     exchange.isolation_field = rule.field
     return isolated
 
@@ -88,11 +92,11 @@ def _why_unsupported(kind: str, version: str | None, path: str) -> str:
     return f"{kind} {version or '(version unknown)'} has no per-request cache isolation on {path}"
 
 
-def _unsupported(app: web.Application, request: ClientRequest, exchange: Exchange, why: str) -> web.Response:
+def _unsupported(app: web.Application, ids: Ids, exchange: Exchange, why: str) -> web.Response:
     """501 isolation_unsupported, with what to do instead."""
     return _refused(
         app,
-        request,
+        ids,
         exchange,
         501,
         f"this request cannot be isolated: {why}",
@@ -103,7 +107,7 @@ def _unsupported(app: web.Application, request: ClientRequest, exchange: Exchang
 
 def _refused(
     app: web.Application,
-    request: ClientRequest,
+    ids: Ids,
     exchange: Exchange,
     status: int,
     message: str,
@@ -112,12 +116,7 @@ def _refused(
     hint: str | None = None,
 ) -> web.Response:
     """The sidecar's answer to an isolated request that must not run, counted in its case's tally."""
-    headers = request.headers
-    app[RECORDER].isolation.counted(
-        stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
-        stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
-        IsolationResult.REFUSED,
-    )
+    app[RECORDER].isolation.counted(*ids, IsolationResult.REFUSED)
     exchange.isolation_refused = True
     type_ = "server_error" if status == 501 else "invalid_request_error"
     return error_response(status, message, type_=type_, code=code, hint=hint)

@@ -323,6 +323,15 @@ def test_schema_rejects_bad_values(setting: str, message: str) -> None:
     assert message in result.stderr
 
 
+def test_isolation_value_reaches_the_sidecar() -> None:
+    """sidecar.isolation: none by default, request for a sidecar dedicated to a cold benchmark; nothing else."""
+    assert env_values(sidecar(render()))["CACHEWITNESS_ISOLATION"] == "none"
+    isolated = render("--set", "sidecar.isolation=request")
+    assert env_values(sidecar(isolated))["CACHEWITNESS_ISOLATION"] == "request"
+    result = helm_template("--set", "sidecar.isolation=always")
+    assert result.returncode != 0 and "sidecar.isolation" in result.stderr
+
+
 # --- engine presets ---------------------------------------------------------------------------
 
 

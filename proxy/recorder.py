@@ -189,6 +189,8 @@ def setup_recorder(app: web.Application) -> None:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
+        # The evidence closes after this: an isolated case still open at shutdown keeps its record.
+        isolation.end_all("shutdown")
 
     app.cleanup_ctx.append(lifetime)
 

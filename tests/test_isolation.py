@@ -261,3 +261,20 @@ async def test_an_idle_isolated_case_ends_as_a_record(tmp_path: Path) -> None:
             "cold",
         )
         assert (await s.state())["isolation"]["open"] == []
+
+
+async def test_an_isolated_case_open_at_shutdown_keeps_its_record(tmp_path: Path) -> None:
+    async with sim(fast("vllm")) as engine:
+        process, url = await start_sidecar(engine.url, tmp_path, "--engine", "vllm")
+        try:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+                tags = {**ISOLATED, "X-Session-Id": "s3", "X-Case-Id": "c3"}
+                async with http.post(
+                    f"{url}/v1/chat/completions", json=chat(PROMPT, 2), headers=tags
+                ) as resp:
+                    assert resp.status == 200
+        finally:
+            await stop(process)
+    lines = [orjson.loads(line) for line in (tmp_path / "ev.jsonl").read_bytes().splitlines() if line]
+    [record] = [r for r in lines if r["event_type"] == "infer.cache_isolation"]
+    assert (record["case_id"], record["closed_by"], record["cold"]) == ("c3", "shutdown", 1)

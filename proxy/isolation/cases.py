@@ -119,6 +119,10 @@ class Isolation:
             lambda key: key[1] == case_id and (session_id is None or key[0] == session_id), "close", None
         )
 
+    def end_all(self, closed_by: str) -> None:
+        """End every open tally (at shutdown, while the evidence writer is still open)."""
+        self._end(lambda _key: True, closed_by, None)
+
     def sweep(self) -> None:
         """End the tallies with no request for `idle_s` (their case is over)."""
         cutoff = time.monotonic() - self._idle_s

@@ -278,3 +278,43 @@ async def test_an_isolated_case_open_at_shutdown_keeps_its_record(tmp_path: Path
     lines = [orjson.loads(line) for line in (tmp_path / "ev.jsonl").read_bytes().splitlines() if line]
     [record] = [r for r in lines if r["event_type"] == "infer.cache_isolation"]
     assert (record["case_id"], record["closed_by"], record["cold"]) == ("c3", "shutdown", 1)
+
+
+@pytest.mark.parametrize("flags", [(), ("--no-front",)], ids=["front", "aiohttp"])
+async def test_an_isolated_stream_keeps_its_injected_usage_on_both_servers(
+    tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    async with served(fast("vllm"), tmp_path, *flags) as s:
+        for _ in range(2):
+            async with s.http.post(
+                f"{s.url}/v1/chat/completions", json=chat(PROMPT, 2, stream=True), headers=ISOLATED
+            ) as resp:
+                assert resp.status == 200
+                body = await resp.read()
+            assert b"cache_salt" not in body and b'"usage"' not in body  # the injected usage taken out again
+        sent = s.sent()
+        assert all(
+            b["stream_options"] == {"include_usage": True} and len(b["cache_salt"]) == 22 for b in sent
+        )
+        marks = [
+            (r["usage_injected"], r["isolation"]["result"])
+            for r in await s.records("infer.cache_observation")
+        ]
+        assert marks == [(True, "cold"), (True, "cold")]
+
+
+@pytest.mark.parametrize(
+    ("path", "field"), [("/v1/chat/completions", "cache_salt"), ("/generate", "extra_key")]
+)
+async def test_sglang_is_isolated_by_its_own_field(tmp_path: Path, path: str, field: str) -> None:
+    body = (
+        chat(PROMPT, 2) if path != "/generate" else {"text": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+    )
+    async with served(fast("sglang"), tmp_path) as s:
+        for _ in range(2):
+            async with s.http.post(f"{s.url}{path}", json=body, headers=ISOLATED) as resp:
+                assert resp.status == 200, await resp.text()
+        sent = [orjson.loads(seen.body) for seen in s.capture.seen if seen.raw_path == path]
+        assert [len(b[field]) for b in sent] == [22, 22] and sent[0][field] != sent[1][field]
+        marks = [r["isolation"] for r in await s.records("infer.cache_observation")]
+        assert marks == [{"mode": "request", "result": "cold", "field": field}] * 2

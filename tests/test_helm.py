@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config_load import load_settings
-from proxy.options import OPTIONS
+from proxy.config.load import load_settings
+from proxy.config.options import OPTIONS
 from tests.support.helm import (
     CHART,
     EXAMPLES,

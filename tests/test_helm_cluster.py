@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from proxy.sim import running_sim
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.helm import (

@@ -24,12 +24,10 @@ PROXY = ROOT / "proxy"
 # is `forward`); units in one layer do not import each other either.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"vocabulary", "logs", "errors", "redact", "watchdog"}),
-    frozenset({"config"}),
-    frozenset({"options"}),  # the option table: each key's parser, over config's choices
+    frozenset({"config"}),  # the settings, the option table and their loading
     # upstream (the pool and the leg) reads only config, logs and watchdog; the engines' own
-    # calls go through it. config_load reads only config and options: only the CLI and tests
-    # load settings.
-    frozenset({"upstream", "config_load"}),
+    # calls go through it.
+    frozenset({"upstream"}),
     frozenset({"observe", "engines", "sim"}),
     frozenset(
         {

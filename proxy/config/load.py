@@ -1,7 +1,7 @@
 """Settings loaded from flag > env `CACHEWITNESS_*` > TOML file > default, and checked across fields.
 
-The option table (every key and its parser) is proxy/config.py; this module merges the layers,
-reads the secrets from their files, and refuses combinations that cannot work.
+The option table (every key and its parser) is options.py beside it; this module merges the
+layers, reads the secrets from their files, and refuses combinations that cannot work.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 
 from yarl import URL
 
-from proxy.config import ConfigError, NativeResetAuth, Settings
-from proxy.options import OPTIONS, Option, url_option
+from proxy.config.options import OPTIONS, Option, url_option
+from proxy.config.settings import ConfigError, NativeResetAuth, Settings
 from proxy.redact import redact_url
 
 __all__ = ["load_settings", "unknown_env"]

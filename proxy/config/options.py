@@ -1,7 +1,7 @@
 """The option table: every key `cachewitness serve` takes, how its text is parsed, and how to fix a bad value.
 
-The settings themselves are proxy/config.py's `Settings`; loading them (flag > env
-`CACHEWITNESS_*` > TOML file > default) and the cross-field checks are proxy/config_load.py's.
+The settings themselves are `proxy.config.Settings`; loading them (flag > env `CACHEWITNESS_*`
+> TOML file > default) and the cross-field checks are load.py's, beside it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 from yarl import URL
 
-from proxy.config import EngineRoutes, NativeResetAuth, NativeResets, parse_listen
+from proxy.config.settings import EngineRoutes, NativeResetAuth, NativeResets, parse_listen
 from proxy.vocabulary import EngineKind, VerifyMode
 
 __all__ = ["ENGINE_KINDS", "LOG_LEVELS", "OPTIONS", "Option", "url_option"]

@@ -1,8 +1,8 @@
 """Settings: everything `cachewitness serve` is configured with, and the choices some take.
 
-Every key's parser and how to fix a bad value are in the option table (proxy/options.py);
+Every key's parser and how to fix a bad value are in the option table (options.py beside it);
 loading (flag > env `CACHEWITNESS_*` > TOML file > default) and the cross-field checks are
-in proxy/config_load.py.
+in load.py.
 """
 
 from __future__ import annotations

@@ -140,7 +140,7 @@ def _add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     add_evidence_arguments(evidence)
     evidence.set_defaults(run=run_evidence)
     add_proof_commands(sub, evidence)
-    from proxy.cli.report import add_report_arguments, run_report
+    from proxy.cli.report.command import add_report_arguments, run_report
 
     report = sub.add_parser("report", help="one session's evidence as a self-contained HTML page")
     add_report_arguments(report)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from html import escape
 
-from proxy.cli.report_data import COLUMNS, Heat, ReportData
-from proxy.cli.report_svg import Mark, Plot, Point, scatter
+from proxy.cli.report.data import COLUMNS, Heat, ReportData
+from proxy.cli.report.svg import Mark, Plot, Point, scatter
 
 __all__ = ["render_page"]
 

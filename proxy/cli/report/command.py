@@ -28,8 +28,8 @@ from proxy.cli.http import (
     sidecar_target,
     unreachable,
 )
-from proxy.cli.report_data import build_report
-from proxy.cli.report_page import render_page
+from proxy.cli.report.data import build_report
+from proxy.cli.report.page import render_page
 from proxy.evidence.bundle import BundleError, read_bundle, verify_bundle
 from proxy.redact import redact_url
 from proxy.vocabulary import EventType

@@ -57,8 +57,8 @@ def build_app(settings: Settings) -> web.Application:
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
     of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
 
-    TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
-    (`aiohttp/base_protocol.py`).
+    TCP_NODELAY needs no code here: the event loop (asyncio's and uvloop's alike) sets it on
+    every TCP connection it accepts or opens, the clients' and the leg's to the engine.
     """
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
@@ -72,8 +72,7 @@ def build_app(settings: Settings) -> web.Application:
     setup_body_budget(app)
     setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
     # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
-    setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
-    setup_recorder(app)
+    setup_recorder(app, setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry))
     setup_reset(app)
     setup_cluster(app)
     setup_admin(app)

@@ -9,10 +9,18 @@ from typing import Any
 
 import orjson
 
-from proxy.witnesses.events_index import CACHE_INDEX
+from proxy.recorder import RECORDER
+from proxy.witnesses.events import KvEvents
 from tests.support.kv_events import Ports, engine, until
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
+
+
+def _events(s: Stack) -> KvEvents:
+    """The sidecar's KV events subscribers (there with kv_events_endpoint)."""
+    events = s.app[RECORDER].kv_events
+    assert events is not None, "kv_events_endpoint is set: the recorder has the subscribers"
+    return events
 
 
 @asynccontextmanager
@@ -23,7 +31,7 @@ async def events_stack(tmp_path: Path, *, replay: bool = True, **sim_options: An
     if replay:
         overrides["kv_events_replay"] = ports.replay_endpoint
     async with stack(engine("vllm", ports, **sim_options), tmp_path, **overrides) as s:
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].connected)
+        await until(_events(s), lambda snaps: snaps[0].connected)
         yield s
 
 
@@ -76,8 +84,7 @@ async def test_traffic_between_the_reset_and_the_case_is_flagged(tmp_path: Path)
         _status, answer = await s.reset({"verify": "events"})
         assert answer["verified"] == "verified", answer["verification"]
         await _traffic(s, "other")
-        index = s.app[CACHE_INDEX]
-        await until(index.events, lambda snaps: sum(snaps[0].blocks.values()) > 0)
+        await until(_events(s), lambda snaps: sum(snaps[0].blocks.values()) > 0)
         await _traffic(s, "mine", {"X-Case-Id": "c2"})
     (start,) = [r for r in _records(tmp_path) if r["trigger"] == "case_start"]
     check = start["verification"]

@@ -36,7 +36,6 @@ from proxy.recorder import RECORDER
 from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
 from proxy.vocabulary import Outcome
-from proxy.witnesses.events_index import CACHE_INDEX
 
 __all__ = [
     "INJECTION_REFUSALS",
@@ -150,15 +149,13 @@ async def admitted_exchange(
         if exchange.observed:
             exchange.admitted = True
             # Assigned after admission: a request held during a drain belongs to the new reset.
-            begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
+            headers = request.headers
+            begun = app[RECORDER].begin_request(
+                headers.get(CASE_HEADER),
+                session_id=stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
+                case_id=stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+            )
             exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
-            index = app.get(CACHE_INDEX)
-            if index is not None:  # a case's first request: what the engine's cache holds as it starts
-                headers = request.headers
-                index.request_started(
-                    stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
-                    stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
-                )
         elif is_inference(app, request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))

@@ -23,7 +23,7 @@ from proxy.vocabulary import EventType, Verified
 from proxy.witnesses.events import KvEvents, KvEventsConfig, RankSnapshot
 from proxy.witnesses.events_wire import CLEARED, DEVICE, REMOVED, STORED
 
-__all__ = ["CACHE_BLOCKS_EVENT", "CACHE_INDEX", "CacheIndex", "kv_events_config", "setup_kv_events"]
+__all__ = ["CACHE_BLOCKS_EVENT", "CacheIndex", "kv_events_config", "setup_kv_events"]
 
 CACHE_BLOCKS_EVENT = EventType.CACHE_BLOCKS
 _EVENT_TYPES = (STORED, REMOVED, CLEARED)
@@ -200,17 +200,15 @@ def kv_events_config(settings: Settings) -> KvEventsConfig | None:
     )
 
 
-CACHE_INDEX = web.AppKey("cache_index", CacheIndex)
-
-
-def setup_kv_events(app: web.Application, write: Write, registry: CollectorRegistry) -> None:
+def setup_kv_events(app: web.Application, write: Write, registry: CollectorRegistry) -> CacheIndex | None:
     """With `kv_events_endpoint` set: the subscribers, bound at start (a port taken fails the start)
-    and closed at shutdown, their metrics on `registry` (at 0 until events come)."""
+    and closed at shutdown, their metrics on `registry` (at 0 until events come), and the index
+    over them, which the recorder alone writes to; None without."""
     config = kv_events_config(app[SETTINGS])
     if config is None:
-        return
+        return None
     events = KvEvents(config)
-    app[CACHE_INDEX] = CacheIndex(events, write)
+    index = CacheIndex(events, write)
     registry.register(KvEventsCollector(events))
 
     async def lifetime(_app: web.Application) -> AsyncIterator[None]:
@@ -221,3 +219,4 @@ def setup_kv_events(app: web.Application, write: Write, registry: CollectorRegis
             await events.close()
 
     app.cleanup_ctx.append(lifetime)
+    return index

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -29,9 +30,22 @@ from proxy.witnesses.events import KvEvents
 from proxy.witnesses.events_index import CacheIndex
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
-__all__ = ["RECORDER", "Recorder", "setup_recorder"]
+__all__ = ["RECORDER", "UNNUMBERED", "Numbered", "Recorder", "setup_recorder"]
 
 _OBSERVATION, _VERIFICATION = str(EventType.CACHE_OBSERVATION), str(EventType.CACHE_VERIFICATION)
+
+
+@dataclass(frozen=True, slots=True)
+class Numbered:
+    """Where an admitted inference request stands: the reset it follows (None before the first),
+    its ordinal since that reset, and whether it carried that reset's case token."""
+
+    reset_id: str | None
+    ordinal: int | None
+    own: bool
+
+
+UNNUMBERED = Numbered(None, None, False)  # a request the drain gate never admitted
 
 
 class Recorder:
@@ -54,7 +68,7 @@ class Recorder:
 
     def begin_request(
         self, case_header: str | None = None, *, session_id: str | None = None, case_id: str | None = None
-    ) -> tuple[str | None, int | None, bool]:
+    ) -> Numbered:
         """The reset this request belongs to, its ordinal since that reset, and whether
         `case_header` (its X-Cachewitness-Case) is that reset's case token.
 
@@ -65,7 +79,7 @@ class Recorder:
         reset_id, ordinal = self.witness.begin_request(own=own)
         if self._index is not None:
             self._index.request_started(session_id, case_id)
-        return reset_id, ordinal, own
+        return Numbered(reset_id, ordinal, own)
 
     def unobserved_request(self, case_header: str | None) -> None:
         """An inference request about to reach the engine unobserved (past the observation budget)."""

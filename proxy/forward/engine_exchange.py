@@ -116,7 +116,7 @@ def record_finished(
     if stalled:
         exchange.outcome = Outcome.CLIENT_STALLED
     forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
-    if exchange.observed and exchange.admitted:
+    if exchange.numbered is not None:  # observed and admitted
         recorder.finished(forwarded, exchange.observation(request, finished_ns))
     else:
         recorder.finished(forwarded, None)
@@ -147,15 +147,13 @@ async def admitted_exchange(
         )
     try:
         if exchange.observed:
-            exchange.admitted = True
-            # Assigned after admission: a request held during a drain belongs to the new reset.
+            # Numbered after admission: a request held during a drain belongs to the new reset.
             headers = request.headers
-            begun = app[RECORDER].begin_request(
+            exchange.numbered = app[RECORDER].begin_request(
                 headers.get(CASE_HEADER),
                 session_id=stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
                 case_id=stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
             )
-            exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
         elif is_inference(app, request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))

@@ -81,12 +81,12 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 header=refused.header,
             )
             return rejected(exchange, refused.response())
-        return await _admit_and_exchange(request, exchange)
+        return await _exchange_within_limit(request, exchange)
     finally:
         record_finished(request.app, request, exchange, stalled=request.get(CLIENT_STALLED, False))
 
 
-async def _admit_and_exchange(request: web.Request, exchange: Exchange) -> web.StreamResponse:
+async def _exchange_within_limit(request: web.Request, exchange: Exchange) -> web.StreamResponse:
     """Refuse a body past max_body_bytes; the budget taken while reading it is given back at the end."""
     app = request.app
     limit = app[SETTINGS].max_body_bytes

@@ -11,13 +11,13 @@ from proxy.admission import ADMISSION, setup_admission
 from proxy.body_budget import BODY_BUDGET, setup_body_budget
 from proxy.cluster.fanout import setup_cluster
 from proxy.config import SETTINGS, Settings
-from proxy.connections import CONNECTIONS, Limit, setup_connections
 from proxy.engine_state import ENGINE, redetector, setup_engine_state
 from proxy.evidence.log import EVIDENCE, setup_evidence
 from proxy.forward.engine_exchange import setup_forward
-from proxy.forward.handler import forward
-from proxy.front import setup_front
 from proxy.health import HEALTH, healthy, ready, setup_health
+from proxy.inbound import CONNECTIONS, Limit, setup_connections
+from proxy.inbound.aiohttp import forward
+from proxy.inbound.setup import setup_front
 from proxy.metrics import METRICS, SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
 from proxy.refusals import REFUSALS, RefusalReason
@@ -75,7 +75,7 @@ def build_app(settings: Settings) -> web.Application:
     setup_recorder(app, setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry))
     setup_reset(app)
     setup_cluster(app)
-    setup_admin(app)
+    setup_admin(app, forward)
     setup_forward(app)
     setup_routes(app)
     setup_front(app)

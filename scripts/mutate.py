@@ -5,7 +5,7 @@ exactly once, its replacement and the tests nearest to it:
 
     [[mutant]]
     id = "front-head-limit"
-    file = "proxy/front/head.py"
+    file = "proxy/inbound/head.py"
     find = "if len(head) > limit:"
     replace = "if len(head) > limit * 4:"
     tests = ["tests/test_front.py"]

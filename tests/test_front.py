@@ -1,4 +1,4 @@
-"""The front (proxy/front/): plain inference requests served beside aiohttp, with the same bytes and order.
+"""The front (proxy/inbound/): plain inference requests served beside aiohttp, with the same bytes and order.
 
 Over raw sockets, so what a client gets is read byte for byte: the front's answers against
 aiohttp's for the same engine answers (`front = false` serves every request on aiohttp), and
@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from proxy.body_budget import BODY_BUDGET
-from proxy.connections import CONNECTIONS
+from proxy.inbound import CONNECTIONS
 from tests.support.sidecar import serve_sidecar
 
 _EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"]

@@ -36,7 +36,6 @@ LAYERS: tuple[frozenset[str], ...] = (
             "witnesses",
             "admission",
             "body_budget",
-            "connections",
             "engine_state",
             "health",
             "refusals",
@@ -46,7 +45,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"forward", "reset"}),
     frozenset({"cluster"}),
     frozenset({"admin"}),
-    frozenset({"front"}),
+    frozenset({"inbound"}),  # the client connections: the front, aiohttp's side, the guard
     frozenset({"app", "probe_listener"}),
     frozenset({"serve"}),
     frozenset({"cli"}),

@@ -1,8 +1,8 @@
-"""One request's exchange with the engine, from the drain gate to the last byte of the answer.
+"""One request's exchange with the engine, from the drain gate to the last byte of its response.
 
-Shared by both servers that take client requests (aiohttp's handler in proxy/forward/handler.py
-and the front in proxy/front/): each reads the request its own way, then hands it here with
-the `Side` its answer goes to.
+Shared by both servers that take client requests (proxy/inbound/: the front, and aiohttp): each
+reads the request its own way, then hands it here with its `ClientSide` (proxy/forward/client.py),
+where the response goes.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.errors import error_response
+from proxy.forward.client import BodyTooLarge, ClientGone, ClientSide
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
-from proxy.forward.request_body import BodyTooLarge, ClientGone
-from proxy.forward.side import Side
+from proxy.forward.relay import relay
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -35,7 +35,7 @@ from proxy.observe import (
 from proxy.recorder import RECORDER
 from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
-from proxy.vocabulary import Outcome
+from proxy.vocabulary import Outcome, ServedBy
 
 __all__ = [
     "INJECTION_REFUSALS",
@@ -104,9 +104,10 @@ def prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str
 
 
 def record_finished(
-    app: web.Application, request: ClientRequest, exchange: Exchange, *, stalled: bool
+    app: web.Application, request: ClientRequest, exchange: Exchange, *, stalled: bool, served_by: ServedBy
 ) -> None:
-    """Count the request and, when it was observed and admitted, record its observation.
+    """Count the request (by the server that took it) and, when it was observed and admitted,
+    record its observation.
 
     Every request is counted, those the sidecar itself turned away (400, 413, 503) included, in
     one call with its observation; an inference request turned away before admission gets its
@@ -115,7 +116,7 @@ def record_finished(
     finished_ns = time.time_ns()
     if stalled:
         exchange.outcome = Outcome.CLIENT_STALLED
-    forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
+    forwarded, recorder = exchange.forwarded(request, finished_ns, served_by), app[RECORDER]
     if exchange.numbered is not None:  # observed and admitted
         recorder.finished(forwarded, exchange.observation(request, finished_ns))
     else:
@@ -125,7 +126,7 @@ def record_finished(
 
 
 async def admitted_exchange(
-    side: Side[R], exchange: Exchange, prepared: PreparedRequest | None, body: Body, limit: int
+    side: ClientSide[R], exchange: Exchange, prepared: PreparedRequest | None, body: Body, limit: int
 ) -> R:
     """Pass the drain gate, take the reset ordinal, then exchange; the admission slot is held throughout.
 
@@ -134,7 +135,7 @@ async def admitted_exchange(
     app, request = side.app, side.request
     admission = app[ADMISSION]
     if not await admission.admit():
-        return await side.answer(
+        return await side.respond(
             rejected(
                 exchange,
                 error_response(
@@ -197,7 +198,7 @@ def _upstream_data(prepared: PreparedRequest, size: int) -> Body:
 
 
 async def _exchange(
-    side: Side[R],
+    side: ClientSide[R],
     exchange: Exchange,
     prepared: PreparedRequest | None,
     body: Body,
@@ -227,7 +228,7 @@ async def _exchange(
     try:
         upstream = await app[UPSTREAM_LEG].send(request.method, request.raw_path, headers, data)
     except BodyTooLarge:
-        return await side.answer(rejected(exchange, too_large(limit)))
+        return await side.respond(rejected(exchange, too_large(limit)))
     except ClientGone:
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise asyncio.CancelledError from None
@@ -235,7 +236,7 @@ async def _exchange(
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise
     except UpstreamError as exc:
-        return await side.answer(_upstream_failure(exc, exchange))
+        return await side.respond(_upstream_failure(exc, exchange))
     exchange.upstream_head_ns = time.time_ns()
     try:
         peeked = b""
@@ -251,7 +252,8 @@ async def _exchange(
                 return await _exchange(
                     side, exchange, prepared.without_injection(), None, limit, refusal=refused
                 )
-        return await side.relay(upstream, exchange, peeked)
+        await relay(side, upstream, exchange, peeked)
+        return side.relayed()
     finally:
         # An answer not read to its end closes its connection: it must not go back to the pool
         # half-read, and closing it is what tells the engine to abort the sequence

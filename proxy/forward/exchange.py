@@ -12,7 +12,7 @@ from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.observe import JsonBody, Observation, StreamScanner, Usage
 from proxy.observe.record import Forwarded
 from proxy.recorder import UNNUMBERED, Numbered
-from proxy.vocabulary import Outcome
+from proxy.vocabulary import Outcome, ServedBy
 
 __all__ = ["ClientRequest", "Exchange"]
 
@@ -65,8 +65,8 @@ class Exchange:
         self.request_id = request_id
         self.started_ns = started_ns
 
-    def forwarded(self, request: ClientRequest, finished_ns: int) -> Forwarded:
-        """The transport facts of this exchange, once it is over."""
+    def forwarded(self, request: ClientRequest, finished_ns: int, served_by: ServedBy) -> Forwarded:
+        """The transport facts of this exchange, once it is over (`served_by`: the server that took it)."""
         sent, head, first = self.upstream_sent_ns, self.upstream_head_ns, self.first_byte_ns
         return Forwarded(
             method=request.method,
@@ -78,6 +78,7 @@ class Exchange:
             finished_ns=finished_ns,
             before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
             after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
+            served_by=served_by,
             bad_answer=self.bad_answer,
         )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.vocabulary import EventType, Outcome
+from proxy.vocabulary import EventType, Outcome, ServedBy
 
 __all__ = ["Forwarded", "Observation"]
 
@@ -25,6 +25,7 @@ class Forwarded:
     # upstream response head → client response head (None where not reached).
     before_upstream_s: float | None
     after_upstream_s: float | None
+    served_by: ServedBy  # which HTTP server took the request
     bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)
 
 

@@ -205,7 +205,7 @@ class InjectionRefusals:
     """Engines (kind and version) that refused an injected `stream_options`, each for `reprobe_s`.
 
     The caller remembers a refusal only once the client's own request, sent again without
-    the injection, succeeded (proxy/forward/handler.py), so only the injection can have caused the
+    the injection, succeeded (proxy/inbound/aiohttp.py), so only the injection can have caused the
     error. Each such engine costs one retried request per `reprobe_s`, not one per stream.
     """
 

@@ -26,7 +26,9 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from proxy.config import SETTINGS
-from proxy.connections.client import REFUSAL_BODY, ClientConnection, FrontFactory, Limit, Phase
+from proxy.inbound.connection import ClientConnection
+from proxy.inbound.front import Front
+from proxy.inbound.limits import REFUSAL_BODY, Limit, Phase
 from proxy.logs import LogThrottle, log_event
 from proxy.watchdog import Watchdog
 
@@ -57,8 +59,9 @@ class ConnectionGuard:
         self.body_idle_timeout = body_idle_timeout
         self.client_write_timeout = client_write_timeout
         self.keepalive_timeout = keepalive_timeout  # aiohttp's own, and the front's connections'
-        # Makes the front's half of each new connection (proxy/front/); None: aiohttp serves all.
-        self.front: FrontFactory | None = None
+        # The front, which serves beside aiohttp on each new connection (proxy/inbound/setup.py);
+        # None: aiohttp serves every request.
+        self.front: Front | None = None
         self.closing = False  # shutdown began: no connection is kept alive after its answer
         self.max_connections = max_connections
         self.probe_slots = probe_slots

@@ -1,7 +1,7 @@
-"""The streaming reverse proxy handler on aiohttp: everything the sidecar does not own goes upstream.
+"""aiohttp's side: every request the front does not take, through aiohttp's handler and the route policy.
 
-Plain inference requests on a connection the front still holds are served by the front
-(proxy/front/); what they share, from the drain gate on, is proxy/forward/engine_exchange.py.
+What the front and aiohttp share, from the drain gate on, is proxy/forward/engine_exchange.py;
+the engine's response goes out through the relay (proxy/forward/relay.py) onto `AiohttpSide`.
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import logging
 import time
 from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.abc import AbstractStreamWriter
+from multidict import CIMultiDict
 
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
-from proxy.connections import CLIENT_STALLED
+from proxy.forward.client import BodyTooLarge, ClientGone
 from proxy.forward.engine_exchange import (
     admitted_exchange,
     is_inference,
@@ -26,13 +28,14 @@ from proxy.forward.engine_exchange import (
 )
 from proxy.forward.exchange import Exchange
 from proxy.forward.ids import new_request_id, stored_id
-from proxy.forward.inbound import refusal
-from proxy.forward.relay import relay
-from proxy.forward.request_body import BodyStart, BodyTooLarge, ClientGone, limited_body, read_within_budget
+from proxy.forward.refusal import refusal
+from proxy.inbound.limits import CLIENT_STALLED
+from proxy.inbound.request_body import BodyStart, limited_body, read_within_budget
+from proxy.inbound.wire import HeldHeadResponse, send_held_head
 from proxy.logs import log_event
 from proxy.observe import PreparedRequest
-from proxy.upstream import Body, UpstreamResponse
-from proxy.vocabulary import Outcome
+from proxy.upstream import Body
+from proxy.vocabulary import Outcome, ServedBy
 
 __all__ = ["AiohttpSide", "forward"]
 
@@ -40,12 +43,16 @@ log = logging.getLogger("cachewitness.forward")
 
 
 class AiohttpSide:
-    """An exchange's client side on aiohttp: the handler returns the answer, aiohttp sends it."""
+    """An exchange's client side on aiohttp: the handler returns the response, aiohttp sends it."""
 
-    __slots__ = ("_request",)
+    __slots__ = ("_request", "_response", "_writer")
+
+    served_by = ServedBy.AIOHTTP
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
+        self._response: HeldHeadResponse | None = None
+        self._writer: AbstractStreamWriter | None = None
 
     @property
     def request(self) -> web.Request:
@@ -55,13 +62,45 @@ class AiohttpSide:
     def app(self) -> web.Application:
         return self._request.app
 
-    async def answer(self, response: web.Response) -> web.StreamResponse:
+    async def respond(self, response: web.Response) -> web.StreamResponse:
         return response
 
-    async def relay(
-        self, upstream: UpstreamResponse, exchange: Exchange, peeked: bytes
-    ) -> web.StreamResponse:
-        return await relay(self._request, upstream, exchange, peeked)
+    def response_headers(self, status: int, reason: str) -> CIMultiDict[str]:
+        self._response = HeldHeadResponse(status=status, reason=reason)
+        return self._response.headers
+
+    async def send_head(self, first: bytes) -> tuple[asyncio.Transport, bool]:
+        response = self._relayed()
+        writer = self._writer = await response.prepare(self._request)
+        assert writer is not None  # a fresh response: prepare() starts it
+        await send_held_head(response, writer, first)
+        transport = self._request.transport
+        if transport is None:
+            raise ConnectionResetError("the client closed its connection")
+        return transport, response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
+
+    async def drain(self) -> None:
+        if self._writer is not None:
+            await self._writer.drain()
+
+    async def end(self, tail: bytes) -> None:
+        response = self._relayed()
+        if tail:
+            await response.write(tail)
+        await response.write_eof()
+
+    def cut(self) -> None:
+        if self._request.transport is not None:
+            self._request.transport.abort()
+
+    def relayed(self) -> web.StreamResponse:
+        return self._relayed()
+
+    def _relayed(self) -> HeldHeadResponse:
+        response = self._response
+        if response is None:
+            raise RuntimeError("the relay writes before the response began")
+        return response
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
@@ -83,7 +122,8 @@ async def forward(request: web.Request) -> web.StreamResponse:
             return rejected(exchange, refused.response())
         return await _exchange_within_limit(request, exchange)
     finally:
-        record_finished(request.app, request, exchange, stalled=request.get(CLIENT_STALLED, False))
+        stalled = request.get(CLIENT_STALLED, False)
+        record_finished(request.app, request, exchange, stalled=stalled, served_by=ServedBy.AIOHTTP)
 
 
 async def _exchange_within_limit(request: web.Request, exchange: Exchange) -> web.StreamResponse:

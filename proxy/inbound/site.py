@@ -7,7 +7,7 @@ import asyncio
 from aiohttp import web
 from yarl import URL
 
-from proxy.connections.guard import ConnectionGuard
+from proxy.inbound.guard import ConnectionGuard
 
 __all__ = ["GuardedSite"]
 

@@ -8,17 +8,10 @@ import aiohttp
 from aiohttp import web
 
 from proxy.body_budget import BodyBudget
+from proxy.forward.client import BodyTooLarge, ClientGone
 from proxy.forward.exchange import Exchange
 
-__all__ = ["BodyStart", "BodyTooLarge", "ClientGone", "limited_body", "read_within_budget"]
-
-
-class BodyTooLarge(Exception):
-    """The client's request body passed `max_body_bytes`."""
-
-
-class ClientGone(Exception):
-    """The client went away while its body was being read."""
+__all__ = ["BodyStart", "limited_body", "read_within_budget"]
 
 
 class BodyStart:

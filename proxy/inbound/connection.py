@@ -17,19 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Protocol, cast
+from typing import cast
 
 from aiohttp import web
 
 from proxy.body_budget import Reading
 from proxy.inbound.choice import BUDGET_SHORT, FRONT_OFF, HEAD_TOO_LARGE, PROBE_SLOT, Choice, choose
+from proxy.inbound.deadline import Deadlines, Guard
 from proxy.inbound.framing import NEED_DATA, Framer, Head, Piece, Request
 from proxy.inbound.front import ClientWriter, Front, FrontSide
 from proxy.inbound.head import RequestHead, parse_head
-from proxy.inbound.limits import CLIENT_STALLED, HEAD_TIMEOUT_RESPONSE, REFUSAL, Limit, Phase, unsent
+from proxy.inbound.limits import CLIENT_STALLED, REFUSAL, Limit, Phase, unsent
 from proxy.logs import log_event
 from proxy.vocabulary import ServedBy
-from proxy.watchdog import Watchdog
 
 __all__ = ["CLIENT_STALLED", "ClientConnection", "Guard"]
 
@@ -40,42 +40,13 @@ log = logging.getLogger("cachewitness.front")
 _PIPELINE_BYTES = 256 * 1024
 
 
-class Guard(Protocol):
-    """What a connection reads and tells of the guard that let it in (ConnectionGuard)."""
-
-    header_timeout: float
-    body_idle_timeout: float
-    client_write_timeout: float
-    keepalive_timeout: float
-    max_connections: int
-    probe_slots: int
-    open_connections: int
-    watchdog: Watchdog[ClientConnection]
-    front: Front | None
-
-    def request_begun(self) -> None:
-        """A request's handler (or the front's exchange) starts."""
-
-    def request_done(self) -> None:
-        """It is over."""
-
-    def hit(self, limit: Limit) -> None:
-        """Count (and log) one hit of a limit."""
-
-    def opened(self, transport: asyncio.BaseTransport, connection: ClientConnection) -> None:
-        """A connection was let in."""
-
-    def closed(self, transport: asyncio.BaseTransport) -> None:
-        """A connection that was let in is gone."""
-
-
 def _chose(choice: Choice) -> None:
     """Who serves a request and why, at debug level (a check, not a log line, when that is off)."""
     if log.isEnabledFor(logging.DEBUG):
         log_event(log, logging.DEBUG, f"request served by {choice.served_by}", **choice._asdict())
 
 
-class ClientConnection(asyncio.Protocol):
+class ClientConnection(Deadlines, asyncio.Protocol):
     """One client connection: the front while it holds it, then aiohttp's request handler; one deadline."""
 
     def __init__(self, guard: Guard, server: web.Server) -> None:
@@ -356,59 +327,7 @@ class ClientConnection(asyncio.Protocol):
         assert self._transport is not None, "the front holds only connections let in"
         return self._transport
 
-    # --- the deadline -----------------------------------------------------------------------
-
-    def _start_head(self, now: float) -> None:
-        """A request head begins: header_timeout runs from `now`."""
-        self._phase = Phase.HEAD
-        self._head_since = now
-        if self._guard.header_timeout:
-            self._arm(now + self._guard.header_timeout)
-
-    def _arm(self, when: float | None) -> None:
-        # A connection gone is never watched again: the front's exchange may end after the loss
-        # (its cancelled task), and a deadline armed then would hold the connection for up to
-        # keepalive_timeout (the soak saw its RSS grow by ~600 bytes a request).
-        if self._lost:
-            return
-        self._due = when
-        if when is not None:
-            self._guard.watchdog.watch(self)
-
-    def _disarm(self) -> None:
-        self._due = None
-
-    def check_deadline(self, now: float) -> bool:
-        """The watchdog's look: check the limits whose deadline passed; whether one still runs."""
-        if self._due is not None and now >= self._due:
-            self._due = None
-            self._check()
-        if self._write_due is not None and now >= self._write_due:
-            self._write_due = None
-            self._check_write(now)
-        return self._due is not None or self._write_due is not None
-
-    def _check_write(self, now: float) -> None:
-        """Writing is paused: cut the client if it took no byte for client_write_timeout, else look again.
-
-        Looked at four times per timeout: the unsent bytes shrink only as the client takes them.
-        """
-        transport, guard = self._transport, self._guard
-        if transport is None or transport.is_closing():
-            return
-        size = unsent(transport)
-        if size < self._write_mark:
-            self._write_progress = now
-        self._write_mark = size  # it may also grow: what was written after writing paused
-        if now - self._write_progress < guard.client_write_timeout:
-            self._write_due = now + guard.client_write_timeout / 4
-            return
-        guard.hit(Limit.CLIENT_WRITE_TIMEOUT)
-        if self._request is not None:
-            self._request[CLIENT_STALLED] = True
-        elif self._side is not None:
-            self._side.stalled = True
-        transport.abort()  # nothing more can reach this client; connection_lost cancels the handler
+    # --- what the deadline asks of the connection ---------------------------------------
 
     def _body_unread(self) -> bool:
         """Whether the request in progress still has body bytes to come (aiohttp's, or the front's)."""
@@ -416,34 +335,13 @@ class ClientConnection(asyncio.Protocol):
             return not self._request.content.is_eof()
         return self._reading is not None
 
-    def _check(self) -> None:
-        """The deadline passed: close the connection if its phase's limit has passed, else re-arm."""
-        transport, guard, now = self._transport, self._guard, self._loop.time()
-        if transport is None or transport.is_closing():
-            return
-        if self._phase is Phase.HEAD:
-            if now - self._head_since >= guard.header_timeout:
-                guard.hit(Limit.HEADER_TIMEOUT)
-                transport.write(HEAD_TIMEOUT_RESPONSE)
-                transport.close()
-            else:
-                self._arm(self._head_since + guard.header_timeout)
-            return
-        if self._phase is Phase.IDLE:
-            # Only the front's idle connections have this deadline (aiohttp keeps its own).
-            if self._front is not None:
-                if now - self._idle_since >= guard.keepalive_timeout:
-                    transport.close()
-                else:
-                    self._arm(self._idle_since + guard.keepalive_timeout)
-            return
-        if not self._body_unread():
-            return  # the body is all in: the response may take as long as the engine needs
-        if not transport.is_reading():
-            # Paused by flow control: the sidecar is the slow side, not the client.
-            self._last_data = now
-        elif now - self._last_data >= guard.body_idle_timeout:
-            guard.hit(Limit.BODY_IDLE_TIMEOUT)
-            transport.close()
-            return
-        self._arm(self._last_data + guard.body_idle_timeout)
+    def _stalled(self) -> None:
+        """client_write_timeout cut this client: its request's outcome is client_stalled."""
+        if self._request is not None:
+            self._request[CLIENT_STALLED] = True
+        elif self._side is not None:
+            self._side.stalled = True
+
+    def _front_holds(self) -> bool:
+        """Whether the front holds the connection (its idle keep-alive limit is then ours to keep)."""
+        return self._front is not None

@@ -27,6 +27,7 @@ from aiohttp import web
 
 from proxy.config import SETTINGS
 from proxy.inbound.connection import ClientConnection
+from proxy.inbound.deadline import Deadlines
 from proxy.inbound.front import Front
 from proxy.inbound.limits import REFUSAL_BODY, Limit, Phase
 from proxy.logs import LogThrottle, log_event
@@ -77,9 +78,7 @@ class ConnectionGuard:
         limits = [
             limit / 4 for limit in (header_timeout, body_idle_timeout, client_write_timeout) if limit > 0
         ]
-        self.watchdog: Watchdog[ClientConnection] = Watchdog(
-            min([1.0, *limits]), ClientConnection.check_deadline
-        )
+        self.watchdog: Watchdog[Deadlines] = Watchdog(min([1.0, *limits]), Deadlines.check_deadline)
 
     def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
         """A protocol factory for `loop.create_server` that wraps aiohttp's request handler.

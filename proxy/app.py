@@ -23,7 +23,7 @@ from proxy.recorder import setup_recorder
 from proxy.refusals import REFUSALS, RefusalReason
 from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
-from proxy.witnesses.events_index import setup_kv_events
+from proxy.witnesses.kv_events.index import setup_kv_events
 
 __all__ = ["build_app", "setup_routes", "sidecar_state"]
 

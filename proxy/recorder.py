@@ -26,8 +26,8 @@ from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import CanaryOutcome, EventType, Verdict, Verified
 from proxy.witnesses.case import CaseWitness
 from proxy.witnesses.counters import CaseVerdict
-from proxy.witnesses.events import KvEvents
-from proxy.witnesses.events_index import CacheIndex
+from proxy.witnesses.kv_events.index import CacheIndex
+from proxy.witnesses.kv_events.subscribers import KvEvents
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
 __all__ = ["RECORDER", "UNNUMBERED", "Numbered", "Recorder", "setup_recorder"]

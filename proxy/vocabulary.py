@@ -106,7 +106,7 @@ class VerifyMode(StrEnum):
     """How a reset is verified: input `verify`, config `verify`."""
 
     CANARY = "canary"
-    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/events_witness.py)
+    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/kv_events/witness.py)
     BOTH = "both"  # every witness that can run
     NONE = "none"
 

@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from proxy.recorder import RECORDER
-from proxy.witnesses.events import KvEvents
+from proxy.witnesses.kv_events.subscribers import KvEvents
 from tests.support.kv_events import Ports, engine, until
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words

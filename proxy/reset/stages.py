@@ -28,7 +28,7 @@ from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
 from proxy.witnesses.canary import Canary, CanaryFit, verify_reset
 from proxy.witnesses.counters import Sums
-from proxy.witnesses.events_witness import EventsCheck, merged
+from proxy.witnesses.kv_events.witness import EventsCheck, merged
 from proxy.witnesses.ranks import spent, verify_ranks
 from proxy.witnesses.tiers import read_by_tier
 from proxy.witnesses.verification import Verification, not_run
@@ -136,7 +136,7 @@ class RoundStages:
     async def reset(self, run: RoundRun) -> None:
         """The engine reset with retries, inside its witnesses: the KV events witness wraps the
         engine reset (marker, reset, flush probe, clear) and the canary wraps both
-        (proxy/witnesses/events_witness.py, canary.py)."""
+        (proxy/witnesses/kv_events/witness.py, canary.py)."""
         case = self._app[RECORDER].case
         if case is not None:  # the case before this reset ends here: its engine counters are read
             await case.reset_started()

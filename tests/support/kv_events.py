@@ -7,8 +7,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.witnesses.events import KvEvents, KvEventsConfig
-from proxy.witnesses.events_state import RankSnapshot
+from proxy.witnesses.kv_events.state import RankSnapshot
+from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig
 from tests.support.ports import fixed_ports
 from tests.support.sim import WAIT_S, Sim, chat, fast, sim, words
 

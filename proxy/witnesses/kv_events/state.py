@@ -1,6 +1,6 @@
 """What one engine rank's cache holds according to its KV cache events, and how far to trust it.
 
-Pure: no sockets, no clock of its own (callers pass times in). `proxy/witnesses/events.py` feeds it what
+Pure: no sockets, no clock of its own (callers pass times in). `proxy/witnesses/kv_events/subscribers.py` feeds it what
 it receives, and asks `judge_rank` whether a rank's cache was emptied after a marker.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Literal
 
-from proxy.witnesses.events_wire import CLEARED, REMOVED, STORED, Batch, Event
+from proxy.witnesses.kv_events.wire import CLEARED, REMOVED, STORED, Batch, Event
 
 __all__ = ["ClearResult", "Marker", "RankClear", "RankMark", "RankSnapshot", "RankState", "judge_rank"]
 

@@ -4,7 +4,7 @@ The order is fixed by vLLM: it publishes an accepted reset's AllBlocksCleared on
 engine step, so after the reset the sidecar sends a flush probe (a prompt shorter than one cache
 block, `max_tokens: 1`: it stores no block) and then waits for the clear. Only a clear taken
 after the marker counts, only with no unreplayed gap, a synced set and no overflow
-(proxy/witnesses/events_state.py judges each rank); anything less is `unverified`, never a guess.
+(proxy/witnesses/kv_events/state.py judges each rank); anything less is `unverified`, never a guess.
 The events never contradict a reset: a missing clear may be a lost batch (docs/reset.md).
 """
 
@@ -21,8 +21,8 @@ import orjson
 from proxy.engines.base import CacheReset
 from proxy.engines.call import EngineCall, bearer, engine_call
 from proxy.vocabulary import Verified, VerifyMode
-from proxy.witnesses.events import KvEvents
-from proxy.witnesses.events_state import ClearResult, RankClear
+from proxy.witnesses.kv_events.state import ClearResult, RankClear
+from proxy.witnesses.kv_events.subscribers import KvEvents
 from proxy.witnesses.verification import Verification
 
 __all__ = [

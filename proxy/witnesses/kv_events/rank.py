@@ -1,8 +1,8 @@
 """One engine rank's KV events subscriber: its SUB socket, the socket's monitor, its replay DEALER.
 
-It keeps what the rank's cache holds (proxy/witnesses/events_state.py): live batches applied
+It keeps what the rank's cache holds (proxy/witnesses/kv_events/state.py): live batches applied
 in seq order, a gap filled from the engine's replay socket (or marked lost), a publisher that
-connects again rebuilt from the replay buffer (a restarted engine). proxy/witnesses/events.py
+connects again rebuilt from the replay buffer (a restarted engine). proxy/witnesses/kv_events/subscribers.py
 holds one per rank and answers the reset path's questions over all of them.
 """
 
@@ -20,8 +20,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from proxy.logs import LogThrottle, log_event
-from proxy.witnesses.events_state import RankState
-from proxy.witnesses.events_wire import (
+from proxy.witnesses.kv_events.state import RankState
+from proxy.witnesses.kv_events.wire import (
     DecodeError,
     KvEventsConfig,
     decode_batch,

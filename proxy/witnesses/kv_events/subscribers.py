@@ -2,7 +2,7 @@
 
 vLLM and SGLang publish every block they store and remove, and an AllBlocksCleared when the
 cache is reset (docs/simulator.md, "KV cache events", has the formats). Each rank's subscriber
-keeps what its cache holds (proxy/witnesses/events_state.py), fills a gap in the seq from the engine's
+keeps what its cache holds (proxy/witnesses/kv_events/state.py), fills a gap in the seq from the engine's
 replay socket, and notices an engine that restarted. The reset path asks it two things:
 `mark()` before the reset, then `await cleared_since(marker, timeout)`.
 
@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import zmq.asyncio
 
-from proxy.witnesses.events_rank import RankSubscriber
-from proxy.witnesses.events_state import (
+from proxy.witnesses.kv_events.rank import RankSubscriber
+from proxy.witnesses.kv_events.state import (
     ClearResult,
     Marker,
     RankClear,
@@ -29,7 +29,7 @@ from proxy.witnesses.events_state import (
     RankSnapshot,
     judge_rank,
 )
-from proxy.witnesses.events_wire import KvEventsConfig, rank_endpoint
+from proxy.witnesses.kv_events.wire import KvEventsConfig, rank_endpoint
 
 __all__ = [
     "ClearResult",

@@ -20,8 +20,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from proxy.config import SETTINGS, Settings
 from proxy.vocabulary import EventType, Verified
-from proxy.witnesses.events import KvEvents, KvEventsConfig, RankSnapshot
-from proxy.witnesses.events_wire import CLEARED, DEVICE, REMOVED, STORED
+from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig, RankSnapshot
+from proxy.witnesses.kv_events.wire import CLEARED, DEVICE, REMOVED, STORED
 
 __all__ = ["CACHE_BLOCKS_EVENT", "CacheIndex", "kv_events_config", "setup_kv_events"]
 

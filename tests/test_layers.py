@@ -220,3 +220,22 @@ if __name__ == "__main__":
     homeless = sorted({unit(n) for n in modules() if n != "proxy"} - RANK.keys())
     for name in homeless:
         print(f"no layer: {name}")
+
+
+def diagram_layers() -> list[frozenset[str]]:
+    """The layer diagram of docs/architecture.md, lowest layer first: one `└` line per layer
+    (a line without one continues the layer above it)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    layers: list[set[str]] = []
+    for line in block.strip().splitlines():
+        units = {unit.strip() for unit in line.replace("└", "").split("·") if unit.strip()}
+        if "└" in line or not layers:
+            layers.append(units)
+        else:
+            layers[-1] |= units
+    return [frozenset(layer) for layer in reversed(layers)]
+
+
+def test_the_documented_diagram_is_the_layer_table() -> None:
+    assert diagram_layers() == [layer for layer in LAYERS if layer != {"__main__"}]

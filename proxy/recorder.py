@@ -17,6 +17,7 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.evidence.log import EVIDENCE, EvidenceLog
+from proxy.evidence.reserve import CaseReserve
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
@@ -26,13 +27,9 @@ from proxy.witnesses.case import CaseWitness
 from proxy.witnesses.counters import CaseVerdict
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
-__all__ = ["CASE_RESERVE", "RECORDER", "Recorder", "setup_recorder"]
+__all__ = ["RECORDER", "Recorder", "setup_recorder"]
 
 _OBSERVATION, _VERIFICATION = str(EventType.CACHE_OBSERVATION), str(EventType.CACHE_VERIFICATION)
-# An open case's own requests (with its case token) whose observations go to the resets file,
-# which observation traffic cannot rotate away: ~0.9 KB each, so at most ~115 KB per reset, and
-# resets are admin calls. The request that settles a verdict goes there too, whoever sent it.
-CASE_RESERVE = 128
 
 
 class Recorder:
@@ -43,9 +40,8 @@ class Recorder:
         self._evidence = evidence
         self._metrics = metrics
         self.case: CaseWitness | None = None  # the counter witness, once setup_recorder made it
-        # The reset whose own requests are being kept, and how many of them are.
-        self._kept_for: str | None = None
-        self._kept = 0
+        # The open case's observations kept in the resets file (proxy/evidence/reserve.py).
+        self._reserve = CaseReserve()
 
     def begin_request(self, case_header: str | None = None) -> tuple[str | None, int | None, bool]:
         """The reset this request belongs to, its ordinal since that reset, and whether
@@ -71,22 +67,12 @@ class Recorder:
                 self.case.observed(observation)
             settled = self.witness.observe(observation)
             # Built at the flush, in a batch: the records are frozen, their order kept.
-            keep = self._reserved(observation) or settled is not None
+            # The request that settled the verdict is kept too, whoever sent it.
+            keep = self._reserve.keeps(observation) or settled is not None
             self._evidence.write_later(_OBSERVATION, observation.to_record, keep=keep)
             if settled is not None:
                 self._evidence.write_later(_VERIFICATION, settled.to_record)
         self._metrics.finished(forwarded, observation, settled.verdict if settled is not None else None)
-
-    def _reserved(self, observation: Observation) -> bool:
-        """Whether an own request of the open case still fits its reserve (and take the place)."""
-        if not observation.case_token_carried or observation.reset_id is None:
-            return False
-        if observation.reset_id != self._kept_for:
-            self._kept_for, self._kept = observation.reset_id, 0
-        if self._kept >= CASE_RESERVE:
-            return False
-        self._kept += 1
-        return True
 
     def rejected(self, observation: Observation) -> None:
         """Record an inference request the sidecar answered itself (400, 413, 503).
@@ -109,6 +95,7 @@ class Recorder:
         bind: bool = False,
     ) -> None:
         """An engine reset succeeded: requests from now on are numbered after it."""
+        self._reserve.opened(session_id, case_id)
         self.witness.reset_accepted(
             reset_id=reset_id,
             session_id=session_id,

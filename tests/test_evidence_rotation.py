@@ -15,7 +15,7 @@ import orjson
 
 from proxy.evidence.log import EVIDENCE
 from proxy.evidence.reader import evidence_files
-from proxy.recorder import CASE_RESERVE
+from proxy.evidence.reserve import CASE_RESERVE
 from tests.support.evidence_files import resets_file
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, fast, words
@@ -33,9 +33,12 @@ def _records(path: Path, keep: int) -> list[dict[str, Any]]:
     return records
 
 
-async def _chat(s: Stack, tag: str, token: str | None = None) -> None:
-    """One chat of a prompt of its own through the sidecar, with the case token if given."""
+async def _chat(s: Stack, tag: str, token: str | None = None, ids: tuple[str, str] | None = None) -> None:
+    """One chat of a prompt of its own through the sidecar, with the case token and the
+    session and case ids if given."""
     headers = {CASE: token} if token is not None else {}
+    if ids is not None:
+        headers |= {"X-Session-Id": ids[0], "X-Case-Id": ids[1]}
     body = chat(words(24, tag), max_tokens=1)
     async with s.http.post(f"{s.url}/v1/chat/completions", json=body, headers=headers) as response:
         assert response.status == 200
@@ -68,6 +71,29 @@ async def test_a_bound_cases_own_requests_outlive_a_flood_within_the_reserve(tmp
     # Past the reserve an own request is an observation like any other: in the file the flood rotates.
     observations = _records(evidence, 1)
     assert not [r for r in observations if r.get("case_token_carried")]
+
+
+async def test_requests_tagged_with_the_cases_ids_have_a_reserve_of_their_own(tmp_path: Path) -> None:
+    """Ids any client can send: a forger fills their reserve, never the case token's."""
+    async with stack(fast("vllm"), tmp_path, **SMALL) as s:
+        status, answer = await s.reset({"verify": "none", "session_id": "s1", "case_id": "c1"})
+        assert status == 200, answer
+        for index in range(CASE_RESERVE + 2):
+            await _chat(s, f"tagged{index}", ids=("s1", "c1"))
+        await _chat(s, "other-case", ids=("s1", "c2"))
+        for index in range(2):
+            await _chat(s, f"own{index}", answer["case_token"])
+        await _flood(s, 40)
+        await s.app[EVIDENCE].flush()
+    kept = [
+        r
+        for r in _records(resets_file(tmp_path / "evidence" / "cachewitness.jsonl"), 5)
+        if r["event_type"] == "infer.cache_observation"
+    ]
+    tagged = [r for r in kept if not r["case_token_carried"]]
+    assert {(r["session_id"], r["case_id"]) for r in tagged} == {("s1", "c1")}
+    assert sorted(r["ordinal_since_reset"] for r in tagged) == list(range(1, CASE_RESERVE + 1))
+    assert len([r for r in kept if r["case_token_carried"]]) == 2
 
 
 async def test_the_request_that_settles_a_verdict_outlives_a_flood(tmp_path: Path) -> None:

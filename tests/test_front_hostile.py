@@ -1,0 +1,81 @@
+"""Heads built to hurt the front (issue 45), sent to `python -m proxy serve` over raw sockets.
+
+Each is answered (by the front or by aiohttp, as a plain client would be), promptly, and the
+sidecar keeps serving the next client; what a client's bytes make the libraries log stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import aiohttp
+
+from proxy.front.head import parse_head, plain_target
+from proxy.sim import running_sim
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.process import open_raw, start_sidecar, stop
+from tests.support.sim import chat, fast
+
+# Far above what any of these takes when it works (a few ms); a loop held by a regex never gets there.
+_PROMPT_S = 5.0
+# Characters no plain target holds: each ends the letters before it after the front's target check ran.
+_REFUSED = "?%;:@!$&'()*+,=\\[]|^`{}\"<>"
+
+
+async def _answer(url: str, request: bytes) -> bytes:
+    """What the sidecar sends back for `request` (with `Connection: close`) before it closes, bounded."""
+    reader, writer = await open_raw(url, request)
+    try:
+        return await asyncio.wait_for(reader.read(), timeout=_PROMPT_S)
+    finally:
+        writer.close()
+
+
+async def _stop_even_frozen(process: asyncio.subprocess.Process) -> None:
+    """SIGTERM; a sidecar whose loop is held (a planted regex) cannot act on it and is killed."""
+    try:
+        await asyncio.wait_for(stop(process), timeout=_PROMPT_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
+
+
+async def _chat_ok(url: str) -> None:
+    async with (
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as session,
+        session.post(url + "/v1/chat/completions", json=chat("still serving")) as response,
+    ):
+        assert response.status == 200
+
+
+def test_the_plain_target_check_takes_what_it_took_and_refuses_the_rest() -> None:
+    """The front's target check: origin-form paths of plain segments; anything else is aiohttp's."""
+    taken = ["/", "/v1/chat/completions", "/v1/chat/completions/", "/a.b/c_d/~e-f", "/x" * 300 + "/"]
+    refused = ["", "v1", "//", "/a//b", "/a/./b", "/.hidden", "/a/..", "/a?b", "/a%62", "/a;b", "/a:b", "/é"]
+    assert [target for target in taken if not plain_target(target)] == []
+    assert [target for target in refused if plain_target(target)] == []
+    long_segment = "/" + "a" * 40
+    assert plain_target(long_segment)
+    assert not any(plain_target(long_segment + refused_char) for refused_char in _REFUSED)
+    # The 79-byte head of the finding: declined (aiohttp and the route policy judge it).
+    head = b"POST /" + b"a" * 31 + b"? HTTP/1.1\r\nHost: s\r\nContent-Length: 2\r\n\r\n"
+    assert parse_head(head) is None
+
+
+async def test_a_long_segment_then_a_refused_character_is_answered_promptly(tmp_path: Path) -> None:
+    """`POST /` + 40 letters + a refused character: answered within seconds (a backtracking regex
+    held the loop 2^39 steps), and the sidecar serves the next client."""
+    async with running_sim(fast("vllm")) as engine:
+        process, url = await start_sidecar(engine, tmp_path)
+        try:
+            for refused in _REFUSED:
+                target = ("/" + "a" * 40 + refused).encode()
+                request = b"POST " + target + b" HTTP/1.1\r\nHost: s\r\nConnection: close\r\n"
+                answer = await _answer(url, request + b"Content-Length: 2\r\n\r\n{}")
+                assert answer.startswith(b"HTTP/1.1 "), (refused, answer[:100])
+            await _chat_ok(url)
+        finally:
+            await _stop_even_frozen(process)

@@ -11,6 +11,8 @@ import contextlib
 from pathlib import Path
 
 import aiohttp
+import orjson
+import pytest
 
 from proxy.front.head import parse_head, plain_target
 from proxy.sim import running_sim
@@ -79,3 +81,34 @@ async def test_a_long_segment_then_a_refused_character_is_answered_promptly(tmp_
             await _chat_ok(url)
         finally:
             await _stop_even_frozen(process)
+
+
+_UPGRADES = {
+    "upgrade": b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nConnection: Upgrade, close\r\n"
+    b"Upgrade: websocket\r\nContent-Length: 2\r\n\r\n{}",
+    "connect": b"CONNECT engine:443 HTTP/1.1\r\nHost: engine:443\r\nConnection: close\r\n\r\n",
+    # aiohttp logs a traceback for each malformed head it refuses (a space in a header name).
+    "malformed": b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nBad Name: x\r\nContent-Length: 2\r\n\r\n{}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(_UPGRADES))
+async def test_many_upgrade_and_connect_heads_are_all_answered_and_the_log_stays_small(
+    tmp_path: Path, case: str
+) -> None:
+    """300 of one kind, 50 at a time: each answered (aiohttp's answer, as before the front), no
+    traceback per request in the log (unthrottled: ~1 KB each)."""
+    async with running_sim(fast("vllm")) as engine:
+        process, url = await start_sidecar(engine, tmp_path)
+        try:
+            answers: list[bytes] = []
+            for _ in range(6):
+                answers += await asyncio.gather(*(_answer(url, _UPGRADES[case]) for _ in range(50)))
+            await _chat_ok(url)
+        finally:
+            await _stop_even_frozen(process)
+    assert [answer[:40] for answer in answers if not answer.startswith(b"HTTP/1.")] == []
+    log = (tmp_path / "sidecar.log").read_text()
+    assert len(log) < 20_000, log[-3000:]
+    tracebacks = [orjson.loads(line) for line in log.splitlines() if '"exc"' in line]
+    assert len(tracebacks) <= 2, tracebacks[-1]

@@ -101,6 +101,9 @@ class Guard(Protocol):
     def hit(self, limit: Limit) -> None:
         """Count (and log) one hit of a limit."""
 
+    def fault(self, error: Exception) -> None:
+        """Log (throttled) an exception a client's bytes raised in the front: its connection is cut."""
+
     def opened(self, transport: asyncio.BaseTransport, connection: ClientConnection) -> None:
         """A connection was let in."""
 
@@ -187,7 +190,12 @@ class ClientConnection(asyncio.Protocol):
         if self._phase is Phase.IDLE:
             self._start_head(now)
         if self._front is not None:
-            self._front.data_received(data)
+            try:
+                self._front.data_received(data)
+            except Exception as error:  # a bug of ours a client's bytes found: never the loop's to log
+                self._guard.fault(error)
+                if self._transport is not None:
+                    self._transport.abort()
         elif self._handler is not None:
             self._handler.data_received(data)
 

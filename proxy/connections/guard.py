@@ -165,6 +165,16 @@ class ConnectionGuard:
                 open_connections=self.open_connections,
             )
 
+    def fault(self, error: Exception) -> None:
+        """Log an exception a client's bytes raised in the front, with its traceback, throttled."""
+        faults = self._throttle.due("fault")
+        if faults:
+            log.error(
+                "front: a client's bytes raised; its connection is cut",
+                exc_info=error,
+                extra={"faults": faults},
+            )
+
     def _limit_value(self, limit: Limit) -> float:
         """The configured value of a limit, for the log line."""
         if limit is Limit.HEADER_TIMEOUT:

@@ -88,8 +88,10 @@ def parse_head(raw: bytes) -> RequestHead | None:
     parser = httptools.HttpRequestParser(collector)
     try:
         parser.feed_data(raw)
-    except httptools.HttpParserError:
-        return None  # aiohttp answers a head that is not HTTP its own way
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        # aiohttp answers a head that is not HTTP its own way, and an Upgrade or CONNECT as it
+        # did (HttpParserUpgrade is no HttpParserError: uncaught, it left data_received).
+        return None
     if not collector.complete or parser.get_http_version() != "1.1":
         return None
     target = collector.url.decode("latin-1")

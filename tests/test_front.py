@@ -332,6 +332,11 @@ _DECLINED = {
     "no length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nX-Answer: json\r\n\r\n",
     "a control route": _request(path="/reset_prefix_cache"),
     "a GET": b"GET /v1/models HTTP/1.1\r\nHost: s\r\nX-Answer: json\r\n\r\n",
+    # Heads aiohttp refuses or that HTTP/1.1 forbids (issue 45): aiohttp's, whole or not.
+    "HTTP/1.1 without Host": _request().replace(b"Host: sidecar\r\n", b"", 1),
+    "two Hosts": _request(extra=b"Host: other\r\n"),
+    "a 20 KB value": _request(extra=b"X-Note: " + b"n" * 20_000 + b"\r\n"),
+    "1,000 headers": _request(extra=b"".join(b"X-N%d: n\r\n" % i for i in range(1000))),
 }
 
 

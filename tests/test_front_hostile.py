@@ -67,6 +67,30 @@ def test_the_plain_target_check_takes_what_it_took_and_refuses_the_rest() -> Non
     assert parse_head(head) is None
 
 
+_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nContent-Length: 2\r\n"
+
+
+@pytest.mark.parametrize(
+    ("case", "extra"),
+    [
+        (
+            "a 40 KB head of 7,000-byte values",
+            b"".join(b"X-N%d: %b\r\n" % (i, b"n" * 7000) for i in range(6)),
+        ),
+        ("129 headers", b"".join(b"X-N%d: n\r\n" % i for i in range(129))),
+        ("an 8,191-byte value", b"X-Note: " + b"n" * 8191 + b"\r\n"),
+        ("two Hosts", b"Host: t\r\n"),
+    ],
+)
+def test_a_complete_head_past_the_limits_is_declined(case: str, extra: bytes) -> None:
+    """The 32 KiB head limit, aiohttp's 8,190 bytes a field and 128 headers hold for a complete head
+    too, and an HTTP/1.1 head has one Host: else aiohttp judges it. The same head within them is taken."""
+    assert parse_head(_HEAD + extra + b"\r\n") is None, case
+    assert parse_head(_HEAD + b"\r\n") is not None
+    assert parse_head(_HEAD.replace(b"Host: s\r\n", b"") + b"\r\n") is None
+    assert parse_head(_HEAD + b"".join(b"X-N%d: %b\r\n" % (i, b"n" * 7000) for i in range(4)) + b"\r\n")
+
+
 async def test_a_long_segment_then_a_refused_character_is_answered_promptly(tmp_path: Path) -> None:
     """`POST /` + 40 letters + a refused character: answered within seconds (a backtracking regex
     held the loop 2^39 steps), and the sidecar serves the next client."""

@@ -17,8 +17,12 @@ from proxy.forward.ids import ID_HEADERS
 
 __all__ = ["MAX_HEAD_BYTES", "RequestHead", "head_end", "parse_head", "plain_target"]
 
-# aiohttp's own limits are 8,190 bytes a line and a field; a head past this is aiohttp's to refuse.
+# aiohttp's own limits are 8,190 bytes a line and a field, 128 headers; a head past any of
+# them, or past this in all, is aiohttp's to refuse (issue 45: a complete 109 KB head with
+# 12,000 headers was served).
 MAX_HEAD_BYTES = 32 * 1024
+_MAX_FIELD = 8190
+_MAX_HEADERS = 128
 _END = b"\r\n\r\n"
 # A target the front takes: origin-form, no query, no escape, no dot segment, no empty segment
 # (a trailing slash aside). Anything else has spellings engines read differently
@@ -80,7 +84,8 @@ def head_end(buffer: bytes | bytearray, start: int) -> int:
 def parse_head(raw: bytes) -> RequestHead | None:
     """The head in `raw` (ending with its blank line) when the front may serve it, else None.
 
-    Served: HTTP/1.1, a target of plain path characters, one Content-Length (a length, not
+    Served: HTTP/1.1 within aiohttp's limits and with one Host, a target of plain path
+    characters, one Content-Length (a length, not
     chunks), no Expect, Upgrade or Transfer-Encoding, every header value UTF-8 (the id
     headers excepted: they are stored escaped, proxy/forward/ids.py).
     """
@@ -92,7 +97,7 @@ def parse_head(raw: bytes) -> RequestHead | None:
         # aiohttp answers a head that is not HTTP its own way, and an Upgrade or CONNECT as it
         # did (HttpParserUpgrade is no HttpParserError: uncaught, it left data_received).
         return None
-    if not collector.complete or parser.get_http_version() != "1.1":
+    if not collector.complete or parser.get_http_version() != "1.1" or not _within_limits(raw, collector):
         return None
     target = collector.url.decode("latin-1")
     if not plain_target(target):
@@ -121,6 +126,16 @@ def parse_head(raw: bytes) -> RequestHead | None:
         parser.should_keep_alive(),
         len(raw),
     )
+
+
+def _within_limits(raw: bytes, collector: _Collector) -> bool:
+    """Whether the head keeps aiohttp's limits and has the one Host an HTTP/1.1 request must have."""
+    headers = collector.headers
+    if len(raw) > MAX_HEAD_BYTES or len(headers) > _MAX_HEADERS or len(collector.url) > _MAX_FIELD:
+        return False
+    if any(len(name) > _MAX_FIELD or len(value) > _MAX_FIELD for name, value in headers):
+        return False
+    return sum(1 for name, _ in headers if name.lower() == b"host") == 1
 
 
 def plain_target(target: str) -> bool:

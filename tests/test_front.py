@@ -294,8 +294,17 @@ async def test_a_body_the_budget_cannot_take_as_it_arrives_goes_to_aiohttp_whole
                 _RELEASE.set()  # the first's answer goes once the second's came
             answers.append(bytes(framer._raw))
         budget = sidecar.app[BODY_BUDGET]
+        # Both answered: nothing is in progress (the front's count of the second ended when aiohttp
+        # took it, or shutdown would wait the grace period for it).
+        guard = sidecar.app[CONNECTIONS]
+        for _ in range(50):
+            if guard.requests_in_progress == 0:
+                break
+            await asyncio.sleep(0.1)
+        in_progress = guard.requests_in_progress
         for _, writer in (first, second):
             writer.close()
+    assert in_progress == 0
     assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in answers), answers
     assert all(answer.endswith(b'{"length":%d}' % size) for answer in answers), answers
     assert budget.unobserved_total == 1  # the second: streamed past the budget, by aiohttp

@@ -105,7 +105,8 @@ async def test_an_answer_during_a_graceful_shutdown_says_connection_close(tmp_pa
 
 async def test_an_upload_the_sidecar_paused_is_not_cut_as_silent(tmp_path: Path) -> None:
     """A 32 MiB upload streamed to an engine that reads nothing for 3 s: the sidecar stops reading
-    its client (flow control), which is not the client's silence: body_idle_timeout (1 s) does not cut it."""
+    its client (flow control), which is not the client's silence nor its slowness: neither
+    body_idle_timeout (1 s) nor body_timeout (2 s) cuts it."""
     size = 32 * 1024 * 1024
     async with _engine() as engine:
         engine.read_after_s = 3.0
@@ -116,6 +117,8 @@ async def test_an_upload_the_sidecar_paused_is_not_cut_as_silent(tmp_path: Path)
             "generic",
             "--body-idle-timeout",
             "1",
+            "--body-timeout",
+            "2",  # the body takes 3 s and more in all, all of it the sidecar's pause
             "--max-buffered-bytes",
             "0",  # every body streams to the engine as it comes
         )

@@ -91,6 +91,35 @@ def test_a_complete_head_past_the_limits_is_declined(case: str, extra: bytes) ->
     assert parse_head(_HEAD + b"".join(b"X-N%d: %b\r\n" % (i, b"n" * 7000) for i in range(4)) + b"\r\n")
 
 
+_REFUSED_HEADS = {
+    "no Host": _HEAD.replace(b"Host: s\r\n", b""),
+    "two Hosts": _HEAD + b"Host: t\r\n",
+    "a 20 KB value": _HEAD + b"X-Note: " + b"n" * 20_000 + b"\r\n",
+    "1,000 headers": _HEAD + b"".join(b"X-N%d: n\r\n" % i for i in range(1000)),
+}
+
+
+async def test_heads_aiohttp_refuses_are_refused_with_the_front_on(tmp_path: Path) -> None:
+    """Each goes to aiohttp, which answers 400 (the front served them all to the engine), and the
+    sidecar serves the next client."""
+    async with running_sim(fast("vllm")) as engine:
+        process, url = await start_sidecar(engine, tmp_path)
+        try:
+            answers = {
+                case: await _answer(url, head + b"Connection: close\r\n\r\n{}")
+                for case, head in _REFUSED_HEADS.items()
+            }
+            await _chat_ok(url)
+        finally:
+            await _stop_even_frozen(process)
+    # aiohttp's own refusal (HTTP/1.0, text/plain), not the engine's JSON 400 to what the front forwarded.
+    refused = {
+        case: answer.startswith(b"HTTP/1.0 400 ") and b"text/plain" in answer
+        for case, answer in answers.items()
+    }
+    assert refused == dict.fromkeys(_REFUSED_HEADS, True), answers
+
+
 async def test_a_long_segment_then_a_refused_character_is_answered_promptly(tmp_path: Path) -> None:
     """`POST /` + 40 letters + a refused character: answered within seconds (a backtracking regex
     held the loop 2^39 steps), and the sidecar serves the next client."""

@@ -22,6 +22,7 @@ from yarl import URL
 
 from tests.support.capture import Capture, Seen, capturing
 from tests.support.client import CLIENT_TIMEOUT
+from tests.support.process import start_sidecar, stop
 from tests.support.sidecar import serve_sidecar
 from tests.support.sim import chat, fast, sim
 
@@ -164,3 +165,37 @@ async def test_the_admin_token_in_the_query_never_reaches_the_engine(tmp_path: P
     assert TOKEN not in unquote(unquote(seen[0].raw_path)), seen[0].raw_path
     others = [p for p in QUERIES[query].split("&") if TOKEN not in unquote(p)]
     assert seen[0].raw_path == "/v1/chat/completions" + ("?" + "&".join(others) if others else "")
+
+
+async def test_through_serve_no_new_spelling_nor_dot_segment_reaches_the_engine(tmp_path: Path) -> None:
+    """`python -m proxy serve` with a token before a captured SGLang simulator (issue 45): the new
+    header spellings and the query spellings reach the engine without the token, and `/dumper/.`
+    (folded: `/dumper`, outside the `/dumper/` prefix) is refused."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    new = [spelling for spelling in SPELLINGS if "percent" in spelling or "whitespace" in spelling]
+    async with sim(fast("sglang")) as engine, capturing(engine.url) as capture:
+        process, url = await start_sidecar(
+            capture.url, tmp_path, "--engine", "sglang", "--admin-token-file", str(token_file)
+        )
+        try:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+                for spelling in new:
+                    name, value = SPELLINGS[spelling]
+                    async with http.post(
+                        f"{url}/v1/chat/completions", json=chat("hi"), headers={name: value}
+                    ) as r:
+                        assert r.status == 200, spelling
+                for query in QUERIES.values():
+                    target = URL(f"{url}/v1/chat/completions?{query}", encoded=True)
+                    async with http.post(target, json=chat("hi")) as r:
+                        assert r.status == 200, query
+                async with http.post(URL(f"{url}/dumper/.", encoded=True), json={}) as r:
+                    dumper_status = r.status
+        finally:
+            await stop(process)
+    seen = [x for x in capture.seen if x.raw_path.startswith("/v1/chat/completions")]
+    assert len(seen) == len(new) + len(QUERIES)
+    assert [x.raw_path for x in seen if _holds_token(x) or TOKEN in unquote(unquote(x.raw_path))] == []
+    assert dumper_status == 401
+    assert not [x for x in capture.seen if x.raw_path.startswith("/dumper")]

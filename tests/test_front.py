@@ -341,6 +341,9 @@ _DECLINED = {
     "no length": b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nX-Answer: json\r\n\r\n",
     "a control route": _request(path="/reset_prefix_cache"),
     "a GET": b"GET /v1/models HTTP/1.1\r\nHost: s\r\nX-Answer: json\r\n\r\n",
+    # httptools raises HttpParserUpgrade for these (issue 45): aiohttp's, as before the front.
+    "an Upgrade": _request(extra=b"Connection: Upgrade\r\nUpgrade: websocket\r\n"),
+    "a CONNECT": b"CONNECT engine:443 HTTP/1.1\r\nHost: engine:443\r\n\r\n",
     # Heads aiohttp refuses or that HTTP/1.1 forbids (issue 45): aiohttp's, whole or not.
     "HTTP/1.1 without Host": _request().replace(b"Host: sidecar\r\n", b"", 1),
     "two Hosts": _request(extra=b"Host: other\r\n"),

@@ -280,9 +280,21 @@ OPTIONS: tuple[Option, ...] = (
         "seconds ≥ 0",
     ),
     Option(
+        "body_timeout",
+        _positive_float,
+        "seconds a request body may take in all, not counting the sidecar's own pauses (0 = no limit)",
+        "seconds ≥ 0",
+    ),
+    Option(
         "max_connections",
         _positive_int,
         "client connections open at once; more get 503 and close (0 = no limit)",
+        "a whole number ≥ 0",
+    ),
+    Option(
+        "max_connections_per_peer",
+        _positive_int,
+        "client connections open at once from one address; more get 503 and close (0 = no limit)",
         "a whole number ≥ 0",
     ),
     Option(

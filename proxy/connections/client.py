@@ -11,33 +11,15 @@ from collections.abc import Callable
 from enum import StrEnum
 from typing import Protocol, cast
 
-import orjson
 from aiohttp import web
 
+from proxy.connections.answers import HEAD_TIMEOUT_ANSWER, PEER_REFUSAL, REFUSAL, REFUSAL_BODY
 from proxy.watchdog import Watchdog
 
 __all__ = ["CLIENT_STALLED", "REFUSAL_BODY", "ClientConnection", "Guard", "Limit", "Phase"]
 
 # SIOCOUTQ (Linux's TIOCOUTQ on a socket): bytes in the send queue the peer has not acknowledged.
 _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
-
-REFUSAL_BODY = orjson.dumps(
-    {
-        "error": {
-            "message": "the sidecar has max_connections client connections open; retry shortly",
-            "type": "service_unavailable",
-            "code": "too_many_connections",
-        }
-    }
-)
-_REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\n"
-    b"Content-Type: application/json\r\n"
-    b"Retry-After: 1\r\n"
-    b"Connection: close\r\n"
-    b"Content-Length: " + str(len(REFUSAL_BODY)).encode() + b"\r\n\r\n" + REFUSAL_BODY
-)
-_HEAD_TIMEOUT_ANSWER = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 
 # Set on a request whose client was cut by client_write_timeout.
@@ -49,8 +31,10 @@ class Limit(StrEnum):
 
     HEADER_TIMEOUT = "header_timeout"
     BODY_IDLE_TIMEOUT = "body_idle_timeout"
+    BODY_TIMEOUT = "body_timeout"
     CLIENT_WRITE_TIMEOUT = "client_write_timeout"
     MAX_CONNECTIONS = "max_connections"
+    MAX_CONNECTIONS_PER_PEER = "max_connections_per_peer"
 
 
 class Phase(StrEnum):
@@ -84,6 +68,7 @@ class Guard(Protocol):
 
     header_timeout: float
     body_idle_timeout: float
+    body_timeout: float
     client_write_timeout: float
     keepalive_timeout: float
     max_connections: int
@@ -91,6 +76,9 @@ class Guard(Protocol):
     open_connections: int
     watchdog: Watchdog[ClientConnection]
     front: FrontFactory | None
+
+    def peer_full(self, peer: str) -> bool:
+        """Whether `peer` has max_connections_per_peer connections open already."""
 
     def request_begun(self) -> None:
         """A request's handler (or the front's exchange) starts."""
@@ -100,6 +88,9 @@ class Guard(Protocol):
 
     def hit(self, limit: Limit) -> None:
         """Count (and log) one hit of a limit."""
+
+    def fault(self, error: Exception) -> None:
+        """Log (throttled) an exception a client's bytes raised in the front: its connection is cut."""
 
     def opened(self, transport: asyncio.BaseTransport, connection: ClientConnection) -> None:
         """A connection was let in."""
@@ -144,6 +135,10 @@ class ClientConnection(asyncio.Protocol):
         self._request: web.BaseRequest | None = None
         self._front: FrontPart | None = None  # the front holds the connection (until it hands it off)
         self._front_body = False  # the front is reading a request body: body_idle_timeout runs
+        # When the request body began to arrive, moved on by the time the sidecar paused reading:
+        # body_timeout counts the client's time only.
+        self._body_since = self._head_since
+        self.peer = ""  # the client's address (max_connections_per_peer counts by it)
         self._idle_since = self._head_since
         self._lost = False  # connection_lost ran: no deadline is armed any more
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
@@ -160,13 +155,20 @@ class ClientConnection(asyncio.Protocol):
         """Refuse past max_connections; else hand the connection to aiohttp and start the head clock."""
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         guard = self._guard
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
+        if guard.peer_full(self.peer):
+            guard.hit(Limit.MAX_CONNECTIONS_PER_PEER)
+            transport.write(PEER_REFUSAL)
+            transport.close()
+            return
         if guard.max_connections and guard.open_connections >= guard.max_connections:
             self.probe_only = True
         if self.probe_only and guard.open_connections >= guard.max_connections + guard.probe_slots:
             guard.hit(Limit.MAX_CONNECTIONS)
             # Closed at once, not lingered: under a flood the descriptor is what must be freed. A
             # client whose request was already sent may then see a reset instead of the 503.
-            transport.write(_REFUSAL)
+            transport.write(REFUSAL)
             transport.close()
             return
         self._transport = transport
@@ -187,7 +189,12 @@ class ClientConnection(asyncio.Protocol):
         if self._phase is Phase.IDLE:
             self._start_head(now)
         if self._front is not None:
-            self._front.data_received(data)
+            try:
+                self._front.data_received(data)
+            except Exception as error:  # a bug of ours a client's bytes found: never the loop's to log
+                self._guard.fault(error)
+                if self._transport is not None:
+                    self._transport.abort()
         elif self._handler is not None:
             self._handler.data_received(data)
 
@@ -241,9 +248,8 @@ class ClientConnection(asyncio.Protocol):
         """The head is complete: header_timeout stops; body_idle_timeout runs while the body is unread."""
         self._phase = Phase.REQUEST
         self._request = request
-        self._last_data = self._loop.time()
-        idle = self._guard.body_idle_timeout
-        self._arm(self._last_data + idle if idle and not request.content.is_eof() else None)
+        self._last_data = self._body_since = self._loop.time()
+        self._arm(self._body_due() if not request.content.is_eof() else None)
 
     def request_finished(self) -> None:
         """Back to keep-alive idle: the next request's first byte starts its head clock."""
@@ -276,9 +282,8 @@ class ClientConnection(asyncio.Protocol):
         self._guard.request_begun()
         self._phase = Phase.REQUEST
         self._front_body = True
-        self._last_data = self._loop.time()
-        idle = self._guard.body_idle_timeout
-        self._arm(self._last_data + idle if idle else None)
+        self._last_data = self._body_since = self._loop.time()
+        self._arm(self._body_due())
 
     def serving(self) -> None:
         """The front has the whole request and serves it: the answer may take as long as the engine needs."""
@@ -353,6 +358,21 @@ class ClientConnection(asyncio.Protocol):
             self._front.stalled()
         transport.abort()  # nothing more can reach this client; connection_lost cancels the handler
 
+    def _body_due(self) -> float | None:
+        """When the body's limits are next due: its silence (body_idle_timeout) or its whole time (body_timeout)."""
+        guard = self._guard
+        dues = []
+        if guard.body_idle_timeout:
+            dues.append(self._last_data + guard.body_idle_timeout)
+        if guard.body_timeout:
+            dues.append(self._body_since + guard.body_timeout)
+        return min(dues) if dues else None
+
+    @property
+    def receiving_body(self) -> bool:
+        """Whether a request's body is arriving on this connection now."""
+        return self._phase is Phase.REQUEST and not self._lost and self._body_unread()
+
     def _body_unread(self) -> bool:
         """Whether the request in progress still has body bytes to come (aiohttp's, or the front's)."""
         if self._request is not None:
@@ -367,7 +387,7 @@ class ClientConnection(asyncio.Protocol):
         if self._phase is Phase.HEAD:
             if now - self._head_since >= guard.header_timeout:
                 guard.hit(Limit.HEADER_TIMEOUT)
-                transport.write(_HEAD_TIMEOUT_ANSWER)
+                transport.write(HEAD_TIMEOUT_ANSWER)
                 transport.close()
             else:
                 self._arm(self._head_since + guard.header_timeout)
@@ -383,10 +403,16 @@ class ClientConnection(asyncio.Protocol):
         if not self._body_unread():
             return  # the body is all in: the response may take as long as the engine needs
         if not transport.is_reading():
-            # Paused by aiohttp's flow control: the sidecar is the slow side, not the client.
+            # Paused by aiohttp's flow control: the sidecar is the slow side, not the client; the
+            # time since the client was last heard does not count against it either.
+            self._body_since += now - self._last_data
             self._last_data = now
-        elif now - self._last_data >= guard.body_idle_timeout:
+        elif guard.body_idle_timeout and now - self._last_data >= guard.body_idle_timeout:
             guard.hit(Limit.BODY_IDLE_TIMEOUT)
             transport.close()
             return
-        self._arm(self._last_data + guard.body_idle_timeout)
+        if guard.body_timeout and now - self._body_since >= guard.body_timeout:
+            guard.hit(Limit.BODY_TIMEOUT)  # a body that keeps coming, too slowly: it holds a slot
+            transport.close()
+            return
+        self._arm(self._body_due())

@@ -8,7 +8,6 @@ head the front declines costs nothing but the parse: aiohttp answers it as it al
 
 from __future__ import annotations
 
-import re
 from typing import NamedTuple
 
 import httptools
@@ -16,15 +15,21 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.forward.ids import ID_HEADERS
 
-__all__ = ["MAX_HEAD_BYTES", "RequestHead", "head_end", "parse_head"]
+__all__ = ["MAX_HEAD_BYTES", "RequestHead", "head_end", "parse_head", "plain_target"]
 
-# aiohttp's own limits are 8,190 bytes a line and a field; a head past this is aiohttp's to refuse.
+# aiohttp's own limits are 8,190 bytes a line and a field, 128 headers; a head past any of
+# them, or past this in all, is aiohttp's to refuse (issue 45: a complete 109 KB head with
+# 12,000 headers was served).
 MAX_HEAD_BYTES = 32 * 1024
+_MAX_FIELD = 8190
+_MAX_HEADERS = 128
 _END = b"\r\n\r\n"
-# A target the front takes: origin-form, no query, no escape, no dot segment, no empty segment.
-# Anything else has spellings engines read differently (proxy/admin/policy.py): aiohttp and the
-# route policy judge it.
-_PLAIN_TARGET = re.compile(r"/(?:[A-Za-z0-9_~-][A-Za-z0-9._~-]*/?)*")
+# A target the front takes: origin-form, no query, no escape, no dot segment, no empty segment
+# (a trailing slash aside). Anything else has spellings engines read differently
+# (proxy/admin/policy.py): aiohttp and the route policy judge it. Checked by a set and two
+# substring scans, each linear: a regex with a repeated group of optional parts tried 2^n splits of an
+# n-letter segment before refusing a `?` after it (issue 45: 79 bytes held the loop 75 s).
+_TARGET_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._~-/")
 # Headers whose request the front leaves to aiohttp: a body framed otherwise than by its length,
 # an interim answer to send, a protocol switch.
 _DECLINED_HEADERS = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
@@ -79,7 +84,8 @@ def head_end(buffer: bytes | bytearray, start: int) -> int:
 def parse_head(raw: bytes) -> RequestHead | None:
     """The head in `raw` (ending with its blank line) when the front may serve it, else None.
 
-    Served: HTTP/1.1, a target of plain path characters, one Content-Length (a length, not
+    Served: HTTP/1.1 within aiohttp's limits and with one Host, a target of plain path
+    characters, one Content-Length (a length, not
     chunks), no Expect, Upgrade or Transfer-Encoding, every header value UTF-8 (the id
     headers excepted: they are stored escaped, proxy/forward/ids.py).
     """
@@ -87,18 +93,25 @@ def parse_head(raw: bytes) -> RequestHead | None:
     parser = httptools.HttpRequestParser(collector)
     try:
         parser.feed_data(raw)
-    except httptools.HttpParserError:
-        return None  # aiohttp answers a head that is not HTTP its own way
-    if not collector.complete or parser.get_http_version() != "1.1":
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        # aiohttp answers a head that is not HTTP its own way, and an Upgrade or CONNECT as it
+        # did (HttpParserUpgrade is no HttpParserError: uncaught, it left data_received).
+        return None
+    if not collector.complete or parser.get_http_version() != "1.1" or not _within_limits(raw, collector):
         return None
     target = collector.url.decode("latin-1")
-    if _PLAIN_TARGET.fullmatch(target) is None:
+    if not plain_target(target):
         return None
     length: bytes | None = None
+    hosts = 0
     pairs: list[tuple[str, str]] = []
     for name, value in collector.headers:
         lowered = name.lower()
-        if lowered == b"content-length":
+        if len(value) > _MAX_FIELD or len(name) > _MAX_FIELD:
+            return None
+        if lowered == b"host":
+            hosts += 1
+        elif lowered == b"content-length":
             if length is not None or not value.isdigit():
                 return None  # two lengths, or one that is not a number: aiohttp's to refuse
             length = value
@@ -108,7 +121,7 @@ def parse_head(raw: bytes) -> RequestHead | None:
             return None
         # As aiohttp's parser decodes them: names are tokens (ASCII), values UTF-8 with surrogateescape.
         pairs.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
-    if length is None:
+    if length is None or hosts != 1:
         return None
     return RequestHead(
         parser.get_method().decode("latin-1"),
@@ -117,6 +130,27 @@ def parse_head(raw: bytes) -> RequestHead | None:
         int(length),
         parser.should_keep_alive(),
         len(raw),
+    )
+
+
+def _within_limits(raw: bytes, collector: _Collector) -> bool:
+    """Whether the head keeps aiohttp's limits on the whole, the count and the target (each header's
+    size and the one Host an HTTP/1.1 request must have are checked as parse_head reads them)."""
+    return (
+        len(raw) <= MAX_HEAD_BYTES
+        and len(collector.headers) <= _MAX_HEADERS
+        and len(collector.url) <= _MAX_FIELD
+    )
+
+
+def plain_target(target: str) -> bool:
+    """Whether `target` is a plain path: `/`, then segments of letters, digits and `._~-` that do
+    not start with a dot, joined by single slashes, with at most one slash at the end.
+
+    Three scans in C: a character outside the set (`?`, `%`, `;`, `:`...) is refused first.
+    """
+    return (
+        target[:1] == "/" and _TARGET_CHARS.issuperset(target) and "//" not in target and "/." not in target
     )
 
 

@@ -128,6 +128,18 @@ async def test_a_clear_before_the_marker_does_not_count() -> None:
         assert result.timed_out and not result.ranks[0].cleared and not result.vouches
 
 
+async def test_a_clear_the_clock_cannot_place_is_placed_by_its_seq() -> None:
+    # An hour of clock slack (an engine host whose clock may lag) lets the clear's time pass
+    # for "after the marker": only its seq, at or below the marker's, says it came before.
+    async with stack("vllm", core_options={"clock_slack_s": 3600.0}) as (s, kv):
+        assert await s.post_json("/reset_prefix_cache", {}) == (200, {"success": True})
+        await request(s, 3)
+        snap, _ = await caught_up(s, kv)
+        assert snap.clears == 1
+        result = await kv.cleared_since(kv.mark(), QUIET_S)
+        assert result.timed_out and not result.ranks[0].cleared and not result.vouches
+
+
 async def test_a_seq_that_starts_again_is_a_restart() -> None:
     async with stack("vllm") as (s, kv):
         for i in range(3):

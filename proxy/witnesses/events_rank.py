@@ -35,6 +35,10 @@ __all__ = ["RankSubscriber"]
 log = logging.getLogger("cachewitness.events")
 
 _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes out
+# Batches above this are decoded in a worker thread, so a large one does not hold the event loop
+# (a few ms of msgpack per 100 KiB; a full 4 MiB batch would stall every request for a while).
+_DECODE_OFF_LOOP = 256 << 10
+_REPLAY_HWM = 10_000  # vLLM's replay buffer holds 10,000 batches by default
 # A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.
 _PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
 
@@ -170,7 +174,7 @@ class RankSubscriber:
             verdict = st.classify(seq)
         st.live = seq
         if verdict != "duplicate":
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
 
     async def _fill(self, start: int, stop: int | None) -> None:
         """A gap from `start` (to `stop`, or to whatever the engine has): replay it, or say it is lost."""
@@ -193,9 +197,12 @@ class RankSubscriber:
             async with self._lock:
                 await self._fill(0 if self.state.applied is None else self.state.applied + 1, None)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            if len(payload) > _DECODE_OFF_LOOP:
+                batch = await asyncio.to_thread(decode_batch, payload)
+            else:
+                batch = decode_batch(payload)
         except DecodeError as exc:
             self.state.skip(seq)
             self._warn(
@@ -240,7 +247,7 @@ class RankSubscriber:
                     complete = False  # the engine's buffer no longer holds what is missing
                     st.lost()
                 # Batches past `stop` are applied too: the live socket's copies then read as duplicates.
-                self._apply(seq, payload)
+                await self._apply(seq, payload)
         except DecodeError:
             self._drop_replay_socket()
             return False
@@ -256,7 +263,8 @@ class RankSubscriber:
             assert self._replay_endpoint is not None
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, self.config.hwm)
+            # The engine's own replay socket, a whole buffer at once: a ROUTER drops what overflows.
+            dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
             dealer.connect(self._replay_endpoint)
             self._dealer = dealer

@@ -159,8 +159,8 @@ class RankState:
 
     def _store(self, event: Event) -> None:
         self.stored_since_clear += len(event.hashes)
-        if self.overflow:
-            return
+        if self.overflow or not event.hashes:
+            return  # an empty store makes no set: a set per (medium, group) holds at least one block
         blocks = self._sets.setdefault((event.medium, event.group), set())
         for h in event.hashes:
             if h in blocks:
@@ -182,6 +182,8 @@ class RankState:
                 self._size -= 1
             else:
                 self.unknown_removals += 1
+        if blocks is not None and not blocks:
+            del self._sets[(event.medium, event.group)]
 
     def _drop_set(self) -> None:
         self._sets.clear()

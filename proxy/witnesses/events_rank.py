@@ -40,7 +40,9 @@ _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes o
 _DECODE_OFF_LOOP = 256 << 10
 _REPLAY_HWM = 10_000  # vLLM's replay buffer holds 10,000 batches by default
 # A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.
-_PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# One the address check refused (proxy/witnesses/events.py) never gets that far.
+_PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+ZAP_DOMAIN = b"cachewitness-kv-events"
 
 
 class RankSubscriber:
@@ -65,9 +67,12 @@ class RankSubscriber:
         self._lock = asyncio.Lock()  # one replay at a time, and no live batch applied during it
         self._throttle = LogThrottle()
 
-    def open(self) -> None:
-        """Bind (or connect) the SUB socket and start reading it."""
+    def open(self, admit: bool = False) -> None:
+        """Bind (or connect) the SUB socket and start reading it; with `admit`, each publisher's
+        handshake goes to the context's ZAP handler, which admits only the engine's addresses."""
         sub = self._ctx.socket(zmq.SUB)
+        if admit:
+            sub.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.config.hwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
@@ -133,12 +138,36 @@ class RankSubscriber:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self.state.peers = max(0, self.state.peers - 1)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.state.refused_publishers += 1
+                self._warn(
+                    "kv_events_refused",
+                    "kv events: a publisher from an address other than the engine's was refused",
+                    rank=self.state.rank,
+                )
             else:
                 # A publisher (re)connected: a restarted engine, or one that was up before the
                 # sidecar. Its replay buffer holds its history from seq 0: rebuild from it.
                 self.state.peers += 1
+                if self.state.peers > 1:
+                    self._second_publisher()
                 async with self._lock:
                     await self._resync()
+
+    def _second_publisher(self) -> None:
+        """Two publishers on one rank's socket: one is not the engine, and either one's batches may
+        be forged. The set is unknown from here, and no reset judged across it is vouched for."""
+        st = self.state
+        st.extra_publishers += 1
+        st.lost()
+        # Never throttled: each one is an alarm (and cachewitness_kv_event_publishers_extra_total).
+        log_event(
+            log,
+            logging.ERROR,
+            "kv events: a second publisher connected to one rank's socket; the events witness will not vouch",
+            rank=st.rank,
+            publishers=st.peers,
+        )
 
     async def _drain(self) -> None:
         assert self._sub is not None

@@ -32,6 +32,7 @@ class RankSnapshot:
     rank: int
     up: bool  # the subscriber's socket is open
     connected: bool  # a publisher is connected to it
+    publishers: int  # publishers connected now: one is the engine; a second is an alarm
     synced: bool
     overflow: bool
     blocks: Mapping[str, int]
@@ -49,11 +50,14 @@ class RankSnapshot:
     restarts: int
     decode_errors: int
     unknown_removals: int  # removals of blocks never seen stored (a sign of history missed)
+    extra_publishers: int  # times a publisher connected while another one was (an alarm)
+    refused_publishers: int  # handshakes refused by the publisher address check
 
     @property
     def vouches(self) -> bool:
-        """Whether `blocks` is the cache's content, not a lower bound or a guess."""
-        return self.synced and not self.overflow
+        """Whether `blocks` is the cache's content, not a lower bound or a guess (never while
+        two publishers share the socket: either one's batches could be the other's forgery)."""
+        return self.synced and not self.overflow and self.publishers <= 1
 
 
 @dataclass
@@ -70,6 +74,8 @@ class RankState:
     max_blocks: int
     up: bool = False
     peers: int = 0
+    extra_publishers: int = 0
+    refused_publishers: int = 0
     synced: bool = False
     overflow: bool = False
     applied: int | None = None  # the last seq applied to the set (this incarnation)
@@ -203,6 +209,7 @@ class RankState:
             rank=self.rank,
             up=self.up,
             connected=self.peers > 0,
+            publishers=self.peers,
             synced=self.synced,
             overflow=self.overflow,
             blocks=MappingProxyType(self.blocks()),
@@ -220,6 +227,8 @@ class RankState:
             restarts=self.restarts,
             decode_errors=self.decode_errors,
             unknown_removals=self.unknown_removals,
+            extra_publishers=self.extra_publishers,
+            refused_publishers=self.refused_publishers,
         )
 
 
@@ -231,6 +240,7 @@ class RankMark:
     seq: int | None
     restarts: int
     unreplayed_gaps: int
+    extra_publishers: int = 0
 
 
 @dataclass(frozen=True)
@@ -260,15 +270,18 @@ class RankClear:
     synced: bool
     overflow: bool
     connected: bool
+    extra_publishers: int = 0  # a second publisher connected since the marker (or is now)
 
     @property
     def vouches(self) -> bool:
-        """The cache was emptied after the marker, and every batch since then is known."""
+        """The cache was emptied after the marker, every batch since then is known, and they all
+        came while one publisher, the engine, was connected."""
         return (
             (self.cleared or self.restarted)
             and self.synced
             and not self.overflow
             and not self.unreplayed_gaps
+            and not self.extra_publishers
         )
 
 
@@ -310,4 +323,5 @@ def judge_rank(st: RankState, m: RankMark, marker: Marker, clock_slack_s: float)
         synced=st.synced,
         overflow=st.overflow,
         connected=st.peers > 0,
+        extra_publishers=st.extra_publishers - m.extra_publishers + max(0, st.peers - 1),
     )

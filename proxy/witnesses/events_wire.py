@@ -67,6 +67,10 @@ class KvEventsConfig:
     ranks: int = 1
     topic: str = "kv"
     connect: bool = False  # the engine binds `endpoint` (`tcp://*:PORT` in its config)
+    # Where the sidecar binds a tcp endpoint: the hosts (names or addresses) whose publishers are
+    # admitted, checked by address in the ZMTP handshake (ZAP). Empty: any (ipc:// relies on the
+    # socket file's permissions; a connected endpoint is the engine's own).
+    publishers: tuple[str, ...] = ()
     max_blocks: int = 262_144  # 64-bit hashes kept per rank; beyond it the rank reports overflow
     replay_timeout_s: float = 2.0  # one replay, from request to end marker
     clock_slack_s: float = 0.0  # how far the engine's clock may lag the sidecar's (other hosts)

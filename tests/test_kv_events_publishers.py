@@ -1,0 +1,108 @@
+"""Who may publish on the KV-events socket the sidecar binds (issue 45, M2): the engine, once.
+
+A rogue publisher (tests/support/kv_events.py) that can reach the socket tries to forge the events
+witness: its clears and its "restarts" must never verify a reset the engine did not clear.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.witnesses.events_index import CACHE_INDEX
+from tests.support.kv_events import Ports, Rogue, engine, rogue, rogue_stack, until
+from tests.support.metrics import scrape
+from tests.support.sidecar import Stack, stack
+from tests.support.sim import chat, words
+
+CLEAR = [["AllBlocksCleared"]]
+
+
+@contextlib.asynccontextmanager
+async def flooding(pub: Rogue, seq: int | None = None, events: list[Any] = CLEAR) -> AsyncIterator[None]:
+    """The rogue sends `events` every 50 ms: at `seq` each time (a restart each), else counting up."""
+
+    async def loop() -> None:
+        n = 0
+        while True:
+            await pub.send(n if seq is None else seq, events)
+            n += 1
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _warm(s: Stack) -> None:
+    status, _ = await s.engine.post_json("/v1/chat/completions", chat(words(64, "warm"), 1))
+    assert status == 200
+
+
+async def test_a_publisher_from_another_address_is_refused(tmp_path: Path) -> None:
+    # The engine is at 127.0.0.1 (the upstream's host); the rogue connects from 127.0.0.2.
+    async with rogue_stack(tmp_path, source="127.0.0.2") as (s, pub), flooding(pub):
+        events = s.app[CACHE_INDEX].events
+        await until(events, lambda snaps: snaps[0].refused_publishers > 0)
+        status, answer = await s.reset({"verify": "events"})
+        metrics = await scrape(s.http, s.url)
+    assert status == 200 and answer["verified"] == "unverified", answer["verification"]
+    assert events.snapshots()[0].batches == 0
+    assert metrics.value("cachewitness_kv_event_publishers_refused_total") > 0
+
+
+async def test_listed_publishers_are_admitted(tmp_path: Path) -> None:
+    async with rogue_stack(tmp_path, source="127.0.0.2", kv_events_publishers=("127.0.0.2",)) as (s, pub):
+        assert await pub.subscribed()
+        await pub.send(0, CLEAR)
+        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].clears == 1)
+
+
+async def test_a_restart_the_counters_did_not_see_does_not_verify(tmp_path: Path) -> None:
+    # The rogue is the only publisher, from the engine's own address: its seq 0 every 50 ms reads
+    # as an engine restart after the reset. The engine's counters never went down.
+    async with rogue_stack(tmp_path) as (s, pub):
+        assert await pub.subscribed()
+        await _warm(s)
+        for seq in range(3):
+            await pub.send(seq, [["BlockStored", [seq + 1], None, [], 16, None, "GPU"]])
+        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].last_seq == 2)
+        async with flooding(pub, seq=0, events=[["BlockStored", [9], None, [], 16, None, "GPU"]]):
+            status, answer = await s.reset({"verify": "events"})
+    events = answer["verification"]["witnesses"]["events"]
+    assert status == 200 and answer["verified"] == "unverified", events
+    assert events["ranks"][0]["restarted"] is True and events["ranks"][0]["cleared"] is False
+    assert "its counters saw no restart" in events["reason"]
+
+
+async def test_a_second_publisher_beside_the_engine_is_an_alarm(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = Ports()
+    async with stack(engine("vllm", ports), tmp_path, kv_events_endpoint=ports.endpoint) as s:
+        events = s.app[CACHE_INDEX].events
+        await until(events, lambda snaps: snaps[0].connected)
+        async with rogue(ports.endpoint) as pub:
+            assert await pub.subscribed()
+            snaps = await until(events, lambda snaps: snaps[0].publishers == 2)
+            assert snaps[0].extra_publishers == 1 and not snaps[0].vouches
+            await pub.send(0, CLEAR)  # a clear syncs the set again, but whose was it?
+            snaps = await until(events, lambda snaps: snaps[0].clears == 1)
+            assert snaps[0].synced and not snaps[0].vouches
+            status, answer = await s.reset({"verify": "events"})
+            metrics = await scrape(s.http, s.url)
+    events_report = answer["verification"]["witnesses"]["events"]
+    assert status == 200 and answer["verified"] == "unverified", events_report
+    assert "a second publisher" in events_report["reason"]
+    assert metrics.value("cachewitness_kv_event_publishers_extra_total") == 1
+    assert any(r.levelno == logging.ERROR and "second publisher" in r.getMessage() for r in caplog.records)

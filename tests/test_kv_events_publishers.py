@@ -6,42 +6,16 @@ witness: its clears and its "restarts" must never verify a reset the engine did 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from proxy.witnesses.events_index import CACHE_INDEX
-from tests.support.kv_events import Ports, Rogue, engine, rogue, rogue_stack, until
+from tests.support.kv_events import CLEAR, Ports, engine, flooding, rogue, rogue_stack, until
 from tests.support.metrics import scrape
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
-
-CLEAR = [["AllBlocksCleared"]]
-
-
-@contextlib.asynccontextmanager
-async def flooding(pub: Rogue, seq: int | None = None, events: list[Any] = CLEAR) -> AsyncIterator[None]:
-    """The rogue sends `events` every 50 ms: at `seq` each time (a restart each), else counting up."""
-
-    async def loop() -> None:
-        n = 0
-        while True:
-            await pub.send(n if seq is None else seq, events)
-            n += 1
-            await asyncio.sleep(0.05)
-
-    task = asyncio.create_task(loop())
-    try:
-        yield
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def _warm(s: Stack) -> None:
@@ -77,7 +51,7 @@ async def test_a_restart_the_counters_did_not_see_does_not_verify(tmp_path: Path
         for seq in range(3):
             await pub.send(seq, [["BlockStored", [seq + 1], None, [], 16, None, "GPU"]])
         await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].last_seq == 2)
-        async with flooding(pub, seq=0, events=[["BlockStored", [9], None, [], 16, None, "GPU"]]):
+        async with flooding(pub, repeat=True, events=[["BlockStored", [9], None, [], 16, None, "GPU"]]):
             status, answer = await s.reset({"verify": "events"})
     events = answer["verification"]["witnesses"]["events"]
     assert status == 200 and answer["verified"] == "unverified", events

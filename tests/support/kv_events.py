@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -153,3 +155,30 @@ async def rogue_stack(
         rogue(ports.endpoint, source) as pub,
     ):
         yield s, pub
+
+
+CLEAR = [["AllBlocksCleared"]]
+
+
+@asynccontextmanager
+async def flooding(
+    pub: Rogue, first: int = 0, *, repeat: bool = False, events: list[Any] = CLEAR
+) -> AsyncIterator[Callable[[], int]]:
+    """`pub` sends `events` every 50 ms from seq `first` on (at `first` each time with `repeat`: a
+    restart each); yields what the next seq would be."""
+    seq = first
+
+    async def loop() -> None:
+        nonlocal seq
+        while True:
+            await pub.send(seq, events)
+            seq += 0 if repeat else 1
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield lambda: seq
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

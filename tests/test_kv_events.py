@@ -104,6 +104,16 @@ async def test_a_gap_without_a_replay_socket_cannot_vouch() -> None:
         assert not snaps[0].vouches and not snaps[0].synced
 
 
+async def test_a_catch_up_that_missed_nothing_counts_no_gap() -> None:
+    async with stack("vllm") as (s, kv):
+        await request(s, 40)
+        await caught_up(s, kv)
+        for _ in range(3):
+            await kv.catch_up(10)
+        (snap,) = kv.snapshots()
+        assert (snap.gaps, snap.replayed_gaps, snap.unreplayed_gaps) == (0, 0, 0) and snap.vouches
+
+
 async def test_a_lost_last_batch_is_fetched_while_waiting_for_the_clear() -> None:
     # Batches 2, 4, ... are not sent: the clear's batch (the 2nd) is the last one, so no gap shows.
     async with stack("vllm", kv_events_drop_every=2) as (s, kv):

@@ -80,3 +80,19 @@ async def test_a_second_publisher_beside_the_engine_is_an_alarm(
     assert "a second publisher" in events_report["reason"]
     assert metrics.value("cachewitness_kv_event_publishers_extra_total") == 1
     assert any(r.levelno == logging.ERROR and "second publisher" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_second_publisher_reconnecting_is_counted_each_time_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = Ports()
+    async with stack(engine("vllm", ports), tmp_path, kv_events_endpoint=ports.endpoint) as s:
+        events = s.app[CACHE_INDEX].events
+        await until(events, lambda snaps: snaps[0].connected)
+        for n in range(1, 6):
+            async with rogue(ports.endpoint) as pub:
+                assert await pub.subscribed()
+                await until(events, lambda snaps, n=n: snaps[0].extra_publishers == n)
+            await until(events, lambda snaps: snaps[0].publishers == 1)
+    alarms = [r for r in caplog.records if "second publisher" in r.getMessage()]
+    assert len(alarms) == 1 and alarms[0].levelno == logging.ERROR, alarms

@@ -142,7 +142,7 @@ class RankSubscriber:
                 self.state.refused_publishers += 1
                 self._warn(
                     "kv_events_refused",
-                    "kv events: a publisher from an address other than the engine's was refused",
+                    "kv events: a publisher from an address not in kv_events_publishers was refused",
                     rank=self.state.rank,
                 )
             else:
@@ -160,11 +160,12 @@ class RankSubscriber:
         st = self.state
         st.extra_publishers += 1
         st.lost()
-        # Never throttled: each one is an alarm (and cachewitness_kv_event_publishers_extra_total).
-        log_event(
-            log,
-            logging.ERROR,
+        # An alarm (every one is counted in cachewitness_kv_event_publishers_extra_total), throttled
+        # all the same: a publisher that reconnects in a loop must not flood the log.
+        self._warn(
+            "kv_events_second_publisher",
             "kv events: a second publisher connected to one rank's socket; the events witness will not vouch",
+            level=logging.ERROR,
             rank=st.rank,
             publishers=st.peers,
         )
@@ -339,7 +340,7 @@ class RankSubscriber:
                 st.cleared_incarnation = st.incarnation
             log_event(log, logging.WARNING, "kv events: the engine restarted", rank=st.rank)
 
-    def _warn(self, key: str, msg: str, **fields: Any) -> None:
+    def _warn(self, key: str, msg: str, level: int = logging.WARNING, **fields: Any) -> None:
         count = self._throttle.due(key)
         if count:
-            log_event(log, logging.WARNING, msg, count=count, **fields)
+            log_event(log, level, msg, count=count, **fields)

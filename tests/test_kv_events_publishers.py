@@ -7,15 +7,33 @@ witness: its clears and its "restarts" must never verify a reset the engine did 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
+from proxy.witnesses.events import KvEvents, RankSnapshot
 from proxy.witnesses.events_index import CACHE_INDEX
 from tests.support.kv_events import CLEAR, Ports, engine, flooding, rogue, rogue_stack, until
 from tests.support.metrics import scrape
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
+
+
+@asynccontextmanager
+async def publishing_engine(tmp_path: Path) -> AsyncIterator[tuple[Stack, KvEvents, Ports]]:
+    """A vLLM simulator publishing its events to the sidecar, once its publisher is connected."""
+    ports = Ports()
+    async with stack(engine("vllm", ports), tmp_path, kv_events_endpoint=ports.endpoint) as s:
+        events = s.app[CACHE_INDEX].events
+        await until(events, lambda snaps: snaps[0].connected)
+        yield s, events, ports
+
+
+def extra_publishers(count: int) -> Callable[[tuple[RankSnapshot, ...]], bool]:
+    """Whether rank 0 has counted `count` second publishers."""
+    return lambda snaps: snaps[0].extra_publishers == count
 
 
 async def _warm(s: Stack) -> None:
@@ -62,10 +80,7 @@ async def test_a_restart_the_counters_did_not_see_does_not_verify(tmp_path: Path
 async def test_a_second_publisher_beside_the_engine_is_an_alarm(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ports = Ports()
-    async with stack(engine("vllm", ports), tmp_path, kv_events_endpoint=ports.endpoint) as s:
-        events = s.app[CACHE_INDEX].events
-        await until(events, lambda snaps: snaps[0].connected)
+    async with publishing_engine(tmp_path) as (s, events, ports):
         async with rogue(ports.endpoint) as pub:
             assert await pub.subscribed()
             snaps = await until(events, lambda snaps: snaps[0].publishers == 2)
@@ -85,14 +100,11 @@ async def test_a_second_publisher_beside_the_engine_is_an_alarm(
 async def test_a_second_publisher_reconnecting_is_counted_each_time_and_logged_once(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ports = Ports()
-    async with stack(engine("vllm", ports), tmp_path, kv_events_endpoint=ports.endpoint) as s:
-        events = s.app[CACHE_INDEX].events
-        await until(events, lambda snaps: snaps[0].connected)
+    async with publishing_engine(tmp_path) as (_s, events, ports):
         for n in range(1, 6):
             async with rogue(ports.endpoint) as pub:
                 assert await pub.subscribed()
-                await until(events, lambda snaps, n=n: snaps[0].extra_publishers == n)
+                await until(events, extra_publishers(n))
             await until(events, lambda snaps: snaps[0].publishers == 1)
     alarms = [r for r in caplog.records if "second publisher" in r.getMessage()]
     assert len(alarms) == 1 and alarms[0].levelno == logging.ERROR, alarms

@@ -108,3 +108,20 @@ async def test_a_second_publisher_reconnecting_is_counted_each_time_and_logged_o
             await until(events, lambda snaps: snaps[0].publishers == 1)
     alarms = [r for r in caplog.records if "second publisher" in r.getMessage()]
     assert len(alarms) == 1 and alarms[0].levelno == logging.ERROR, alarms
+
+
+async def test_after_a_second_publisher_leaves_nothing_vouches_until_a_lone_clear(tmp_path: Path) -> None:
+    # Beside the engine, the rogue sends a seq 0 that empties the index (a "restart"), then leaves:
+    # the engine still holds its blocks, so the index must not vouch for its emptiness.
+    async with publishing_engine(tmp_path) as (s, events, ports):
+        await _warm(s)
+        await until(events, lambda snaps: sum(snaps[0].blocks.values()) > 0)
+        async with rogue(ports.endpoint) as pub:
+            assert await pub.subscribed()
+            await pub.send(0, [])
+            await until(events, lambda snaps: snaps[0].restarts == 1)
+        snaps = await until(events, lambda snaps: snaps[0].publishers == 1)
+        assert snaps[0].blocks == {} and snaps[0].synced and not snaps[0].vouches, snaps
+        await s.reset({"verify": "events"})  # the engine's own clear, with it alone on the socket
+        snaps = await until(events, lambda snaps: snaps[0].clears >= 1)
+        assert snaps[0].vouches, snaps

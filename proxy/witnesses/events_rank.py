@@ -159,6 +159,7 @@ class RankSubscriber:
         be forged. The set is unknown from here, and no reset judged across it is vouched for."""
         st = self.state
         st.extra_publishers += 1
+        st.foreign = True
         st.lost()
         # An alarm (every one is counted in cachewitness_kv_event_publishers_extra_total), throttled
         # all the same: a publisher that reconnects in a loop must not flood the log.

@@ -52,12 +52,14 @@ class RankSnapshot:
     unknown_removals: int  # removals of blocks never seen stored (a sign of history missed)
     extra_publishers: int  # times a publisher connected while another one was (an alarm)
     refused_publishers: int  # handshakes refused by the publisher address check
+    foreign: bool  # a second publisher came since the last clear received from a lone publisher
 
     @property
     def vouches(self) -> bool:
-        """Whether `blocks` is the cache's content, not a lower bound or a guess (never while
-        two publishers share the socket: either one's batches could be the other's forgery)."""
-        return self.synced and not self.overflow and self.publishers <= 1
+        """Whether `blocks` is the cache's content, not a lower bound or a guess (never while two
+        publishers share the socket, nor after, until a clear from a lone one: either one's
+        batches could be the other's forgery)."""
+        return self.synced and not self.overflow and self.publishers <= 1 and not self.foreign
 
 
 @dataclass
@@ -76,6 +78,7 @@ class RankState:
     peers: int = 0
     extra_publishers: int = 0
     refused_publishers: int = 0
+    foreign: bool = False  # see RankSnapshot.foreign
     synced: bool = False
     overflow: bool = False
     applied: int | None = None  # the last seq applied to the set (this incarnation)
@@ -151,6 +154,7 @@ class RankState:
             elif event.kind == CLEARED:
                 self._drop_set()
                 self.synced = True
+                self.foreign = self.peers > 1  # whose clear it was is known only with one publisher
                 self.clears += 1
                 self.cleared_seq, self.cleared_ts = seq, batch.ts
                 self.cleared_at, self.cleared_mono = wall, mono
@@ -229,6 +233,7 @@ class RankState:
             unknown_removals=self.unknown_removals,
             extra_publishers=self.extra_publishers,
             refused_publishers=self.refused_publishers,
+            foreign=self.foreign,
         )
 
 

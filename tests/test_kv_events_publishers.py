@@ -7,13 +7,14 @@ witness: its clears and its "restarts" must never verify a reset the engine did 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
 
-from proxy.witnesses.events import KvEvents, RankSnapshot
+from proxy.witnesses.events import KvEvents, KvEventsConfig, RankSnapshot
 from proxy.witnesses.events_index import CACHE_INDEX
 from tests.support.kv_events import CLEAR, Ports, engine, flooding, rogue, rogue_stack, until
 from tests.support.metrics import scrape
@@ -125,3 +126,14 @@ async def test_after_a_second_publisher_leaves_nothing_vouches_until_a_lone_clea
         await s.reset({"verify": "events"})  # the engine's own clear, with it alone on the socket
         snaps = await until(events, lambda snaps: snaps[0].clears >= 1)
         assert snaps[0].vouches, snaps
+
+
+async def test_publishers_are_resolved_at_start_and_an_unknown_host_fails_it() -> None:
+    ports = Ports()
+    async with KvEvents(KvEventsConfig(ports.endpoint, publishers=("localhost",))) as kv:
+        async with rogue(ports.endpoint) as pub:
+            assert await pub.subscribed()  # localhost names 127.0.0.1
+        assert kv.snapshots()[0].refused_publishers == 0
+    with pytest.raises(OSError, match=re.escape("cannot resolve the publisher host 'no-such-host.invalid'")):
+        async with KvEvents(KvEventsConfig(ports.endpoint, publishers=("no-such-host.invalid",))):
+            pass

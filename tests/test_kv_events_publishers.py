@@ -134,6 +134,8 @@ async def test_publishers_are_resolved_at_start_and_an_unknown_host_fails_it() -
         async with rogue(ports.endpoint) as pub:
             assert await pub.subscribed()  # localhost names 127.0.0.1
         assert kv.snapshots()[0].refused_publishers == 0
+        async with rogue(ports.endpoint, source="127.0.0.2"):
+            await until(kv, lambda snaps: snaps[0].refused_publishers > 0)  # and no other address
     with pytest.raises(OSError, match=re.escape("cannot resolve the publisher host 'no-such-host.invalid'")):
         async with KvEvents(KvEventsConfig(ports.endpoint, publishers=("no-such-host.invalid",))):
             pass

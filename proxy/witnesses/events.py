@@ -92,6 +92,8 @@ class KvEvents:
             return False
         assert self._ctx is not None
         addresses = await resolve(config.publishers)
+        if not addresses:  # pyzmq's allow() with no address would admit everyone
+            raise OSError(f"kv events: the publisher hosts {config.publishers!r} name no address")
         self._auth = AsyncioAuthenticator(self._ctx, log=logging.getLogger("cachewitness.events.zap"))
         self._auth.start()
         self._auth.allow(*addresses)

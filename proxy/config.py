@@ -116,6 +116,7 @@ class Settings:
     kv_events_replay: str | None = None
     kv_events_ranks: int = 1
     kv_events_topic: str = "kv"
+    kv_events_publishers: tuple[str, ...] | None = None  # None: the upstream's host
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True

@@ -348,6 +348,13 @@ OPTIONS: tuple[Option, ...] = (
         "a whole number ≥ 1",
     ),
     Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
+    Option(
+        "kv_events_publishers",
+        _names,
+        "hosts whose publishers may connect to a tcp kv_events_endpoint the sidecar binds "
+        "(unset: the upstream's host; others are refused in the handshake)",
+        "comma-separated host names or addresses such as 127.0.0.1,10.0.0.7",
+    ),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option(
         "inject_usage_reprobe_seconds",

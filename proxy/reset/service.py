@@ -292,12 +292,14 @@ class ResetService:
         if index is None or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
             return None
         settings = self._app[SETTINGS]
+        case = self._app[RECORDER].case
         return EventsCheck(
             index.events,
             self._app[UPSTREAM_POOL],
             settings.upstream_base,
             settings.reset_attempt_timeout,
             api_key=settings.engine_key,
+            restart_seen=case.restarted_since if case is not None else None,
         )
 
     def _finish(self, current: Round, outcome: RoundOutcome) -> None:

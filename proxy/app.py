@@ -116,6 +116,7 @@ def sidecar_state(app: web.Application) -> SidecarState:
         buffered_request_bytes=budget.held,
         unobserved_total=budget.unobserved_total,
         client_connections=connections.open_connections,
+        client_connections_receiving_body=connections.receiving_bodies(),
         connection_limit_hits={str(limit): connections.hits[limit] for limit in Limit},
         route_refusals={str(reason): refusals.counts[reason] for reason in RefusalReason},
         evidence_write_errors_total=evidence.write_errors_total,

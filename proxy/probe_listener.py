@@ -35,6 +35,7 @@ def build_probe_app(main: web.Application) -> web.Application:
         settings.body_idle_timeout,
         PROBE_CONNECTIONS,
         client_write_timeout=settings.client_write_timeout,
+        body_timeout=settings.body_timeout,
     )
     app[CONNECTIONS] = guard  # in front of every request, by its GuardedSite
     app.router.add_get("/-/healthy", healthy)

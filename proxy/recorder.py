@@ -19,6 +19,7 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.evidence.log import EVIDENCE, EvidenceLog
+from proxy.evidence.reserve import CaseReserve
 from proxy.metrics import METRICS, Metrics
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
@@ -60,6 +61,8 @@ class Recorder:
         self._metrics = metrics
         self._index = index
         self.case: CaseWitness | None = None  # the counter witness, once setup_recorder made it
+        # The open case's observations kept in the resets file (proxy/evidence/reserve.py).
+        self._reserve = CaseReserve()
 
     @property
     def kv_events(self) -> KvEvents | None:
@@ -98,7 +101,9 @@ class Recorder:
                 self.case.observed(observation)
             settled = self.witness.observe(observation)
             # Built at the flush, in a batch: the records are frozen, their order kept.
-            self._evidence.write_later(_OBSERVATION, observation.to_record)
+            # The request that settled the verdict is kept too, whoever sent it.
+            keep = self._reserve.keeps(observation) or settled is not None
+            self._evidence.write_later(_OBSERVATION, observation.to_record, keep=keep)
             if settled is not None:
                 self._evidence.write_later(_VERIFICATION, settled.to_record)
         self._metrics.finished(forwarded, observation, settled.verdict if settled is not None else None)
@@ -129,6 +134,7 @@ class Recorder:
             self._index.reset_answered(
                 reset_id=reset_id, session_id=session_id, case_id=case_id, verified=verified
             )
+        self._reserve.opened(session_id, case_id)
         self.witness.reset_accepted(
             reset_id=reset_id,
             session_id=session_id,

@@ -171,6 +171,7 @@ class EventType(StrEnum):
     ENGINE_EVENT = "infer.engine_event"  # a restart, a sleep, an outage: the cache is unknown
     EVIDENCE_OPENED = "infer.evidence_opened"  # a writer's start: where its chain resumes
     EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
+    EVIDENCE_ROTATED = "infer.evidence_rotated"  # a rotation dropped a file: what history it held
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"
     # The lines of a proof (`GET /cache/evidence?proof=1`, docs/evidence.md) that are no record:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import signal
 import subprocess
 import sys
 import time
@@ -118,8 +119,16 @@ def table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def _stop(signum: int, _frame: object) -> None:
+    """SIGTERM as Ctrl-C: the planted file is restored by run_one's `finally` before the exit."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    signal.signal(signal.SIGTERM, _stop)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mutants", type=Path, default=ROOT / "scripts" / "mutants.toml")
     parser.add_argument("--only", action="append", default=[], help="run this mutant id (repeatable)")
     parser.add_argument("--no-suite", action="store_true", help="related tests only")

@@ -593,6 +593,7 @@ def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> No
     env = env_values(sidecar(manifests))
     assert env["CACHEWITNESS_KV_EVENTS_ENDPOINT"] == kv["endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_REPLAY"] == kv["replay_endpoint"]
+    assert env["CACHEWITNESS_KV_EVENTS_PUBLISHERS"] == "127.0.0.1"  # the engine's address only
 
 
 @pytest.mark.parametrize(

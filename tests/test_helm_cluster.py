@@ -218,6 +218,7 @@ EXPECTED_ALERTS = {
     "CachewitnessKvEventsGap",
     "CachewitnessKvEventsDown",
     "CachewitnessEngineRestarted",
+    "CachewitnessSlowBodies",
 }
 RULE_KEYS = {"alert", "expr", "for", "labels", "annotations"}
 

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.admin.auth import (
     ADMIN_PREFIX,
@@ -19,6 +20,7 @@ from proxy.admin.auth import (
     engine_authorization,
     holds_token,
     peer_host,
+    query_without_token,
     without_token,
 )
 from proxy.admin.native import handle_native_reset, handle_slot_erase
@@ -40,17 +42,28 @@ ROUTE_CLASSES: web.AppKey[RoutePolicy] = web.AppKey("route_classes", RoutePolicy
 
 
 def _toward_engine(request: web.Request, settings: Settings, *, control: bool) -> web.Request:
-    """The request as the engine may see it: a clone only when a header must go or change."""
+    """The request as the engine may see it: a clone only when a header or a query parameter must go or change."""
     admin, engine_key = settings.admin_token, settings.engine_key if control else None
-    if engine_key is None and (
-        admin is None or not any(holds_token(name, value, admin) for name, value in request.headers.items())
+    path, _, query = request.raw_path.partition("?")
+    kept_query = query_without_token(query, admin) if admin is not None and query else None
+    if (
+        engine_key is None
+        and kept_query is None
+        and (
+            admin is None
+            or not any(holds_token(name, value, admin) for name, value in request.headers.items())
+        )
     ):
         return request
     headers = CIMultiDict(without_token(request.headers.items(), admin))
     if engine_key is not None:
         headers.popall("Authorization", None)
         headers.add("Authorization", f"Bearer {engine_key}")
-    return request.clone(headers=headers)
+    if kept_query is None:
+        return request.clone(headers=headers)
+    # The token as a query parameter (`?api_key=...`, escaped or not): that parameter goes.
+    target = f"{path}?{kept_query}" if kept_query else path
+    return request.clone(headers=headers, rel_url=URL(target, encoded=True))
 
 
 async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:

@@ -29,6 +29,7 @@ __all__ = [
     "RoutePolicy",
     "decoded_path",
     "normalise_path",
+    "unfolded_path",
 ]
 
 # For an engine whose kind is not known (not detected yet, generic, none): every known
@@ -96,6 +97,18 @@ def decoded_path(raw_path: str) -> str | None:
     else:
         return None
     return None if _CONTROL.search(path) else path
+
+
+def unfolded_path(raw_path: str) -> str | None:
+    """`raw_path` decoded as `normalise_path` does, but with its `.` and `..` segments kept (None: refuse it).
+
+    A prefix rule is matched against this form too: an engine that does not fold dot segments
+    routes `/dumper/.` under `/dumper/`, which folded reads `/dumper` (issue 45).
+    """
+    path = decoded_path(raw_path)
+    if path is None:
+        return None
+    return "/" + "/".join(segment for segment in path.replace("\\", "/").split("/") if segment).lower()
 
 
 def normalise_path(raw_path: str) -> str | None:
@@ -193,8 +206,12 @@ class RoutePolicy:
             and _erases(query)
         ):
             return RouteDecision(RouteClass.SLOT_ERASE, path)
-        if any(rule.matches(method, path) for rule in self.control_routes(dialect)):
+        rules = self.control_routes(dialect)
+        if any(rule.matches(method, path) for rule in rules):
             return RouteDecision(RouteClass.CONTROL, path)
+        unfolded = unfolded_path(raw_path) if "." in raw_path or "%" in raw_path else None
+        if unfolded is not None and any(rule.prefix and rule.matches(method, unfolded) for rule in rules):
+            return RouteDecision(RouteClass.CONTROL, path)  # matched before its dot segments fold
         return RouteDecision(RouteClass.FORWARDED, path)
 
 

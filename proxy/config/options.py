@@ -280,9 +280,21 @@ OPTIONS: tuple[Option, ...] = (
         "seconds ≥ 0",
     ),
     Option(
+        "body_timeout",
+        _positive_float,
+        "seconds a request body may take in all, not counting the sidecar's own pauses (0 = no limit)",
+        "seconds ≥ 0",
+    ),
+    Option(
         "max_connections",
         _positive_int,
         "client connections open at once; more get 503 and close (0 = no limit)",
+        "a whole number ≥ 0",
+    ),
+    Option(
+        "max_connections_per_peer",
+        _positive_int,
+        "client connections open at once from one address; more get 503 and close (0 = no limit)",
         "a whole number ≥ 0",
     ),
     Option(
@@ -336,6 +348,13 @@ OPTIONS: tuple[Option, ...] = (
         "a whole number ≥ 1",
     ),
     Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
+    Option(
+        "kv_events_publishers",
+        _names,
+        "hosts whose publishers may connect to a tcp kv_events_endpoint the sidecar binds "
+        "(unset: the upstream's host; others are refused in the handshake)",
+        "comma-separated host names or addresses such as 127.0.0.1,10.0.0.7",
+    ),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option(
         "inject_usage_reprobe_seconds",

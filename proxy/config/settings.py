@@ -98,7 +98,9 @@ class Settings:
     grace_period: float = 30.0
     header_timeout: float = 10.0
     body_idle_timeout: float = 60.0
+    body_timeout: float = 300.0
     max_connections: int = 4096
+    max_connections_per_peer: int = 0
     keepalive_timeout: float = 75.0
     client_write_timeout: float = 60.0
     health_listen: str | None = None
@@ -114,6 +116,7 @@ class Settings:
     kv_events_replay: str | None = None
     kv_events_ranks: int = 1
     kv_events_topic: str = "kv"
+    kv_events_publishers: tuple[str, ...] | None = None  # None: the upstream's host
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True

@@ -27,7 +27,7 @@ from proxy.inbound.deadline import Deadlines, Guard
 from proxy.inbound.framing import NEED_DATA, Framer, Head, Piece, Request
 from proxy.inbound.front import ClientWriter, Front, FrontSide
 from proxy.inbound.head import RequestHead, parse_head
-from proxy.inbound.limits import CLIENT_STALLED, REFUSAL, Limit, Phase, unsent
+from proxy.inbound.limits import CLIENT_STALLED, PEER_REFUSAL, REFUSAL, Limit, Phase, unsent
 from proxy.logs import log_event
 from proxy.vocabulary import ServedBy
 
@@ -59,7 +59,9 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         self._phase = Phase.HEAD
         self._head_since = self._loop.time()
         self._last_data = self._head_since
+        self._body_since = self._head_since
         self._idle_since = self._head_since
+        self.peer = ""  # the client's address (max_connections_per_peer counts by it)
         self._request: web.BaseRequest | None = None  # aiohttp's request in progress
         self._lost = False  # connection_lost ran: no deadline is armed any more
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
@@ -86,6 +88,13 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         """Refuse past max_connections; else start with the front (or aiohttp) and the head clock."""
         transport = cast(asyncio.Transport, transport)  # uvloop's transports are not its subclasses
         guard = self._guard
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else ""
+        if guard.peer_full(self.peer):
+            guard.hit(Limit.MAX_CONNECTIONS_PER_PEER)
+            transport.write(PEER_REFUSAL)
+            transport.close()
+            return
         if guard.max_connections and guard.open_connections >= guard.max_connections:
             self.probe_only = True
         if self.probe_only and guard.open_connections >= guard.max_connections + guard.probe_slots:
@@ -114,12 +123,11 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         if self._phase is Phase.IDLE:
             self._start_head(now)
         if self._front is not None:
-            self._framer.feed(data)
-            if self._task is None:
-                self._frame()
-            elif self._framer.buffered > _PIPELINE_BYTES and not self._paused_reading:
-                self._paused_reading = True
-                self._front_transport().pause_reading()
+            try:
+                self._front_data(data)
+            except Exception as error:  # a bug of ours a client's bytes found: never the loop's to log
+                self._guard.fault(error)
+                self._front_transport().abort()
         elif self._handler is not None:
             self._handler.data_received(data)
 
@@ -182,9 +190,8 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         """The head is complete: header_timeout stops; body_idle_timeout runs while the body is unread."""
         self._phase = Phase.REQUEST
         self._request = request
-        self._last_data = self._loop.time()
-        idle = self._guard.body_idle_timeout
-        self._arm(self._last_data + idle if idle and not request.content.is_eof() else None)
+        self._last_data = self._body_since = self._loop.time()
+        self._arm(self._body_due() if not request.content.is_eof() else None)
 
     def request_finished(self) -> None:
         """Back to keep-alive idle: the next request's first byte starts its head clock."""
@@ -193,6 +200,15 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         self._disarm()
 
     # --- the front: framing, serving, handing off ------------------------------------------
+
+    def _front_data(self, data: bytes) -> None:
+        """Bytes for the front: framed now, or kept while a request is served (pipelined)."""
+        self._framer.feed(data)
+        if self._task is None:
+            self._frame()
+        elif self._framer.buffered > _PIPELINE_BYTES and not self._paused_reading:
+            self._paused_reading = True
+            self._front_transport().pause_reading()
 
     def _frame(self) -> None:
         """Frame what the client sent: take a head or hand the connection off; read a taken head's body."""
@@ -231,9 +247,8 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         body_idle_timeout runs while its body arrives."""
         self._guard.request_begun()
         self._phase = Phase.REQUEST
-        self._last_data = self._loop.time()
-        idle = self._guard.body_idle_timeout
-        self._arm(self._last_data + idle if idle else None)
+        self._last_data = self._body_since = self._loop.time()
+        self._arm(self._body_due())
 
     def _serve(self, body: bytearray) -> None:
         """The whole request is in: served, however long the engine takes (no deadline runs)."""

@@ -23,6 +23,7 @@ class Guard(Protocol):
 
     header_timeout: float
     body_idle_timeout: float
+    body_timeout: float
     client_write_timeout: float
     keepalive_timeout: float
     max_connections: int
@@ -30,6 +31,12 @@ class Guard(Protocol):
     open_connections: int
     watchdog: Watchdog[Deadlines]
     front: Front | None
+
+    def peer_full(self, peer: str) -> bool:
+        """Whether `peer` has max_connections_per_peer connections open already."""
+
+    def fault(self, error: Exception) -> None:
+        """Log (throttled) an exception a client's bytes raised in the front: its connection is cut."""
 
     def request_begun(self) -> None:
         """A request's handler (or the front's exchange) starts."""
@@ -56,6 +63,9 @@ class Deadlines:
     _phase: Phase
     _head_since: float
     _last_data: float
+    # When the request body began to arrive, moved on by the time the sidecar paused reading:
+    # body_timeout counts the client's time only.
+    _body_since: float
     _idle_since: float
     _lost: bool  # connection_lost ran: no deadline is armed any more
     _due: float | None  # when the phase's limit is next checked (None: no limit runs)
@@ -123,6 +133,21 @@ class Deadlines:
         self._stalled()
         transport.abort()  # nothing more can reach this client; connection_lost cancels the handler
 
+    def _body_due(self) -> float | None:
+        """When the body's limits are next due: its silence (body_idle_timeout) or its whole time (body_timeout)."""
+        guard = self._guard
+        dues = []
+        if guard.body_idle_timeout:
+            dues.append(self._last_data + guard.body_idle_timeout)
+        if guard.body_timeout:
+            dues.append(self._body_since + guard.body_timeout)
+        return min(dues) if dues else None
+
+    @property
+    def receiving_body(self) -> bool:
+        """Whether a request's body is arriving on this connection now."""
+        return self._phase is Phase.REQUEST and not self._lost and self._body_unread()
+
     def _check(self) -> None:
         """The deadline passed: close the connection if its phase's limit has passed, else re-arm."""
         transport, guard, now = self._transport, self._guard, self._loop.time()
@@ -147,10 +172,16 @@ class Deadlines:
         if not self._body_unread():
             return  # the body is all in: the response may take as long as the engine needs
         if not transport.is_reading():
-            # Paused by flow control: the sidecar is the slow side, not the client.
+            # Paused by flow control: the sidecar is the slow side, not the client; the time
+            # since the client was last heard does not count against it either.
+            self._body_since += now - self._last_data
             self._last_data = now
-        elif now - self._last_data >= guard.body_idle_timeout:
+        elif guard.body_idle_timeout and now - self._last_data >= guard.body_idle_timeout:
             guard.hit(Limit.BODY_IDLE_TIMEOUT)
             transport.close()
             return
-        self._arm(self._last_data + guard.body_idle_timeout)
+        if guard.body_timeout and now - self._body_since >= guard.body_timeout:
+            guard.hit(Limit.BODY_TIMEOUT)  # a body that keeps coming, too slowly: it holds a slot
+            transport.close()
+            return
+        self._arm(self._body_due())

@@ -54,10 +54,15 @@ class ConnectionGuard:
         probe_slots: int = 0,
         client_write_timeout: float = 0.0,
         keepalive_timeout: float = 0.0,
+        body_timeout: float = 0.0,
+        max_connections_per_peer: int = 0,
     ) -> None:
         """Limits in seconds and connections; 0 turns one off. `probe_slots`: past max_connections, for probes."""
         self.header_timeout = header_timeout
         self.body_idle_timeout = body_idle_timeout
+        self.body_timeout = body_timeout
+        self.max_connections_per_peer = max_connections_per_peer
+        self._per_peer: dict[str, int] = {}  # open connections by peer address (with the cap set)
         self.client_write_timeout = client_write_timeout
         self.keepalive_timeout = keepalive_timeout  # aiohttp's own, and the front's connections'
         # The front, which serves beside aiohttp on each new connection (proxy/inbound/setup.py);
@@ -76,7 +81,9 @@ class ConnectionGuard:
         # Connections with a deadline: a limit is enforced up to one tick late (a second, or a
         # quarter of the shortest limit).
         limits = [
-            limit / 4 for limit in (header_timeout, body_idle_timeout, client_write_timeout) if limit > 0
+            limit / 4
+            for limit in (header_timeout, body_idle_timeout, client_write_timeout, body_timeout)
+            if limit > 0
         ]
         self.watchdog: Watchdog[Deadlines] = Watchdog(min([1.0, *limits]), Deadlines.check_deadline)
 
@@ -167,6 +174,16 @@ class ConnectionGuard:
                 open_connections=self.open_connections,
             )
 
+    def fault(self, error: Exception) -> None:
+        """Log an exception a client's bytes raised in the front, with its traceback, throttled."""
+        faults = self._throttle.due("fault")
+        if faults:
+            log.error(
+                "front: a client's bytes raised; its connection is cut",
+                exc_info=error,
+                extra={"faults": faults},
+            )
+
     def _limit_value(self, limit: Limit) -> float:
         """The configured value of a limit, for the log line."""
         if limit is Limit.HEADER_TIMEOUT:
@@ -175,17 +192,41 @@ class ConnectionGuard:
             return self.body_idle_timeout
         if limit is Limit.CLIENT_WRITE_TIMEOUT:
             return self.client_write_timeout
+        if limit is Limit.BODY_TIMEOUT:
+            return self.body_timeout
+        if limit is Limit.MAX_CONNECTIONS_PER_PEER:
+            return self.max_connections_per_peer
         return self.max_connections
+
+    def peer_full(self, peer: str) -> bool:
+        """Whether `peer` has max_connections_per_peer connections open already."""
+        return (
+            bool(self.max_connections_per_peer)
+            and self._per_peer.get(peer, 0) >= self.max_connections_per_peer
+        )
+
+    def receiving_bodies(self) -> int:
+        """Client connections whose request body is still arriving (at a scrape: each connection looked at)."""
+        return sum(1 for connection in self._connections.values() if connection.receiving_body)
 
     def opened(self, transport: asyncio.BaseTransport, connection: ClientConnection) -> None:
         """A connection was let in: count it."""
         self.open_connections += 1
         self._connections[transport] = connection
+        if self.max_connections_per_peer:
+            self._per_peer[connection.peer] = self._per_peer.get(connection.peer, 0) + 1
 
     def closed(self, transport: asyncio.BaseTransport) -> None:
         """A connection that was let in is gone."""
-        if self._connections.pop(transport, None) is not None:
-            self.open_connections -= 1
+        connection = self._connections.pop(transport, None)
+        if connection is None:
+            return
+        self.open_connections -= 1
+        count = self._per_peer.get(connection.peer, 0) - 1
+        if count > 0:
+            self._per_peer[connection.peer] = count
+        else:
+            self._per_peer.pop(connection.peer, None)
 
 
 CONNECTIONS = web.AppKey("connections", ConnectionGuard)
@@ -201,6 +242,8 @@ def setup_connections(app: web.Application) -> ConnectionGuard:
         PROBE_SLOTS,
         settings.client_write_timeout,
         settings.keepalive_timeout,
+        settings.body_timeout,
+        settings.max_connections_per_peer,
     )
     app[CONNECTIONS] = guard
     return guard

@@ -13,7 +13,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from proxy.forward.ids import ID_HEADERS
 
-__all__ = ["RequestHead", "parse_head"]
+__all__ = ["MAX_FIELD", "MAX_HEADERS", "RequestHead", "parse_head"]
+
+# aiohttp's own limits: 8,190 bytes a line and a field, 128 headers. A head past any of them is
+# aiohttp's to refuse (issue 45: a complete 109 KB head with 12,000 headers was served).
+MAX_FIELD = 8190
+MAX_HEADERS = 128
 
 # Headers whose request the front leaves to aiohttp: a body framed otherwise than by its length,
 # an interim response to send, a protocol switch.
@@ -39,6 +44,8 @@ class RequestHead(NamedTuple):
     lengths: int  # how many Content-Length headers it has
     declined_header: str | None  # the first of Transfer-Encoding, Expect, Upgrade it has
     utf8: bool  # every header value is UTF-8 (the id headers excepted: stored escaped, forward/ids.py)
+    hosts: int  # how many Host headers (an HTTP/1.1 request has one)
+    within_limits: bool  # aiohttp's: the target, each header and their count
 
     @property
     def raw_path(self) -> str:
@@ -71,16 +78,23 @@ def parse_head(raw: bytes) -> RequestHead | None:
     parser = httptools.HttpRequestParser(collector)
     try:
         parser.feed_data(raw)
-    except httptools.HttpParserError:
+    except (httptools.HttpParserError, httptools.HttpParserUpgrade):
+        # aiohttp answers a head that is not HTTP its own way, and an Upgrade or CONNECT as it
+        # did (HttpParserUpgrade is no HttpParserError: uncaught, it left data_received).
         return None
     if not collector.complete:
         return None
     length: int | None = None
-    lengths, declined, utf8 = 0, None, True
+    lengths, hosts, declined, utf8 = 0, 0, None, True
+    within = len(collector.headers) <= MAX_HEADERS and len(collector.url) <= MAX_FIELD
     pairs: list[tuple[str, str]] = []
     for name, value in collector.headers:
         lowered = name.lower()
-        if lowered == b"content-length":
+        if len(value) > MAX_FIELD or len(name) > MAX_FIELD:
+            within = False
+        if lowered == b"host":
+            hosts += 1
+        elif lowered == b"content-length":
             lengths += 1
             length = int(value) if value.isdigit() else None
         elif lowered in _DECLINED_HEADERS and declined is None:
@@ -100,6 +114,8 @@ def parse_head(raw: bytes) -> RequestHead | None:
         lengths,
         declined,
         utf8,
+        hosts,
+        within,
     )
 
 

@@ -1,5 +1,6 @@
-"""The client-connection limits as words, what a refused or timed-out client gets, and the send
-queue a slow reader leaves behind (proxy/inbound/guard.py enforces them, connection.py checks them)."""
+"""The client-connection limits as words, what the guard writes on a connection it closes itself
+(the 503s of the connection caps, the 408), and the send queue a slow reader leaves behind
+(proxy/inbound/guard.py enforces the limits, deadline.py checks them)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,16 @@ from enum import StrEnum
 import orjson
 from aiohttp import web
 
-__all__ = ["CLIENT_STALLED", "HEAD_TIMEOUT_RESPONSE", "REFUSAL", "REFUSAL_BODY", "Limit", "Phase", "unsent"]
+__all__ = [
+    "CLIENT_STALLED",
+    "HEAD_TIMEOUT_RESPONSE",
+    "PEER_REFUSAL",
+    "REFUSAL",
+    "REFUSAL_BODY",
+    "Limit",
+    "Phase",
+    "unsent",
+]
 
 # SIOCOUTQ (Linux's TIOCOUTQ on a socket): bytes in the send queue the peer has not acknowledged.
 _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
@@ -26,13 +36,30 @@ REFUSAL_BODY = orjson.dumps(
         }
     }
 )
-REFUSAL = (
-    b"HTTP/1.1 503 Service Unavailable\r\n"
-    b"Content-Type: application/json\r\n"
-    b"Retry-After: 1\r\n"
-    b"Connection: close\r\n"
-    b"Content-Length: " + str(len(REFUSAL_BODY)).encode() + b"\r\n\r\n" + REFUSAL_BODY
+_PEER_REFUSAL_BODY = orjson.dumps(
+    {
+        "error": {
+            "message": "the sidecar has max_connections_per_peer connections open from this address; retry shortly",
+            "type": "service_unavailable",
+            "code": "too_many_connections",
+        }
+    }
 )
+
+
+def _refusal(body: bytes) -> bytes:
+    """A 503 with `body`, written on the transport as the connection closes."""
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Retry-After: 1\r\n"
+        b"Connection: close\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+REFUSAL = _refusal(REFUSAL_BODY)
+PEER_REFUSAL = _refusal(_PEER_REFUSAL_BODY)
 HEAD_TIMEOUT_RESPONSE = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 # Set on a request whose client was cut by client_write_timeout.
@@ -44,8 +71,10 @@ class Limit(StrEnum):
 
     HEADER_TIMEOUT = "header_timeout"
     BODY_IDLE_TIMEOUT = "body_idle_timeout"
+    BODY_TIMEOUT = "body_timeout"
     CLIENT_WRITE_TIMEOUT = "client_write_timeout"
     MAX_CONNECTIONS = "max_connections"
+    MAX_CONNECTIONS_PER_PEER = "max_connections_per_peer"
 
 
 class Phase(StrEnum):

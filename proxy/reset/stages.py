@@ -248,13 +248,14 @@ class RoundStages:
         events = self._app[RECORDER].kv_events
         if events is None or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
             return None
-        settings = self._settings
+        settings, case = self._settings, self._app[RECORDER].case
         return EventsCheck(
             events,
             self._app[UPSTREAM_POOL],
             settings.upstream_base,
             settings.reset_attempt_timeout,
             api_key=settings.engine_key,
+            restart_seen=case.restarted_since if case is not None else None,
         )
 
 

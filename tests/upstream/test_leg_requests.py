@@ -1,0 +1,138 @@
+"""What the forwarding leg (proxy/upstream) writes to the engine, and which connection it writes it on.
+
+An engine mounted under a path gets its prefix; a POST without a body says `Content-Length: 0`;
+a connection whose response came while the request body was still being written is never
+pooled again (the engine would read the next request as the rest of that body); and requests
+queued at `upstream_connection_limit` get connections first come, first served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from proxy.upstream.pools import UPSTREAM_LEG
+from tests.support.hostile_engine import OK_JSON, hostile_engine, path_of, query_of
+from tests.support.sidecar import SidecarFactory, serve_sidecar
+
+TOO_LARGE = (
+    b"HTTP/1.1 413 Payload Too Large\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n\r\ntoo large"
+)
+
+
+async def _until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll `predicate()` every 5 ms until it holds, within 10 s (`what` names it if it never does)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while not predicate():
+        assert loop.time() < deadline, f"never reached: {what}"
+        await asyncio.sleep(0.005)
+
+
+async def _ok(_: bytes, writer: asyncio.StreamWriter) -> bool:
+    writer.write(OK_JSON)
+    return True
+
+
+async def test_an_engine_mounted_under_a_path_gets_its_prefix(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    async with hostile_engine(_ok) as engine:
+        proxy = await sidecar(f"{engine.url}/serving/llm/", engine="vllm", health_interval=3600)
+        async with http.get(f"{proxy}/v1/models?x=1") as response:
+            assert response.status == 200
+        forwarded = [head for head in engine.heads if query_of(head) == "x=1"]
+        assert [path_of(head) for head in forwarded] == ["/serving/llm/v1/models"]
+
+
+async def test_a_post_without_a_body_says_content_length_zero(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """The client's POST has neither Content-Length nor Transfer-Encoding (HTTP/1.1: an empty body)."""
+
+    async with hostile_engine(_ok) as engine:
+        proxy = await sidecar(engine.url, engine="vllm", health_interval=3600)
+        host, port = proxy.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"POST /v1/load?bodiless HTTP/1.1\r\nHost: sidecar\r\n\r\n")
+            async with asyncio.timeout(10):
+                status_line = await reader.readline()
+        finally:
+            writer.close()
+        assert status_line.startswith(b"HTTP/1.1 200")
+        (head,) = [head for head in engine.heads if query_of(head) == "bodiless"]
+        assert b"\r\nContent-Length: 0\r\n" in head
+        assert b"Transfer-Encoding" not in head
+
+
+async def test_a_connection_answered_while_its_body_was_written_is_not_pooled(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """A 413 before the engine read the upload: the connection closes, the next request goes on a new one."""
+    body = b"u" * (16 * 1024 * 1024)  # past the socket buffers: still being written when the 413 comes
+
+    async def refuse_uploads(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        # Keep-alive, the body not yet read: the sidecar is still writing it.
+        writer.write(TOO_LARGE if path_of(head) == "/upload" else OK_JSON)
+        return True
+
+    async with hostile_engine(refuse_uploads, answer_before_body=True) as engine:
+        proxy = await sidecar(engine.url, engine="vllm", health_interval=3600, upstream_connection_limit=1)
+        with contextlib.suppress(aiohttp.ClientError):  # the client may be cut while it still uploads
+            async with http.post(
+                f"{proxy}/upload", data=io.BytesIO(body), headers={"Content-Length": str(len(body))}
+            ) as response:
+                assert response.status == 413
+        # Bounded: a request written onto that connection would wait behind the upload's body.
+        async with asyncio.timeout(15), http.get(f"{proxy}/v1/models?after") as response:
+            assert response.status == 200
+    on = dict(zip(engine.heads, engine.connections, strict=True))
+    (upload_on,) = [number for head, number in on.items() if path_of(head) == "/upload"]
+    (next_on,) = [number for head, number in on.items() if query_of(head) == "after"]
+    assert next_on != upload_on
+
+
+async def test_requests_waiting_at_the_connection_limit_are_served_in_arrival_order(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    release = asyncio.Event()
+
+    async def answer(head: bytes, writer: asyncio.StreamWriter) -> bool:
+        if path_of(head) == "/hold":
+            await release.wait()
+        writer.write(OK_JSON)
+        return True
+
+    async with (
+        hostile_engine(answer) as engine,
+        serve_sidecar(
+            engine.url, tmp_path, engine="vllm", health_interval=3600, upstream_connection_limit=1
+        ) as sidecar,
+    ):
+        leg = sidecar.app[UPSTREAM_LEG]
+
+        async def get(target: str) -> int:
+            async with http.get(f"{sidecar.url}{target}") as response:
+                await response.read()
+                return response.status
+
+        def queued_now(count: int) -> Callable[[], bool]:
+            return lambda: leg.queued == count
+
+        held = asyncio.create_task(get("/hold"))
+        await _until(lambda: any(path_of(head) == "/hold" for head in engine.heads), "the held request")
+        queued = []
+        for index in range(5):
+            queued.append(asyncio.create_task(get(f"/v1/models?n={index}")))
+            await _until(queued_now(index + 1), f"request {index} queued")
+        release.set()
+        assert await held == 200
+        assert await asyncio.gather(*queued) == [200] * 5
+    order = [query_of(head) for head in engine.heads if query_of(head).startswith("n=")]
+    assert order == [f"n={index}" for index in range(5)]

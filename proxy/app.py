@@ -45,14 +45,17 @@ def build_app(settings: Settings) -> web.Application:
       5. admission       — the drain gate, and the request-body budget (no lifetime);
       6. metrics         — learns model ids at start; its background fetches stop first
                            (handed `sidecar_state`: metrics stands below what it reports);
-      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only);
-      7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
+      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only),
+                           their index handed to the recorder;
+      7. recorder        — witness + fan-out to evidence, metrics and the index (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
                            finishes within the grace period (`serve` starts it for requests
                            and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. admin, routes   — the route policy, forwarding's memory, then the routes (each policed);
-     11. front           — plain inference requests served beside aiohttp (no lifetime).
+     10. admin, routes   — the route policy (handed aiohttp's forwarding handler), forwarding's
+                           memory, then the routes (each policed);
+     11. front           — plain inference requests served beside aiohttp on every client
+                           connection (proxy/inbound/; no lifetime).
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
     of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).

@@ -104,7 +104,7 @@ class AiohttpSide:
 
 
 async def forward(request: web.Request) -> web.StreamResponse:
-    """Proxy one request to the upstream and stream the answer back."""
+    """Proxy one request to the upstream and stream the response back."""
     # The client's id when it sent one; else 32 random hex digits, as uuid4().hex gave but
     # without building a UUID (issue 19) nor a system call per request (issue 34).
     request_id = stored_id(request.headers.get("X-Request-Id")) or new_request_id()

@@ -141,7 +141,7 @@ class FrontSide:
 
     # `request` and `app` are plain attributes, not properties: the exchange reads them several
     # times a request, and a property is a Python call each time (bench/calls.py, issue 34).
-    __slots__ = ("_chunked", "_front", "_head", "_writer", "answered", "app", "request", "stalled")
+    __slots__ = ("_chunked", "_front", "_head", "_writer", "app", "request", "responded", "stalled")
 
     served_by = ServedBy.FRONT
 
@@ -151,7 +151,7 @@ class FrontSide:
         self.request = head
         self.app = front.app
         self.stalled = False
-        self.answered = False  # the response's head is out, or on its way
+        self.responded = False  # the response's head is out, or on its way
         self._head: tuple[int, str, CIMultiDict[str]] | None = None
         self._chunked = False
 
@@ -161,13 +161,13 @@ class FrontSide:
         return self._writer.transport.is_closing()
 
     async def respond(self, response: web.Response) -> None:
-        self.answered = True
+        self.responded = True
         transport = self._writer.transport
         if not transport.is_closing():
             transport.write(sidecar_response(self.request.method, response, keep_alive=self._keep_alive()))
 
     def response_headers(self, status: int, reason: str) -> CIMultiDict[str]:
-        self.answered = True
+        self.responded = True
         headers: CIMultiDict[str] = CIMultiDict()
         self._head = (status, reason, headers)
         return headers
@@ -202,7 +202,7 @@ class FrontSide:
     def fail(self, exchange: Exchange) -> None:
         """An unexpected failure: a 500 when no head went out yet, else the connection cut."""
         transport = self._writer.transport
-        if self.answered or transport.is_closing():
+        if self.responded or transport.is_closing():
             transport.abort()
             return
         exchange.status = 500

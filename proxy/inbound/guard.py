@@ -6,7 +6,7 @@ for ever, and enough of them starve the sidecar of descriptors for its own upstr
 connections. Every client connection is therefore wrapped: the wrapper refuses connections
 past `max_connections` with a clear 503 and close, and closes a connection whose head takes
 longer than `header_timeout` or whose body goes silent for `body_idle_timeout`. A client that
-stops reading its answer holds the relay's buffer and an engine connection: one that takes no
+stops reading its response holds the relay's buffer and an engine connection: one that takes no
 byte for `client_write_timeout` while the sidecar waits on it is cut (its handler is cancelled,
 which aborts the engine's request), and its exchange's outcome is `client_stalled`.
 
@@ -68,7 +68,7 @@ class ConnectionGuard:
         # The front, which serves beside aiohttp on each new connection (proxy/inbound/setup.py);
         # None: aiohttp serves every request.
         self.front: Front | None = None
-        self.closing = False  # shutdown began: no connection is kept alive after its answer
+        self.closing = False  # shutdown began: no connection is kept alive after its response
         self.max_connections = max_connections
         self.probe_slots = probe_slots
         self.open_connections = 0

@@ -19,7 +19,8 @@ from typing import Any
 
 from yarl import URL
 
-from proxy.config.options import OPTIONS, Option, url_option
+from proxy.config.options import OPTIONS, Option
+from proxy.config.parsers import url_option
 from proxy.config.settings import ConfigError, NativeResetAuth, Settings
 from proxy.redact import redact_url
 

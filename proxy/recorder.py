@@ -10,8 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -36,10 +35,12 @@ __all__ = ["RECORDER", "UNNUMBERED", "Numbered", "Recorder", "setup_recorder"]
 _OBSERVATION, _VERIFICATION = str(EventType.CACHE_OBSERVATION), str(EventType.CACHE_VERIFICATION)
 
 
-@dataclass(frozen=True, slots=True)
-class Numbered:
+class Numbered(NamedTuple):
     """Where an admitted inference request stands: the reset it follows (None before the first),
-    its ordinal since that reset, and whether it carried that reset's case token."""
+    its ordinal since that reset, and whether it carried that reset's case token.
+
+    A NamedTuple, frozen as a dataclass would be, built in a fraction of the time (one per request).
+    """
 
     reset_id: str | None
     ordinal: int | None

@@ -158,10 +158,15 @@ ATTACK = (
     b'{"model":"sim-model","messages":[{"role":"user","content":"hi"}],'
     b'"stream":true,"str\\u0065am":false,"x":NaN}'
 )
+# The same without NaN, past the size orjson decodes whole: the scanner alone reads it.
+LARGE_ATTACK = (
+    b'{"model":"sim-model","messages":[{"role":"user","content":"' + b"hi " * 6000 + b'"}],'
+    b'"stream":true,"str\\u0065am":false}'
+)
 
 
 async def test_the_parser_differential_request_leaves_injection_on(tmp_path: Path) -> None:
-    """`python -m proxy serve`: the attack reaches the engine once, as written; the next stream is injected."""
+    """`python -m proxy serve`: each attack reaches the engine once, as written; the next stream is injected."""
     assert len(ATTACK) <= 120
     async with (
         sim(fast("vllm")) as engine,
@@ -171,16 +176,18 @@ async def test_the_parser_differential_request_leaves_injection_on(tmp_path: Pat
         process, url = await start_sidecar(hop.url, tmp_path)
         try:
             headers = {"Content-Type": "application/json"}
-            async with http.post(url + CHAT, data=ATTACK, headers=headers) as response:
-                assert response.status == 200, await response.text()
-                assert "usage" in await response.json()  # not a stream: the engine read `stream` false
+            for attack in (ATTACK, LARGE_ATTACK):
+                async with http.post(url + CHAT, data=attack, headers=headers) as response:
+                    assert response.status == 200, await response.text()
+                    assert "usage" in await response.json()  # not a stream: the engine read `stream` false
             rig = Rig(url, hop, http)
             await rig.stream()
             records = await rig.observations()
         finally:
             await stop(process)
-    assert next(seen.body for seen in hop.seen if seen.raw_path == CHAT) == ATTACK
-    assert rig.chats_at_engine() == 2
-    attack, normal = records
-    assert (attack["status"], attack["usage_injected"]) == (200, False)
+    # Each attack reached the engine once, as the client wrote it: nothing injected, nothing resent.
+    assert [seen.body for seen in hop.seen if seen.raw_path == CHAT][:2] == [ATTACK, LARGE_ATTACK]
+    assert rig.chats_at_engine() == 3
+    *attacks, normal = records
+    assert [(a["status"], a["usage_injected"]) for a in attacks] == [(200, False)] * 2
     assert normal["usage_injected"] is True and normal["cached_tokens"] == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from aiohttp import web
@@ -21,7 +22,7 @@ from proxy.errors import error_response
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
-from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, setup_injection_probe
+from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, InjectionProbe
 from proxy.forward.request_body import BodyTooLarge, ClientGone
 from proxy.forward.side import Side
 from proxy.logs import log_event
@@ -66,7 +67,14 @@ def setup_forward(app: web.Application) -> None:
     that alone decides it."""
     refusals = InjectionRefusals(app[SETTINGS].inject_usage_reprobe_seconds)
     app[INJECTION_REFUSALS] = refusals
-    setup_injection_probe(app, refusals)
+    probe = app[INJECTION_PROBE] = InjectionProbe(refusals)
+
+    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
+        """A probe in flight is cancelled before the pool it uses closes."""
+        yield
+        await probe.stop()
+
+    app.cleanup_ctx.append(lifetime)
 
 
 def too_large(limit: int) -> web.Response:

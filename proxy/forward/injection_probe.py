@@ -30,7 +30,7 @@ from proxy.observe.rules import EngineIdentity
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.upstream.resend import send_upstream
 
-__all__ = ["INJECTION_PROBE", "InjectionProbe", "probe_body", "run_probe", "setup_injection_probe"]
+__all__ = ["INJECTION_PROBE", "InjectionProbe", "probe_body", "run_probe"]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -131,7 +131,7 @@ class InjectionProbe:
             event="injection_probe",
         )
 
-    async def stop(self, _app: web.Application | None = None) -> None:
+    async def stop(self) -> None:
         """Cancel a probe in flight and start none after (before the pool closes)."""
         self._stopping = True
         for task in list(self._pending):
@@ -141,10 +141,3 @@ class InjectionProbe:
 
 
 INJECTION_PROBE = web.AppKey("injection_probe", InjectionProbe)
-
-
-def setup_injection_probe(app: web.Application, refusals: InjectionRefusals) -> None:
-    """The probe, stopped when shutdown begins: before the pool it uses closes."""
-    probe = InjectionProbe(refusals)
-    app[INJECTION_PROBE] = probe
-    app.on_shutdown.append(probe.stop)

@@ -18,12 +18,11 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.forward.injection_probe import INJECTION_PROBE
 from proxy.sim.wire import error_response
 from tests.support.capture import Answer, Capture, capturing
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.process import start_sidecar, stop
-from tests.support.sidecar import serve_sidecar
+from tests.support.sidecar import injection_probes_done, serve_sidecar
 from tests.support.sim import chat, fast, sim, words
 
 CHAT = "/v1/chat/completions"
@@ -63,12 +62,7 @@ class Rig:
     async def probes_done(self, runs: int) -> None:
         """Wait (bounded) until the sidecar's injection probe has finished `runs` probes."""
         assert self.app is not None
-        probe = self.app[INJECTION_PROBE]
-        for _ in range(200):
-            if probe.runs >= runs:
-                break
-            await asyncio.sleep(0.05)
-        assert probe.runs == runs
+        await injection_probes_done(self.app, runs)
 
 
 @asynccontextmanager

@@ -290,7 +290,7 @@ def _judge_refusal(side: Side[R], exchange: Exchange, status: int, refusal: str)
         request_id=exchange.request_id,
         status=status,
     )
-    side.app[INJECTION_PROBE].suspect(side.app, exchange.engine_info, side.request.path)
+    side.app[INJECTION_PROBE].suspect(side.app, exchange.engine_info, side.request.path, exchange.model)
 
 
 async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, bytes]:

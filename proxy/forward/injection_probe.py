@@ -73,20 +73,24 @@ async def _post(
         return 0, "identity", b""
 
 
-async def run_probe(session: aiohttp.ClientSession, base: str, path: str, key: str | None) -> str | None:
+async def run_probe(
+    session: aiohttp.ClientSession, base: str, path: str, key: str | None, model: str | None = None
+) -> str | None:
     """Why the engine refuses the injection; None when it takes it or the probe cannot say.
 
     A refusal only when the injected probe alone fails: the same probe without it succeeds.
+    The model is the engine's first at /v1/models, else `model` (the refused request's: only
+    a string in the sidecar's own body, and a wrong one fails both ways).
     """
-    models = await fetch_model_ids(session, base, _TIMEOUT_S, key)
-    if not models:
+    model = next(iter(await fetch_model_ids(session, base, _TIMEOUT_S, key) or []), model)
+    if model is None:
         return None
-    status, encoding, body = await _post(session, base + path, probe_body(path, models[0], inject=True), key)
+    status, encoding, body = await _post(session, base + path, probe_body(path, model, inject=True), key)
     if 200 <= status < 300:
         return None if encoding == "identity" else "compressed an injected answer"
     if status not in REFUSED_STATUSES or not names_stream_options(body):
         return None
-    plain, _, _ = await _post(session, base + path, probe_body(path, models[0], inject=False), key)
+    plain, _, _ = await _post(session, base + path, probe_body(path, model, inject=False), key)
     return "refused the injected include_usage" if 200 <= plain < 300 else None
 
 
@@ -102,20 +106,25 @@ class InjectionProbe:
         self._stopping = False
         self.runs = 0
 
-    def suspect(self, app: web.Application, info: EngineIdentity | None, path: str) -> None:
+    def suspect(
+        self, app: web.Application, info: EngineIdentity | None, path: str, model: str | None
+    ) -> None:
         """A client's injected request was refused: probe the engine in the background, if due."""
         now = time.monotonic()
         if self._pending or self._stopping or now - self._last < self.interval_s:
             return
         self._last = now
-        task = asyncio.get_running_loop().create_task(self._probe(app, info, path))
+        task = asyncio.get_running_loop().create_task(self._probe(app, info, path, model))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _probe(self, app: web.Application, info: EngineIdentity | None, path: str) -> None:
+    async def _probe(
+        self, app: web.Application, info: EngineIdentity | None, path: str, model: str | None
+    ) -> None:
         """One probe; a confirmed refusal is remembered for this engine."""
         settings = app[SETTINGS]
-        refusal = await run_probe(app[UPSTREAM_POOL], settings.upstream_base, path, settings.engine_key)
+        pool, base, key = app[UPSTREAM_POOL], settings.upstream_base, settings.engine_key
+        refusal = await run_probe(pool, base, path, key, model)
         self.runs += 1
         if refusal is None:
             log_event(

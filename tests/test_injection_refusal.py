@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.forward.injection_probe import INJECTION_PROBE
 from proxy.sim.wire import error_response
 from tests.support.capture import Answer, Capture, capturing
 from tests.support.client import CLIENT_TIMEOUT
@@ -139,10 +140,34 @@ async def test_a_clients_refused_request_alone_never_switches_injection_off(tmp_
         assert r.chats_at_engine() == 3
         probe = r.hop.seen[-1].body
         assert b'"stream_options":{"include_usage":true}' in probe and b'"max_tokens":1' in probe
+        await r.stream(user="reads-differently")
         await r.stream()
-        odd, normal = await r.observations()
-    assert (odd["status"], odd["usage_injected"]) == (200, False)
+        # The second odd request: refused and resent, but no second probe within the interval.
+        await asyncio.sleep(0.2)
+        assert r.chats_at_engine() == 6 and r.app is not None and r.app[INJECTION_PROBE].runs == 1
+        *odd, normal = await r.observations()
+    assert [(o["status"], o["usage_injected"]) for o in odd] == [(200, False)] * 2
     assert normal["usage_injected"] is True and normal["cached_tokens"] is not None
+
+
+def _refuse_probes(path: str, body: bytes) -> web.Response | None:
+    """An engine that refuses the probe both ways, quoting its input (as pydantic's errors do)."""
+    if b"reads-differently" in body and b'"stream_options"' in body:
+        return _refuse_differing(path, body)
+    if path == CHAT and b'"max_tokens":1,' in body:
+        return error_response(400, f"invalid request: {body.decode()}")
+    return None
+
+
+async def test_a_probe_refused_both_ways_switches_nothing_off(tmp_path: Path) -> None:
+    """The injected probe's error names stream_options, but the plain probe fails too: not the injection."""
+    async with rig(tmp_path, answer=_refuse_probes) as r:
+        await r.stream(user="reads-differently")
+        await r.probes_done(1)
+        assert r.chats_at_engine() == 4  # injected, as written, the probe both ways
+        await r.stream()
+        *_, normal = await r.observations()
+    assert normal["usage_injected"] is True
 
 
 # Issue 45's request (vLLM's parser, Python's json, reads `stream` false: last key wins; NaN

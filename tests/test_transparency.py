@@ -158,15 +158,21 @@ async def test_an_injected_request_asks_for_identity_encoding(
 
 
 async def test_an_engine_compressing_an_injected_stream_answers_the_clients_own_request(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
+    engine: str, engine_app: web.Application, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     state = engine_app[ENGINE]
     state.gzip_always = True
-    proxy = await sidecar(engine)
-    status, body = await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip"})
-    assert status == 200 and gzip.decompress(body) == stream_bytes(False)
-    [record] = await records(client, proxy)
-    assert record["usage_injected"] is False and record["cached_tokens"] is None
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        proxy = sidecar.url
+        status, body = await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip"})
+        assert status == 200 and gzip.decompress(body) == stream_bytes(False)
+        # The probe's injected stream comes back compressed too: remembered, the next one sent as written.
+        await injection_probes_done(sidecar.app, 1)
+        assert await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip"}) == (200, body)
+        injected = [b"stream_options" in seen["body"] for seen in state.seen]
+        assert injected == [True, False, True, False]
+        first, _ = await records(client, proxy)
+    assert first["usage_injected"] is False and first["cached_tokens"] is None
 
 
 async def test_a_stripped_stream_carries_no_stale_content_length(

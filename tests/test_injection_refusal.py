@@ -210,3 +210,20 @@ async def test_the_parser_differential_request_leaves_injection_on(tmp_path: Pat
     *attacks, normal = records
     assert [(a["status"], a["usage_injected"]) for a in attacks] == [(200, False)] * 2
     assert normal["usage_injected"] is True and normal["cached_tokens"] == 0
+
+
+async def test_the_probe_is_counted_as_unobserved_traffic_not_as_a_bypass(tmp_path: Path) -> None:
+    """The probe reaches the engine's counters: the case's reconciliation counts it as the sidecar's own."""
+    async with rig(tmp_path, answer=_refuse_differing) as r:
+        async with r.http.post(
+            r.url + "/cache/reset", json={"case_id": "case-1", "session_id": "s"}
+        ) as reply:
+            assert reply.status == 200, await reply.text()
+        await r.stream(user="reads-differently")
+        await r.probes_done(1)
+        async with r.http.post(r.url + "/cache/cases/case-1/close") as reply:
+            assert reply.status == 200, await reply.text()
+            record = await reply.json()
+    # The resent request observed, the probe's one (served) request unobserved, nothing bypassed.
+    assert (record["observed"]["requests"], record["unobserved"]["requests"]) == (1, 1)
+    assert record["bypass"]["requests"] == 0

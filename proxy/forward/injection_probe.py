@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -27,6 +28,7 @@ from proxy.engines.queries import fetch_model_ids, read_limited
 from proxy.logs import log_event
 from proxy.observe import InjectionRefusals, names_stream_options
 from proxy.observe.rules import EngineIdentity
+from proxy.recorder import RECORDER
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.upstream.resend import send_upstream
 
@@ -74,22 +76,30 @@ async def _post(
 
 
 async def run_probe(
-    session: aiohttp.ClientSession, base: str, path: str, key: str | None, model: str | None = None
+    session: aiohttp.ClientSession,
+    base: str,
+    path: str,
+    key: str | None,
+    model: str | None = None,
+    sending: Callable[[], None] = lambda: None,
 ) -> str | None:
     """Why the engine refuses the injection; None when it takes it or the probe cannot say.
 
     A refusal only when the injected probe alone fails: the same probe without it succeeds.
     The model is the engine's first at /v1/models, else `model` (the refused request's: only
-    a string in the sidecar's own body, and a wrong one fails both ways).
+    a string in the sidecar's own body, and a wrong one fails both ways). `sending` is told of
+    each inference request before it goes.
     """
     model = next(iter(await fetch_model_ids(session, base, _TIMEOUT_S, key) or []), model)
     if model is None:
         return None
+    sending()
     status, encoding, body = await _post(session, base + path, probe_body(path, model, inject=True), key)
     if 200 <= status < 300:
         return None if encoding == "identity" else "compressed an injected answer"
     if status not in REFUSED_STATUSES or not names_stream_options(body):
         return None
+    sending()
     plain, _, _ = await _post(session, base + path, probe_body(path, model, inject=False), key)
     return "refused the injected include_usage" if 200 <= plain < 300 else None
 
@@ -124,7 +134,10 @@ class InjectionProbe:
         """One probe; a confirmed refusal is remembered for this engine."""
         settings = app[SETTINGS]
         pool, base, key = app[UPSTREAM_POOL], settings.upstream_base, settings.engine_key
-        refusal = await run_probe(pool, base, path, key, model)
+        # Each probe is inference traffic the engine counts (and caches): the witnesses count it
+        # as unobserved, not as a bypass of the sidecar.
+        recorder = app[RECORDER]
+        refusal = await run_probe(pool, base, path, key, model, lambda: recorder.unobserved_request(None))
         self.runs += 1
         if refusal is None:
             log_event(

@@ -22,6 +22,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engines.call import bearer
 from proxy.engines.queries import fetch_model_ids, read_limited
@@ -136,8 +137,16 @@ class InjectionProbe:
         pool, base, key = app[UPSTREAM_POOL], settings.upstream_base, settings.engine_key
         # Each probe is inference traffic the engine counts (and caches): the witnesses count it
         # as unobserved, not as a bypass of the sidecar.
-        recorder = app[RECORDER]
-        refusal = await run_probe(pool, base, path, key, model, lambda: recorder.unobserved_request(None))
+        recorder, admission = app[RECORDER], app[ADMISSION]
+        # Through the drain gate like client traffic: no probe reaches the engine while a
+        # reset's canary needs it to itself.
+        if not await admission.admit():
+            self.runs += 1
+            return
+        try:
+            refusal = await run_probe(pool, base, path, key, model, lambda: recorder.unobserved_request(None))
+        finally:
+            admission.leave()
         self.runs += 1
         if refusal is None:
             log_event(

@@ -18,13 +18,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from proxy.admission import ADMISSION, Hold
 from proxy.forward.injection_probe import INJECTION_PROBE
 from proxy.sim.wire import error_response
 from tests.support.capture import Answer, Capture, capturing
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.process import start_sidecar, stop
 from tests.support.sidecar import injection_probes_done, serve_sidecar
-from tests.support.sim import chat, fast, sim, words
+from tests.support.sim import WAIT_S, chat, fast, sim, words
 
 CHAT = "/v1/chat/completions"
 # The poisoned request of the security test: its error quotes `stream_options` back.
@@ -227,3 +228,28 @@ async def test_the_probe_is_counted_as_unobserved_traffic_not_as_a_bypass(tmp_pa
     # The resent request observed, the probe's one (served) request unobserved, nothing bypassed.
     assert (record["observed"]["requests"], record["unobserved"]["requests"]) == (1, 1)
     assert record["bypass"]["requests"] == 0
+
+
+async def test_the_probe_waits_at_the_drain_gate(tmp_path: Path) -> None:
+    """A reset's drain holds the probe as it holds client traffic: the canary has the engine alone."""
+    holding: list[web.Application] = []
+    holds: list[Hold] = []
+
+    def hold_after_the_resend(path: str, body: bytes) -> web.Response | None:
+        if _DIFFERS in body and b'"stream_options"' not in body and not holds:
+            holds.append(holding[0][ADMISSION].hold(WAIT_S))  # the resend is in; what follows waits
+        return _refuse_differing(path, body)
+
+    async with rig(tmp_path, answer=hold_after_the_resend) as r:
+        assert r.app is not None
+        holding.append(r.app)
+        await r.stream(user="reads-differently")
+        admission = r.app[ADMISSION]
+        for _ in range(200):
+            if admission.held:
+                break
+            await asyncio.sleep(0.05)
+        assert admission.held == 1 and r.chats_at_engine() == 2  # the probe waits, unsent
+        admission.release(holds[0])
+        await r.probes_done(1)
+        assert r.chats_at_engine() == 3

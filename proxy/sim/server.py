@@ -85,7 +85,9 @@ class OpenAIRoutes:
         if stream_options is not None and self.config.reject_stream_options:
             return error_response(400, "Unrecognized request argument supplied: stream_options")
         if stream_options is not None and not stream and self.dialect.rejects_stream_options_without_stream:
-            return error_response(400, "Stream options can only be defined when `stream=True`.")
+            # vLLM names the field: `"param": "stream_options"` (protocol.py, VLLMValidationError).
+            message = "Stream options can only be defined when `stream=True`."
+            return error_response(400, message, param="stream_options")
         include_usage = (
             stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
         )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 __all__ = ["DIALECTS", "SimConfig", "add_sim_arguments", "parse_listen", "sim_config_from_args"]
 
-DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "openai")
+DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "trtllm", "dynamo", "openai")
 # vLLM's --scheduling-policy: with priority, a later request with a lower `priority` runs first.
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
@@ -17,6 +17,8 @@ DEFAULT_VERSIONS: dict[str, str] = {
     "sglang": "0.5.10",
     "llamacpp": "b6000-sim",
     "mindnano": "0.1.0-sim",
+    "trtllm": "1.3.0rc29",
+    "dynamo": "1.6.1",
     "openai": "sim",
 }
 
@@ -26,8 +28,14 @@ DEFAULT_MODELS: dict[str, str] = {
     "sglang": "sim-model",
     "llamacpp": "sim-model",
     "mindnano": "mindnano-ling3-tiny",
+    "trtllm": "sim-model",
+    "dynamo": "sim-model",
     "openai": "sim-model",
 }
+# Dialects with one prefix cache per rank (vllm, sglang: data-parallel ranks; dynamo: workers).
+_RANKED = ("vllm", "sglang", "dynamo")
+# Dialects whose reset can answer success and leave the cache warm (--reset-leaves-warm).
+_FALSE_SUCCESS = ("vllm", "sglang", "trtllm", "dynamo")
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,18 @@ class SimConfig:
     # The rank whose cache every reset leaves warm, while the reset answers success (SGLang's
     # /flush_cache answers with the first rank's result only).
     refusing_rank: int | None = None
+    # vllm: LMCache as the offload tier, its internal API servers on consecutive ports from
+    # lmcache_port_start (scheduler, then one per worker); a clear that answers success and
+    # removes nothing (LMCache #1692, #1693).
+    lmcache: bool = False
+    lmcache_port_start: int = 6999
+    lmcache_workers: int = 1
+    lmcache_leaves_warm: bool = False
+    # trtllm: a release without /reset_prefix_cache (404); no return_perf_metrics (no /prometheus/metrics)
+    reset_route: bool = True
+    perf_metrics: bool = True
+    # dynamo: the worker the frontend cannot reach (listed in failed_workers, its cache kept)
+    unreachable_worker: int | None = None
     # sglang
     admin_api_key: str | None = None
     # A HiCache storage tier (`file`, `mooncake`, ...): /flush_cache leaves it warm,
@@ -107,17 +127,33 @@ class SimConfig:
             raise ValueError("default_max_tokens must be >= 0")
         if self.dp_size < 1:
             raise ValueError("dp_size must be >= 1")
-        if self.dp_size > 1 and self.dialect not in ("vllm", "sglang"):
-            raise ValueError("--dp-size is for the vllm and sglang dialects")
+        if self.dp_size > 1 and self.dialect not in _RANKED:
+            raise ValueError("--dp-size is for the vllm, sglang and dynamo dialects")
         if self.refusing_rank is not None and not 0 <= self.refusing_rank < self.dp_size:
             raise ValueError("--refusing-rank must be one of the ranks 0 .. dp_size-1")
         if self.hicache_storage_backend is not None and self.dialect != "sglang":
             raise ValueError("--hicache-storage-backend is for the sglang dialect")
         if self.word_pieces and self.dialect == "mindnano":
             raise ValueError("word_pieces is for the word-tokenizer dialects (mindnano counts characters)")
-        if self.reset_leaves_warm and self.dialect not in ("vllm", "sglang"):
-            raise ValueError("reset_leaves_warm is for the vllm and sglang dialects (llamacpp: ram_cache)")
+        if self.reset_leaves_warm and self.dialect not in _FALSE_SUCCESS:
+            raise ValueError(
+                "reset_leaves_warm is for the vllm, sglang, trtllm and dynamo dialects (llamacpp: ram_cache)"
+            )
+        self._check_engine_extras()
         self._check_kv_events()
+
+    def _check_engine_extras(self) -> None:
+        """The LMCache tier (vllm) and the dynamo worker options."""
+        if self.lmcache and self.dialect != "vllm":
+            raise ValueError("--lmcache is for the vllm dialect")
+        if self.lmcache_workers < 1 or not 0 <= self.lmcache_port_start <= 65535 - self.lmcache_workers:
+            raise ValueError("--lmcache-workers must be >= 1 and the LMCache ports within 0..65535")
+        if self.unreachable_worker is not None and (
+            self.dialect != "dynamo" or not 0 <= self.unreachable_worker < self.dp_size
+        ):
+            raise ValueError(
+                "--unreachable-worker is for the dynamo dialect: one of the workers 0 .. dp_size-1"
+            )
 
     def _check_kv_events(self) -> None:
         """KV events exist for vLLM and SGLang, over tcp, with a rank and a drop period >= 0."""
@@ -226,7 +262,7 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--reset-leaves-warm",
         action="store_true",
-        help="vllm, sglang: the reset answers success but the cache stays warm",
+        help="vllm, sglang, trtllm, dynamo: the reset answers success but the cache stays warm",
     )
     vllm = parser.add_argument_group("vllm dialect")
     vllm.add_argument(
@@ -250,8 +286,28 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a CPU-offload (host) tier that /reset_prefix_cache leaves warm",
     )
+    vllm.add_argument(
+        "--lmcache", action="store_true", help="LMCache as the offload tier, with its internal API servers"
+    )
+    vllm.add_argument(
+        "--lmcache-port-start",
+        type=int,
+        default=d.lmcache_port_start,
+        metavar="PORT",
+        help="LMCache's internal_api_server_port_start: the scheduler's port, then one per worker",
+    )
+    vllm.add_argument("--lmcache-workers", type=int, default=d.lmcache_workers, metavar="N")
+    vllm.add_argument(
+        "--lmcache-leaves-warm",
+        action="store_true",
+        help="DELETE /cache/clear answers success and removes nothing (LMCache #1692, #1693)",
+    )
     parser.add_argument(
-        "--dp-size", type=int, default=d.dp_size, metavar="N", help="vllm, sglang: data-parallel ranks"
+        "--dp-size",
+        type=int,
+        default=d.dp_size,
+        metavar="N",
+        help="vllm, sglang: data-parallel ranks; dynamo: workers behind the frontend",
     )
     parser.add_argument(
         "--refusing-rank",
@@ -296,6 +352,21 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="do not send every Nth batch (it stays replayable): a gap to test",
     )
+    trtllm = parser.add_argument_group("trtllm dialect")
+    trtllm.add_argument(
+        "--no-reset-route", action="store_true", help="a release without /reset_prefix_cache (404)"
+    )
+    trtllm.add_argument(
+        "--no-perf-metrics", action="store_true", help="no return_perf_metrics: /prometheus/metrics is 404"
+    )
+    dynamo = parser.add_argument_group("dynamo dialect")
+    dynamo.add_argument(
+        "--unreachable-worker",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the worker /clear_kv_blocks cannot reach (in failed_workers; its cache kept)",
+    )
     llama = parser.add_argument_group("llamacpp dialect")
     llama.add_argument("--slots", type=int, default=d.slots, help="number of slots (-np)")
     llama.add_argument(
@@ -329,6 +400,13 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         prompt_tokens_details=not ns.no_prompt_tokens_details,
         omit_zero_cached=ns.omit_zero_cached,
         host_tier=ns.host_tier,
+        lmcache=ns.lmcache,
+        lmcache_port_start=ns.lmcache_port_start,
+        lmcache_workers=ns.lmcache_workers,
+        lmcache_leaves_warm=ns.lmcache_leaves_warm,
+        reset_route=not ns.no_reset_route,
+        perf_metrics=not ns.no_perf_metrics,
+        unreachable_worker=ns.unreachable_worker,
         dp_size=ns.dp_size,
         refusing_rank=ns.refusing_rank,
         admin_api_key=ns.admin_api_key,

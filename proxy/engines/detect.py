@@ -95,19 +95,17 @@ async def _versioned(probe: _Prober) -> EngineInfo | None:
 async def _dynamo(probe: _Prober) -> EngineInfo | None:
     """Dynamo's frontend has no `/version`: its `/health` lists `endpoints` and `instances`.
 
-    (ai-dynamo/dynamo lib/llm/src/http/service/health.rs; 503 while discovery runs, so `/live`
-    and `/v1/models` `owned_by: "nvidia"` with `object: "object"` (openai.rs) are asked too.)
+    (lib/llm/src/http/service/health.rs; seen on ai-dynamo 1.6.1.) `/health` is 503 while
+    discovery runs, so `/live` answering `live` with `/v1/models` owned by `nvidia` counts too.
     """
     health = await probe.json("/health")
     if isinstance(health, dict) and isinstance(health.get("instances"), list) and "endpoints" in health:
         return EngineInfo(EngineKind.DYNAMO)
     live = await probe.json("/live")
-    if not (isinstance(live, dict) and live.get("status") == "live"):
-        return None
-    models = await probe.json("/v1/models")
-    data = models.get("data") if isinstance(models, dict) else None
-    if isinstance(data, list) and any(
-        isinstance(m, dict) and m.get("owned_by") == "nvidia" and m.get("object") == "object" for m in data
+    if (
+        isinstance(live, dict)
+        and live.get("status") == "live"
+        and "nvidia" in _owners(await probe.json("/v1/models"))
     ):
         return EngineInfo(EngineKind.DYNAMO)
     return None

@@ -83,7 +83,7 @@ class SimConfig:
     lmcache_port_start: int = 6999
     lmcache_workers: int = 1
     lmcache_leaves_warm: bool = False
-    # trtllm: a release without /reset_prefix_cache (404); no return_perf_metrics (no /prometheus/metrics)
+    # trtllm, dynamo: a release without the reset route (404); trtllm: no return_perf_metrics (no /prometheus/metrics)
     reset_route: bool = True
     perf_metrics: bool = True
     # dynamo: the worker the frontend cannot reach (listed in failed_workers, its cache kept)
@@ -354,7 +354,9 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
     trtllm = parser.add_argument_group("trtllm dialect")
     trtllm.add_argument(
-        "--no-reset-route", action="store_true", help="a release without /reset_prefix_cache (404)"
+        "--no-reset-route",
+        action="store_true",
+        help="trtllm, dynamo: a release without /reset_prefix_cache, /clear_kv_blocks (404)",
     )
     trtllm.add_argument(
         "--no-perf-metrics", action="store_true", help="no return_perf_metrics: /prometheus/metrics is 404"

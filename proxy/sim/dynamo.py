@@ -6,7 +6,8 @@ into `cleared_workers` with its answer serialised to a JSON string (a vLLM worke
 its blocks are held: `{"status": "error", "message": "KV cache reset failed"}`,
 components/src/dynamo/vllm/handlers.py), a worker it cannot reach (`--unreachable-worker`) into
 `failed_workers`, and the HTTP status is 200 either way. `/health` lists `endpoints` and
-`instances` (health.rs); there is no `/version`; model cards say `owned_by: "nvidia"`.
+`instances` (health.rs); there is no `/version`; model cards say `owned_by: "nvidia"`. The
+frontend of the ai-dynamo 1.6.1 wheels answers 404 to `/clear_kv_blocks` (seen): `--no-reset-route`.
 """
 
 from __future__ import annotations
@@ -62,12 +63,12 @@ class DynamoDialect(SimDialect):
         return None
 
     def model_card_extras(self) -> dict[str, Any]:
-        """openai.rs's ModelListing: `object: "object"`, `owned_by: "nvidia"`."""
-        return {"object": "object", "owned_by": "nvidia"}
+        """The frontend's model cards (seen on ai-dynamo 1.6.1): `owned_by: "nvidia"`."""
+        return {"owned_by": "nvidia", "context_window": 0}
 
     def not_found(self) -> web.Response:
-        """axum's 404: no body."""
-        return web.Response(status=404)
+        """The frontend's 404 (seen on ai-dynamo 1.6.1)."""
+        return json_body({"message": "Route not found", "type": "Not Found", "code": 404}, 404)
 
     def prefilled(self, seq: Sequence) -> None:
         """Count the request in the frontend's histograms once its cached tokens are known."""
@@ -80,24 +81,17 @@ class DynamoDialect(SimDialect):
         """The frontend's health routes and its clear."""
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/live", self.handle_live)
-        app.router.add_post("/clear_kv_blocks", self.handle_clear)
+        if self.config.reset_route:
+            app.router.add_post("/clear_kv_blocks", self.handle_clear)
 
     async def handle_health(self, request: web.Request) -> web.Response:
-        """GET /health: healthy, with the discovered endpoints and instances."""
+        """GET /health: healthy, with the discovered endpoints and instances (ai-dynamo 1.6.1's shape)."""
         workers = [
             {"component": _COMPONENT, "endpoint": "generate", "namespace": _NAMESPACE, "instance_id": i + 1}
             for i in range(self.config.dp_size)
         ]
-        return json_body(
-            {
-                "status": "healthy",
-                "message": "Service is healthy",
-                "initial_discovery_complete": True,
-                "initial_discovery_error": None,
-                "endpoints": [f"dyn://{_NAMESPACE}.{_COMPONENT}.generate"],
-                "instances": workers,
-            }
-        )
+        endpoints = [f"dyn://{_NAMESPACE}.{_COMPONENT}.generate"]
+        return json_body({"status": "healthy", "endpoints": endpoints, "instances": workers})
 
     async def handle_live(self, request: web.Request) -> web.Response:
         """GET /live."""

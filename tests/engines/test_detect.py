@@ -41,6 +41,21 @@ async def test_each_engine_is_detected_with_its_version(
         assert info.version == version
 
 
+async def test_a_dynamo_frontend_is_known_by_the_instances_its_health_lists(
+    http: aiohttp.ClientSession,
+) -> None:
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "healthy", "endpoints": ["dyn://dynamo.backend.generate"], "instances": []}
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)  # nothing else: no /live, no /v1/models
+    async with serve_app(app) as url:
+        info = await detect_engine(http, url, TIMEOUT_S)
+    assert info.kind == "dynamo"
+
+
 async def test_a_dynamo_frontend_still_discovering_is_known_by_live_and_its_owner(
     http: aiohttp.ClientSession,
 ) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.real import engines
+import aiohttp
+
+from tests.real import engines, sidecar_client
 from tests.real.conftest import Pair
 from tests.support.metrics import Scrape
 
@@ -54,3 +56,21 @@ def test_a_reset_of_this_frontend_is_unsupported_never_a_success(dynamo: Pair) -
     assert (status, body["answer"], body["success"]) == (501, "unsupported", False), body
     assert body["calls"][-1]["status"] == 404 and body["calls"][-1]["url"].endswith("/clear_kv_blocks")
     assert "/clear_kv_blocks" in body["hint"]
+
+
+async def test_a_stream_keeps_its_shape_and_its_injected_usage_is_observed(dynamo: Pair) -> None:
+    """No include_usage asked: the sidecar injects it, reads the usage chunk, and removes it again."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2}
+    session_id, case_id = sidecar_client.new_case()
+    async with aiohttp.ClientSession() as http:
+        direct = await sidecar_client.stream(http, dynamo.engine_url, body, path="/v1/chat/completions")
+        through = await sidecar_client.stream(
+            http, dynamo.url, body, sidecar_client.tags(session_id, case_id), path="/v1/chat/completions"
+        )
+        (observed,) = await sidecar_client.observations(http, dynamo.url, case_id, 1)
+    assert through.done and sidecar_client.chunk_shapes(through.events) == sidecar_client.chunk_shapes(
+        direct.events
+    )
+    assert all("usage" not in event for event in through.events)
+    assert observed["usage_injected"] is True
+    assert observed["cached_tokens"] > 0  # the direct stream cached the prompt a moment before

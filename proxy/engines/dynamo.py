@@ -84,7 +84,7 @@ def tally(payload: Any) -> WorkerTally | None:
     cleared_list, failed_list = payload.get("cleared_workers"), payload.get("failed_workers")
     if cleared_list is None and failed_list is None:
         message = payload.get("message")
-        return WorkerTally((), (), (), message if isinstance(message, str) else None)
+        return WorkerTally((), (), (), message[:200] if isinstance(message, str) else None)
     if not isinstance(cleared_list or [], list) or not isinstance(failed_list or [], list):
         return None
     cleared: list[str] = []

@@ -14,7 +14,7 @@ from proxy.metrics.labels import PREFIX
 __all__ = ["engine_exposition", "is_exposition_line"]
 
 _NAME_START = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_:")
-_NAME_CHARS = _NAME_START | frozenset(b"0123456789")
+_NAME_CHARS = bytes(sorted(_NAME_START)) + b"0123456789"
 
 
 def engine_exposition(body: bytes) -> bytes | None:
@@ -24,17 +24,11 @@ def engine_exposition(body: bytes) -> bytes | None:
     `# UNIT` lines, and any family named like ours (two `# TYPE` lines for one name make
     Prometheus reject the whole scrape).
     """
-    kept: list[bytes] = []
-    dropped = False
-    for line in body.splitlines():
-        if not is_exposition_line(line):
-            return None
-        if _foreign_line(line):
-            dropped = True
-        else:
-            kept.append(line)
-    if dropped:
-        body = b"\n".join(kept)
+    lines = body.splitlines()
+    if not all(map(is_exposition_line, lines)):
+        return None
+    if b"# EOF" in body or b"# UNIT" in body or PREFIX.encode() in body:
+        body = b"\n".join(line for line in lines if not _foreign_line(line))
     if body and not body.endswith(b"\n"):
         body += b"\n"
     return body
@@ -55,7 +49,7 @@ def is_exposition_line(line: bytes) -> bool:
         name, rest = stripped[:brace], stripped[close + 1 :]
     else:
         name, _, rest = stripped.partition(b" ")
-    if not all(char in _NAME_CHARS for char in name):
+    if name.translate(None, _NAME_CHARS):  # what is left is not a name's character
         return False
     fields = rest.split()
     if not 1 <= len(fields) <= 2:

@@ -66,6 +66,8 @@ async def test_an_idle_engine_is_detected_and_acknowledged_and_verified(dialect:
     assert body["engine"] == {"kind": dialect, "version": VERSIONS[dialect]}
     assert body["verified"] == "verified", body["verification"]
     assert any(call["url"].endswith(RESET_PATHS[dialect]) for call in body["calls"])
+    # The engine's own counters (TensorRT-LLM's at /prometheus/metrics) saw only the canary.
+    assert body["verification"]["witnesses"]["counters"]["result"] == "consistent"
 
 
 async def test_dynamo_two_workers_both_cleared_is_acknowledged(tmp_path: Path) -> None:

@@ -101,6 +101,12 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _lmcache_api(text: str) -> tuple[str, ...]:
+    if text.strip() == "auto":
+        return ("auto",)
+    return tuple(url_option(url) for url in _names(text))
+
+
 def _peer_list(text: str) -> tuple[str, ...]:
     peers = _names(text)
     for peer in peers:
@@ -326,6 +332,13 @@ OPTIONS: tuple[Option, ...] = (
         "SGLang: each reset also clears the HiCache storage tier (POST /hicache/storage-backend/clear) "
         "where /server_info names a hicache_storage_backend",
         "true or false",
+    ),
+    Option(
+        "lmcache_api",
+        _lmcache_api,
+        "vLLM with LMCache: each reset also clears LMCache (DELETE /cache/clear) at these internal API "
+        "servers, or auto: the upstream host's ports from 6999 (LMCache's internal_api_server_port_start)",
+        "auto, or comma-separated URLs such as http://127.0.0.1:7000,http://127.0.0.1:7001",
     ),
     Option(
         "verify",

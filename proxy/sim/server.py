@@ -15,13 +15,16 @@ from prometheus_client.registry import Collector
 
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
+from proxy.sim.dynamo import DynamoDialect
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
 from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.llamacpp import LlamacppDialect
+from proxy.sim.lmcache import serve_lmcache
 from proxy.sim.mindnano import MindnanoDialect
 from proxy.sim.openai import OpenaiDialect
 from proxy.sim.sglang import SglangDialect
 from proxy.sim.text import PromptError
+from proxy.sim.trtllm import TrtllmDialect
 from proxy.sim.vllm import VllmDialect
 from proxy.sim.wire import (
     DONE,
@@ -42,6 +45,8 @@ _DIALECTS: dict[str, type[SimDialect]] = {
     "sglang": SglangDialect,
     "llamacpp": LlamacppDialect,
     "mindnano": MindnanoDialect,
+    "trtllm": TrtllmDialect,
+    "dynamo": DynamoDialect,
     "openai": OpenaiDialect,
 }
 
@@ -293,6 +298,9 @@ def build_sim_app(config: SimConfig) -> web.Application:
 
     app.router.add_post("/sim/restart", sim_restart)
     dialect.add_routes(app)
+    if isinstance(dialect, VllmDialect) and dialect.lmcache is not None:
+        tier = dialect.lmcache
+        app.cleanup_ctx.append(lambda _app: serve_lmcache(tier))
     if dialect.kv_events is not None:
         _add_kv_events(app, dialect, dialect.kv_events)
     if dialect.metric_families():

@@ -20,6 +20,7 @@ from proxy.config.parsers import (
     parse_http_path,
     parse_interval,
     parse_ints,
+    parse_lmcache_api,
     parse_method,
     parse_names,
     parse_nameserver,
@@ -221,6 +222,13 @@ OPTIONS: tuple[Option, ...] = (
         "SGLang: each reset also clears the HiCache storage tier (POST /hicache/storage-backend/clear) "
         "where /server_info names a hicache_storage_backend",
         "true or false",
+    ),
+    Option(
+        "lmcache_api",
+        parse_lmcache_api,
+        "vLLM with LMCache: each reset also clears LMCache (DELETE /cache/clear) at these internal API "
+        "servers, or auto: the upstream host's ports from 6999 (LMCache's internal_api_server_port_start)",
+        "auto, or comma-separated URLs such as http://127.0.0.1:7000,http://127.0.0.1:7001",
     ),
     Option(
         "verify",

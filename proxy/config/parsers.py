@@ -23,6 +23,7 @@ __all__ = [
     "parse_http_path",
     "parse_interval",
     "parse_ints",
+    "parse_lmcache_api",
     "parse_method",
     "parse_names",
     "parse_nameserver",
@@ -101,6 +102,12 @@ def parse_choice(choices: tuple[str, ...]) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+def parse_lmcache_api(text: str) -> tuple[str, ...]:
+    if text.strip() == "auto":
+        return ("auto",)
+    return tuple(url_option(url) for url in parse_names(text))
 
 
 def parse_peer_list(text: str) -> tuple[str, ...]:

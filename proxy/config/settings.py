@@ -111,6 +111,9 @@ class Settings:
     case_idle_s: float = 30.0
     # SGLang: also clear the HiCache storage tier at each reset, where the engine runs one.
     clear_storage_tier: bool = True
+    # vLLM with LMCache: its internal API servers' base URLs, or ("auto",) to find them on the
+    # upstream's host (proxy/engines/lmcache.py); each reset also clears LMCache there.
+    lmcache_api: tuple[str, ...] = ()
     verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None

@@ -21,7 +21,7 @@ from proxy.engines.base import CacheReset, Dialect, EngineInfo
 from proxy.engines.topology import Topology, read_topology
 from proxy.recorder import RECORDER
 from proxy.reset.answer import Round, RoundOutcome
-from proxy.reset.layout import StorageClear, judged
+from proxy.reset.layout import TierClears, judged, tier_clears
 from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import retry_reset
 from proxy.upstream.pools import UPSTREAM_POOL
@@ -46,7 +46,8 @@ class RoundRun:
     started_ns: int = field(default_factory=time.time_ns)
     dialect: Dialect | None = None  # detect
     topology: Topology = field(default_factory=Topology)  # layout
-    storage: StorageClear | None = None  # layout: SGLang's storage-tier clear, when it runs
+    # layout: the clears of tiers the engine's reset does not reach (SGLang's storage, LMCache)
+    clears: TierClears | None = None
     canary: Canary | str = "no canary was planned"  # plan: the canary, or why none is sent
     ranked: list[Canary | str] = field(default_factory=list)  # plan: one per data-parallel rank
     events: EventsCheck | None = None  # plan: the KV events witness, when it runs
@@ -101,16 +102,11 @@ class RoundStages:
         run.info, run.dialect = engine.info, engine.dialect
 
     async def layout(self, run: RoundRun) -> None:
-        """The engine's ranks and SGLang's storage tier, read before any traffic is held."""
+        """The engine's ranks and its tiers beyond the engine's own reset, read before any traffic is held."""
         settings, session = self._settings, self._app[UPSTREAM_POOL]
         base, timeout_s, key = settings.upstream_base, settings.reset_attempt_timeout, settings.engine_key
         run.topology = await read_topology(session, base, run.info.kind, timeout_s, key)
-        if (
-            run.info.kind == EngineKind.SGLANG
-            and run.topology.storage_backend
-            and settings.clear_storage_tier
-        ):
-            run.storage = StorageClear(session, base, timeout_s, key)
+        run.clears = tier_clears(session, settings, run.info, run.topology)
 
     async def plan(self, run: RoundRun) -> None:
         """The witnesses this round sends: the canary (one per rank) and the KV events witness."""
@@ -160,7 +156,7 @@ class RoundStages:
         """The verification with what each cache tier and rank was asked and found."""
         verification = self._verification(run)
         run.verification = judged(
-            verification, run.info, run.topology, run.storage, events_ran=run.events is not None
+            verification, run.info, run.topology, run.clears, events_ran=run.events is not None
         )
 
     async def record(self, run: RoundRun) -> None:
@@ -188,8 +184,8 @@ class RoundStages:
             run.verification = with_counters(self._verification(run), counters)
 
     def _engine_reset(self, run: RoundRun) -> Callable[[], Awaitable[CacheReset]]:
-        """The engine reset with its retries, then SGLang's storage clear where it runs."""
-        settings, params, dialect, storage = self._settings, run.params, run.dialect, run.storage
+        """The engine reset with its retries, then the tier clears where they run."""
+        settings, params, dialect, clears = self._settings, run.params, run.dialect, run.clears
         if dialect is None:
             raise RuntimeError("a round reset before its engine was detected")
 
@@ -203,7 +199,7 @@ class RoundStages:
                 timeout_s=settings.reset_attempt_timeout,
                 retry=params.retry,
             )
-            return await storage.after(done) if storage is not None else done
+            return await clears.after(done) if clears is not None else done
 
         return engine_reset
 

@@ -74,8 +74,8 @@ def tier_delta(before: Mapping[str, int] | None, after: Mapping[str, int] | None
 async def read_by_tier(
     session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, api_key: str | None
 ) -> dict[str, int] | None:
-    """The engine's cached tokens per tier (vLLM), from a settled read of its counters."""
-    if kind != EngineKind.VLLM:
+    """The engine's cached tokens per tier (vLLM, TensorRT-LLM), from a settled read of its counters."""
+    if kind not in (EngineKind.VLLM, EngineKind.TRTLLM):
         return None
     _reachable, totals = await read_totals_settled(session, base_url, kind, timeout_s, api_key)
     return dict(totals.by_tier) if totals is not None and totals.by_tier else None

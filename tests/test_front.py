@@ -42,6 +42,10 @@ _ANSWERS = {
     # The same stream, each event its own write a while after the last (_engine_connection):
     # relayed piece by piece, each framed on its own.
     "paced": b"",
+    # The last event unterminated: the stream scanner holds it back until the end (its tail).
+    "sse_open": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"%x\r\n%b\r\n" % (len(_EVENTS[0]), _EVENTS[0])
+    + b'11\r\ndata: {"tail":1}\n\r\n0\r\n\r\n',
     # Delimited by the close: the sidecar frames it (chunked) for its keep-alive client.
     "close": b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n{"id":"closed"}',
 }
@@ -107,7 +111,11 @@ async def engine() -> AsyncIterator[str]:
 
 def _request(path: str = "/v1/chat/completions", answer: str = "json", extra: bytes = b"") -> bytes:
     body = orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": answer in ("sse", "paced")}
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": answer in ("sse", "paced", "sse_open"),
+        }
     )
     return (
         f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
@@ -190,6 +198,8 @@ async def test_the_front_writes_the_bytes_aiohttp_writes(engine: str, tmp_path: 
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1.1 ")
     assert served == {True: _only("front"), False: _only("aiohttp")}
+    if answer == "sse_open":  # the scanner's held-back tail reaches the client, then the end
+        assert got[True].endswith(b'data: {"tail":1}\n\r\n0\r\n\r\n'), got[True]
 
 
 async def test_the_sidecars_own_answers_match_too(tmp_path: Path) -> None:

@@ -61,6 +61,8 @@ class Recorder:
         self._evidence = evidence
         self._metrics = metrics
         self._index = index
+        # Whether a request's session and case ids are wanted (the index records each case's start).
+        self.follows_cases = index is not None
         self.case: CaseWitness | None = None  # the counter witness, once setup_recorder made it
         # The open case's observations kept in the resets file (proxy/evidence/reserve.py).
         self._reserve = CaseReserve()

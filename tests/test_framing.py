@@ -2,35 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
-from proxy.inbound.framing import MAX_HEAD_BYTES, NEED_DATA, Framer, Head, HeadTooLarge, Piece, Request
+from proxy.inbound.framing import (
+    BODY_REFUSED,
+    HEAD_TOO_LARGE,
+    MAX_HEAD_BYTES,
+    NEED_DATA,
+    Framer,
+    Head,
+    Request,
+)
 
 HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: s\r\nContent-Length: 5\r\n\r\n"
 BODY = b"hello"
 
 
-def _request(framer: Framer, length: int) -> Request:
-    """Take the head just out; keep every piece until the request is whole."""
-    framer.take(length)
-    while True:
-        event = framer.next_event()
-        if isinstance(event, Request):
-            return event
-        assert isinstance(event, Piece), event
-        framer.keep(event)
+def _anything(size: int) -> bool:
+    return True
+
+
+def _noting(admitted: list[int]) -> Callable[[int], bool]:
+    """A hook that admits every piece and notes its size."""
+
+    def admit(size: int) -> bool:
+        admitted.append(size)
+        return True
+
+    return admit
 
 
 def test_a_request_in_one_read_is_framed_where_it_lies() -> None:
     framer = Framer()
     framer.feed(HEAD + BODY)
     assert framer.next_event() == Head(HEAD)
-    framer.take(5)
-    piece = framer.next_event()
-    assert isinstance(piece, Piece) and isinstance(piece.data, memoryview)  # a view: no copy yet
-    assert bytes(piece.data) == BODY
-    framer.keep(piece)
+    admitted: list[int] = []
+    framer.take(5, _noting(admitted))
     assert framer.next_event() == Request(bytearray(BODY))
+    assert admitted == [5]  # the body in hand, admitted in one piece
     assert framer.next_event() is NEED_DATA and framer.buffered == 0
 
 
@@ -38,18 +49,17 @@ def test_a_request_split_at_every_byte_is_the_same_request() -> None:
     framer = Framer()
     wire = HEAD + BODY
     events = []
+    admitted: list[int] = []
     for i in range(len(wire)):
         framer.feed(wire[i : i + 1])
         while (event := framer.next_event()) is not NEED_DATA:
             events.append(event)
             if isinstance(event, Head):
-                framer.take(5)
-            elif isinstance(event, Piece):
-                framer.keep(event)
+                framer.take(5, _noting(admitted))
             else:
                 break
-    heads = [e for e in events if isinstance(e, Head)]
-    assert heads == [Head(HEAD)] and events[-1] == Request(bytearray(BODY))
+    assert events == [Head(HEAD), Request(bytearray(BODY))]
+    assert admitted == [1] * 5  # each byte of the body admitted as it came
 
 
 def test_pipelined_requests_come_one_at_a_time() -> None:
@@ -57,10 +67,12 @@ def test_pipelined_requests_come_one_at_a_time() -> None:
     second = HEAD.replace(b"5", b"3") + b"abc"
     framer.feed(HEAD + BODY + second)
     assert framer.next_event() == Head(HEAD)
-    assert _request(framer, 5) == Request(bytearray(BODY))
+    framer.take(5, _anything)
+    assert framer.next_event() == Request(bytearray(BODY))
     assert framer.buffered == len(second)  # kept for after the first is served
     assert framer.next_event() == Head(HEAD.replace(b"5", b"3"))
-    assert _request(framer, 3) == Request(bytearray(b"abc"))
+    framer.take(3, _anything)
+    assert framer.next_event() == Request(bytearray(b"abc"))
 
 
 def test_a_declined_head_gives_back_every_byte_from_its_first_in_one_piece() -> None:
@@ -70,23 +82,29 @@ def test_a_declined_head_gives_back_every_byte_from_its_first_in_one_piece() -> 
     assert framer.decline() == (HEAD + BODY + b"GET / HTTP/1.1\r\n",)
 
 
-def test_a_body_declined_half_way_gives_back_head_body_and_rest_in_order() -> None:
+def test_a_body_refused_half_way_gives_back_head_body_and_rest_in_order() -> None:
     framer = Framer()
     framer.feed(HEAD + b"he")
     assert framer.next_event() == Head(HEAD)
-    framer.take(5)
-    piece = framer.next_event()
-    assert isinstance(piece, Piece)
-    framer.keep(piece)
+    budget = [2]  # room for the first piece only
+
+    def admit(size: int) -> bool:
+        if size > budget[0]:
+            return False
+        budget[0] -= size
+        return True
+
+    framer.take(5, admit)
+    assert framer.next_event() is NEED_DATA
     framer.feed(b"llo" + b"NEXT")
-    assert isinstance(framer.next_event(), Piece)  # not kept: the budget said no
+    assert framer.next_event() is BODY_REFUSED
     assert b"".join(framer.decline()) == HEAD + BODY + b"NEXT"
 
 
 def test_a_head_past_the_limit_is_too_large_and_given_back() -> None:
     framer = Framer()
     framer.feed(b"POST / HTTP/1.1\r\nX: " + b"a" * MAX_HEAD_BYTES)
-    assert isinstance(framer.next_event(), HeadTooLarge)
+    assert framer.next_event() is HEAD_TOO_LARGE
     assert b"".join(framer.decline()) == b"POST / HTTP/1.1\r\nX: " + b"a" * MAX_HEAD_BYTES
 
 
@@ -94,7 +112,8 @@ def test_an_empty_body_is_a_request_at_once() -> None:
     framer = Framer()
     framer.feed(HEAD.replace(b"5", b"0"))
     assert isinstance(framer.next_event(), Head)
-    assert _request(framer, 0) == Request(bytearray())
+    framer.take(0, _anything)
+    assert framer.next_event() == Request(bytearray())
 
 
 def test_a_head_must_be_taken_or_declined_before_the_next_event() -> None:

@@ -158,11 +158,13 @@ async def admitted_exchange(
     try:
         if exchange.observed:
             # Numbered after admission: a request held during a drain belongs to the new reset.
-            headers = request.headers
-            exchange.numbered = app[RECORDER].begin_request(
-                headers.get(CASE_HEADER),
-                session_id=stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
-                case_id=stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
+            headers, recorder = request.headers, app[RECORDER]
+            session_id = case_id = None
+            if recorder.follows_cases:  # the KV events index records each case's start
+                session_id = stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS)
+                case_id = stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS)
+            exchange.numbered = recorder.begin_request(
+                headers.get(CASE_HEADER), session_id=session_id, case_id=case_id
             )
         elif is_inference(app, request):
             # Streamed past the observation budget: no record, yet it reaches the engine.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from functools import partial
 from typing import cast
 
 from aiohttp import web
@@ -24,7 +25,7 @@ from aiohttp import web
 from proxy.body_budget import Reading
 from proxy.inbound.choice import BUDGET_SHORT, FRONT_OFF, HEAD_TOO_LARGE, PROBE_SLOT, Choice, choose
 from proxy.inbound.deadline import Deadlines, Guard
-from proxy.inbound.framing import NEED_DATA, Framer, Head, Piece, Request
+from proxy.inbound.framing import BODY_REFUSED, NEED_DATA, Framer, Head, Request
 from proxy.inbound.front import ClientWriter, Front, FrontSide
 from proxy.inbound.head import RequestHead, parse_head
 from proxy.inbound.limits import CLIENT_STALLED, PEER_REFUSAL, REFUSAL, Limit, Phase, unsent
@@ -218,29 +219,27 @@ class ClientConnection(Deadlines, asyncio.Protocol):
             event = framer.next_event()
             if event is NEED_DATA:
                 return
-            if isinstance(event, Piece):
-                assert self._reading is not None
-                if not front.budget.take_now(self._reading, len(event.data)):
-                    self._hand_off(BUDGET_SHORT)  # aiohttp reads it within the budget its own way
-                    return
-                framer.keep(event)
-            elif isinstance(event, Request):
+            if isinstance(event, Request):
                 self._serve(event.body)
                 return
-            elif isinstance(event, Head):
+            if isinstance(event, Head):
                 head = parse_head(event.raw)
                 choice = choose(head, front)
-                _chose(choice)
+                if log.isEnabledFor(logging.DEBUG):
+                    _chose(choice)
                 if head is None or head.content_length is None or choice.served_by is not ServedBy.FRONT:
                     self._hand_off(choice)
                     return
-                framer.take(head.content_length)
-                self._head, self._reading = head, front.budget.start_reading()
+                reading = self._reading = front.budget.start_reading()
+                self._head = head
+                framer.take(head.content_length, partial(front.budget.take_now, reading))
                 self._body_arriving()
-            else:
-                _chose(HEAD_TOO_LARGE)
-                self._hand_off(HEAD_TOO_LARGE)
-                return
+                continue
+            # BODY_REFUSED: aiohttp reads it within the budget its own way; HEAD_TOO_LARGE: aiohttp's to refuse
+            choice = BUDGET_SHORT if event is BODY_REFUSED else HEAD_TOO_LARGE
+            _chose(choice)
+            self._hand_off(choice)
+            return
 
     def _body_arriving(self) -> None:
         """A head is taken: the request is in progress (as aiohttp's is once its head is in);

@@ -53,6 +53,7 @@ class Front:
         """`own`: the starts of the paths the sidecar's own routes answer (proxy/inbound/setup.py)."""
         self.app = app
         self.budget = app[BODY_BUDGET]
+        self.fits = self.budget.fits  # whether a body fits max_buffered_bytes now (`FrontRules`)
         self._settings = app[SETTINGS]
         self._engine = app[ENGINE]
         self._policy = app[ROUTE_CLASSES]
@@ -67,9 +68,6 @@ class Front:
     def closing(self) -> bool:
         """Shutdown began: each connection closes after its response."""
         return self._shutdown.closing
-
-    def fits(self, size: int) -> bool:
-        return self.budget.fits(size)
 
     def holds_admin_token(self, headers: CIMultiDictProxy[str]) -> bool:
         token = self._token
@@ -179,7 +177,9 @@ class FrontSide:
             self.request.method, status, reason, headers, keep_alive=self._keep_alive()
         )
         self._chunked = chunked
-        transport = self._open()
+        transport = self._writer.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client closed its connection")
         transport.write(head + framed(first, chunked=chunked) if first else head)
         return transport, chunked
 
@@ -187,7 +187,9 @@ class FrontSide:
         await self._writer.drain()
 
     async def end(self, tail: bytes) -> None:
-        transport = self._open()
+        transport = self._writer.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client closed its connection")
         if tail:
             transport.write(framed(tail, chunked=self._chunked))
         if self._chunked:
@@ -209,12 +211,6 @@ class FrontSide:
         response = error_response(500, "the sidecar failed to serve this request", type_="server_error")
         transport.write(sidecar_response(self.request.method, response, keep_alive=False))
         transport.close()
-
-    def _open(self) -> asyncio.Transport:
-        transport = self._writer.transport
-        if transport.is_closing():
-            raise ConnectionResetError("the client closed its connection")
-        return transport
 
     def _keep_alive(self) -> bool:
         return self.request.keep_alive and not self._front.closing

@@ -126,7 +126,9 @@ def _stop(signum: int, _frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--mutants", type=Path, default=ROOT / "scripts" / "mutants.toml")
     parser.add_argument("--only", action="append", default=[], help="run this mutant id (repeatable)")
     parser.add_argument("--no-suite", action="store_true", help="related tests only")

@@ -130,8 +130,9 @@ async def test_vllm_without_cached_token_details_is_unverified_and_names_the_fla
 
 
 async def test_canary_shorter_than_a_cache_block_is_unverified(tmp_path: Path) -> None:
-    # 512 words fit in no block of 4096 tokens: the repeat cannot be cached.
-    async with stack(fast("sglang", block_size=4096), tmp_path) as s:
+    # A page beyond any engine's (70,000 tokens) is not believed, so the canary keeps its default
+    # 512 words, which fit in no such block: the repeat cannot be cached.
+    async with stack(fast("sglang", block_size=70_000), tmp_path) as s:
         _, body = await s.reset()
     assert body["verified"] == "unverified" and body["answer"] == "acknowledged"
     assert "repeat was not cached (0 of" in body["verification"]["reason"]

@@ -213,5 +213,7 @@ async def test_a_token_that_differs_only_in_its_tail_or_length_is_foreign(tmp_pa
         for name, forged in forgeries.items():
             await r.infer(name, name, token=forged)
         await r.infer("own", "benchmark", token=token)
-        carried = {o["request_id"]: o["case_token_carried"] for o in await r.records("infer.cache_observation")}
+        carried = {
+            o["request_id"]: o["case_token_carried"] for o in await r.records("infer.cache_observation")
+        }
     assert carried == {"tail": False, "short": False, "long": False, "start": False, "own": True}

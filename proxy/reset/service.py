@@ -27,6 +27,7 @@ from proxy.reset.answer import Caller, Round, RoundOutcome, answer_all, caller_a
 from proxy.reset.layout import StorageClear, judged
 from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
+from proxy.reset.silent import verify_until_cold
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
 from proxy.witnesses.canary import Canary, CanaryFit, verify_reset
@@ -206,6 +207,13 @@ class ResetService:
                 canaries = [c for c in ranked if isinstance(c, Canary)] or [canary]
                 if len(canaries) > 1:  # every data-parallel rank proven on its own
                     reset, verification = await verify_ranks(canaries, witnessed)
+                elif dialect.silent_refusals and params.retry:
+                    reset, verification = await verify_until_cold(
+                        canary,
+                        lambda: self._fresh_canary(params, info),
+                        witnessed,
+                        window_s=max(0.0, params.retry_seconds - (time.time_ns() - started_ns) / 1e9),
+                    )
                 else:
                     reset, verification = await verify_reset(canary, witnessed)
                 if events is not None and reset.succeeded:
@@ -215,7 +223,14 @@ class ResetService:
             if events is not None:
                 verification = merged(params.verify, verification, events.report)
                 reset = replace(reset, calls=(*reset.calls, *events.calls))
-            verification = judged(verification, info, topology, storage, events_ran=events is not None)
+            verification = judged(
+                verification,
+                info,
+                topology,
+                storage,
+                events_ran=events is not None,
+                unsupported_tiers=reset.unsupported_tiers,
+            )
             index = app.get(CACHE_INDEX)
             if index is not None and reset.succeeded:
                 index.reset_answered(
@@ -285,6 +300,12 @@ class ResetService:
             rank=rank,
             fit=self._canary_fit,
         )
+
+    def _fresh_canary(self, params: ResetParams, engine: EngineInfo) -> Canary:
+        """Another canary for a retried round (fresh prompts: the last ones are known warm)."""
+        canary = self._canary(params, engine)
+        assert isinstance(canary, Canary)  # the same reset made one before
+        return canary
 
     def _events(self, params: ResetParams) -> EventsCheck | None:
         """The events witness for this reset, None without kv_events_endpoint or when not asked."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 __all__ = ["DIALECTS", "SimConfig", "add_sim_arguments", "parse_listen", "sim_config_from_args"]
 
 DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "openai")
+# vLLM's Rust front end, as two of its versions answer a reset.
+RUST_FRONTENDS: tuple[str, ...] = ("bare", "strict")
 # vLLM's --scheduling-policy: with priority, a later request with a lower `priority` runs first.
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
@@ -62,6 +64,12 @@ class SimConfig:
     omit_zero_cached: bool = False
     # A CPU-offload tier that /reset_prefix_cache leaves warm (vLLM #57727).
     host_tier: bool = False
+    # vLLM's Rust front end (VLLM_USE_RUST_FRONTEND=1): `bare` answers every reset with a bare 200,
+    # `strict` answers 409 to a refused one and 400 to reset_external=true without a connector.
+    rust_frontend: str | None = None
+    # A hybrid (Mamba-style) model: prefix-cache hits land only on multiples of this many tokens
+    # (vllm: `mamba_block_size` and `cache_hit_alignment_tokens` of cache_config_info; sglang: page_size).
+    hybrid_block_size: int | None = None
     # Data parallelism (vllm, sglang): one prefix cache per rank; requests go where the routing
     # hint says (vLLM's X-data-parallel-rank header, SGLang's too or its body fields), else round-robin.
     dp_size: int = 1
@@ -111,6 +119,14 @@ class SimConfig:
             raise ValueError("--dp-size is for the vllm and sglang dialects")
         if self.refusing_rank is not None and not 0 <= self.refusing_rank < self.dp_size:
             raise ValueError("--refusing-rank must be one of the ranks 0 .. dp_size-1")
+        if self.rust_frontend is not None and (
+            self.dialect != "vllm" or self.rust_frontend not in RUST_FRONTENDS
+        ):
+            raise ValueError(f"--rust-frontend is for the vllm dialect, one of {', '.join(RUST_FRONTENDS)}")
+        if self.hybrid_block_size is not None and (
+            self.dialect not in ("vllm", "sglang") or self.hybrid_block_size < 1
+        ):
+            raise ValueError("--hybrid-block-size is for the vllm and sglang dialects, >= 1 tokens")
         if self.hicache_storage_backend is not None and self.dialect != "sglang":
             raise ValueError("--hicache-storage-backend is for the sglang dialect")
         if self.word_pieces and self.dialect == "mindnano":
@@ -246,6 +262,19 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--omit-zero-cached", action="store_true", help="vLLM <= 0.14: cached_tokens omitted when 0"
     )
     vllm.add_argument(
+        "--rust-frontend",
+        choices=RUST_FRONTENDS,
+        default=None,
+        help="VLLM_USE_RUST_FRONTEND=1: resets answer a bare 200 (bare), or 409/400 (strict)",
+    )
+    parser.add_argument(
+        "--hybrid-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vllm, sglang: a hybrid model whose cache hits land on multiples of N tokens only",
+    )
+    vllm.add_argument(
         "--host-tier",
         action="store_true",
         help="a CPU-offload (host) tier that /reset_prefix_cache leaves warm",
@@ -329,6 +358,8 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         prompt_tokens_details=not ns.no_prompt_tokens_details,
         omit_zero_cached=ns.omit_zero_cached,
         host_tier=ns.host_tier,
+        rust_frontend=ns.rust_frontend,
+        hybrid_block_size=ns.hybrid_block_size,
         dp_size=ns.dp_size,
         refusing_rank=ns.refusing_rank,
         admin_api_key=ns.admin_api_key,

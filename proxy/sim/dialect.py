@@ -130,7 +130,10 @@ class SimDialect:
         """Cached prompt tokens for a sequence about to prefill."""
         if not seq.cache_prompt:
             return 0
-        return self.cache_of(seq).lookup(seq.prompt)
+        hit = self.cache_of(seq).lookup(seq.prompt)
+        hybrid = self.config.hybrid_block_size
+        # A hybrid model's recurrent state is saved every `hybrid` tokens only: hits land there.
+        return hit - hit % hybrid if hybrid else hit
 
     def prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists now: its full blocks become hits for later requests."""

@@ -92,7 +92,7 @@ class SglangDialect(SimDialect):
                 "version": self.config.engine_version,
                 "model_path": self.config.served_model,
                 "served_model_name": self.config.served_model,
-                "page_size": self.config.block_size,
+                "page_size": self.config.hybrid_block_size or self.config.block_size,
                 "max_running_requests": self.config.max_concurrency or None,
                 "enable_cache_report": True,
                 "dp_size": self.config.dp_size,

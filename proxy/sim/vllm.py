@@ -127,8 +127,11 @@ class VllmDialect(SimDialect):
         return web.Response(status=200)
 
     async def handle_version(self, request: web.Request) -> web.Response:
-        """GET /version."""
-        return web.json_response({"version": self.config.engine_version})
+        """GET /version; the Rust front end adds `rust_frontend_version` (vllm #43854)."""
+        version: dict[str, str] = {"version": self.config.engine_version}
+        if self.config.rust_frontend is not None:
+            version["rust_frontend_version"] = f"{self.config.engine_version}-rs-sim"
+        return web.json_response(version)
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         """POST /reset_prefix_cache[?reset_running_requests=true&reset_external=true]."""
@@ -142,10 +145,16 @@ class VllmDialect(SimDialect):
         # block_pool.reset_prefix_cache refuses while any block is held by a running request.
         held = any(not seq.preempted for seq in self.engine.running)
         success = not held
+        rust = self.config.rust_frontend
+        external = request.query.get("reset_external", "").lower() in ("true", "1")
+        if rust == "strict" and external and self.host is None:  # no KV connector: nothing external
+            return error_response(400, "reset_external requires a KV connector to be configured")
         if success:
             self.clear_cache()
-        if self.config.legacy_empty_body:
-            # vLLM 0.7-0.25: 200 with an empty body whatever happened.
+        if rust == "strict" and not success:
+            return error_response(409, "prefix cache reset refused: blocks are still in use", "conflict")
+        if self.config.legacy_empty_body or rust is not None:
+            # vLLM 0.7-0.25, and the Rust front end: 200 with an empty body whatever happened.
             return web.Response(status=200)
         return web.json_response({"success": success})
 
@@ -215,9 +224,20 @@ class VllmDialect(SimDialect):
         cache_config = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+            labels=[
+                "block_size",
+                "enable_prefix_caching",
+                "num_gpu_blocks",
+                "mamba_block_size",
+                "cache_hit_alignment_tokens",
+            ],
         )
-        cache_config.add_metric([str(self.config.block_size), "True", str(self.config.cache_blocks)], 1.0)
+        # vLLM 0.32 writes every CacheConfig field as str(value): "None" where unset.
+        hybrid = str(self.config.hybrid_block_size)
+        alignment = hybrid if self.config.hybrid_block_size else str(self.config.block_size)
+        cache_config.add_metric(
+            [str(self.config.block_size), "True", str(self.config.cache_blocks), hybrid, alignment], 1.0
+        )
         return [
             queries,
             hits,

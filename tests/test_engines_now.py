@@ -1,18 +1,22 @@
 """The engines as they ship now, on the simulator over real sockets (docs/engines.md, "Engines now").
 
 vLLM's Rust front end (a bare 200 the canary must judge, 409 refusals, a 400 to reset_external
-without a connector) and hybrid models whose cache hits land only on large blocks (the canary
-sized from the block the engine reports).
+without a connector); hybrid models whose cache hits land only on large blocks (the canary
+sized from the block the engine reports); vLLM's wake and llama.cpp's idle sleep as cold
+events; llama.cpp's router mode.
 """
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from proxy.engine_state import ENGINE
 from tests.support.sidecar import running_request, stack
-from tests.support.sim import fast, slow
+from tests.support.sim import WAIT_S, fast, slow
 
 
 def _reset_urls(body: dict[str, Any]) -> list[str]:
@@ -80,3 +84,71 @@ async def test_an_sglang_canary_is_sized_from_its_page_size(tmp_path: Path) -> N
         status, body = await s.reset()
         assert status == 200 and body["verified"] == "verified", body
         assert body["verification"]["canary_tokens"] >= 1400
+
+
+async def _records(s: Any, event_type: str) -> list[dict[str, Any]]:
+    """The sidecar's records of one type."""
+    async with s.http.get(f"{s.url}/cache/evidence", params={"event_type": event_type}) as resp:
+        assert resp.status == 200, await resp.text()
+        return [orjson.loads(line) for line in (await resp.read()).splitlines() if line]
+
+
+async def _wait_event(s: Any, kind: str) -> None:
+    """Until the sidecar recorded an engine event of `kind` (bounded)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAIT_S
+    while kind not in [record["kind"] for record in await _records(s, "infer.engine_event")]:
+        assert loop.time() < deadline, f"no {kind} event"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_case_that_saw_vllm_wake_is_cold_by_the_wake(tmp_path: Path) -> None:
+    # The sleep falls in one case, the wake in the next: the wake alone makes that one cold.
+    async with stack(fast("vllm"), tmp_path) as s:
+        status, _body = await s.reset({"case_id": "c1"})
+        assert status == 200
+        async with s.http.post(s.engine.url + "/sleep") as resp:
+            assert resp.status == 200
+        await _wait_event(s, "slept")
+        async with s.http.post(f"{s.url}/cache/cases/c1/close") as resp:
+            assert resp.status == 200
+        async with s.http.post(s.engine.url + "/wake_up") as resp:
+            assert resp.status == 200
+        await _wait_event(s, "woke")
+        assert await s.chat(2) == 200
+        status, _body = await s.reset({"case_id": "c2"})
+        assert status == 200
+        after_close = [r for r in await _records(s, "infer.cache_reconciliation") if r["case_id"] is None]
+        assert after_close and after_close[-1]["verdict"] == "cold_by_restart", after_close
+
+
+async def test_llamacpp_sleep_and_wake_are_engine_events_and_the_watcher_lets_it_sleep(
+    tmp_path: Path,
+) -> None:
+    # llama-server's /metrics is a task that restarts its idle clock: a watcher reading it while
+    # idle would keep the server awake. /props says is_sleeping and wakes nothing.
+    config = fast("llamacpp", slot_save_path=str(tmp_path), sleep_idle_seconds=0.4)
+    async with stack(config, tmp_path) as s:
+        status, body = await s.reset()
+        assert status == 200, body
+        await _wait_event(s, "slept")
+        [slept] = [r for r in await _records(s, "infer.engine_event") if r["kind"] == "slept"]
+        assert slept["seen_by"] == "llamacpp /props"
+        # Many watcher and health intervals (0.2 s) later the server still sleeps: nothing woke it.
+        await asyncio.sleep(1.0)
+        stats = await s.engine.stats()
+        assert stats["sleeping"] is True and stats["wakes_total"] == 0, stats
+        assert await s.chat(2) == 200  # a request wakes it, cold
+        await _wait_event(s, "woke")
+        kinds = [r["kind"] for r in await _records(s, "infer.engine_event")]
+        assert kinds[-2:] == ["slept", "woke"]
+
+
+async def test_llamacpp_router_mode_is_detected_and_its_resets_are_unsupported(tmp_path: Path) -> None:
+    async with stack(fast("llamacpp", router_mode=True, slot_save_path=str(tmp_path)), tmp_path) as s:
+        info = s.app[ENGINE].info
+        assert (info.kind, info.mode) == ("llamacpp", "router")
+        status, body = await s.reset()
+        assert status == 501 and body["answer"] == "unsupported", body
+        assert "one llama-server per model" in body["hint"]
+        assert body["calls"] == []  # no slot erase, no canary: nothing of the router is a cache

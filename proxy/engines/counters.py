@@ -19,6 +19,7 @@ from proxy.vocabulary import EngineKind
 
 __all__ = [
     "COUNTER_NAMES",
+    "SLEEP_ROUTES",
     "SOURCES",
     "CounterNames",
     "Totals",
@@ -162,13 +163,25 @@ async def read_totals_settled(
     return reachable, totals
 
 
+# Where an engine says whether it sleeps, as `is_sleeping`: vLLM's dev route; llama-server's
+# /props (--sleep-idle-seconds, llama.cpp #18228), which, unlike /metrics, does not wake it.
+SLEEP_ROUTES: dict[str, str] = {EngineKind.VLLM: "/is_sleeping", EngineKind.LLAMACPP: "/props"}
+
+
 async def fetch_sleeping(
-    session: aiohttp.ClientSession, base_url: str, timeout_s: float, api_key: str | None = None
+    session: aiohttp.ClientSession,
+    base_url: str,
+    timeout_s: float,
+    api_key: str | None = None,
+    kind: str = EngineKind.VLLM,
 ) -> bool | None:
-    """vLLM's `GET /is_sleeping` (dev mode): True/False, None where the engine has no such route."""
+    """`is_sleeping` from the engine's sleep route: True/False, None where it has no such route or field."""
+    route = SLEEP_ROUTES.get(kind)
+    if route is None:
+        return None
     try:
         async with session.get(
-            base_url + "/is_sleeping",
+            base_url + route,
             headers=bearer(api_key),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             allow_redirects=False,

@@ -20,6 +20,7 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.engines.base import CacheReset, EngineInfo
+from proxy.engines.modes import EngineMode
 from proxy.engines.topology import read_topology
 from proxy.logs import log_event
 from proxy.recorder import RECORDER
@@ -280,7 +281,11 @@ class ResetService:
             return "the canary runs inside the drain window only, and this reset had drain false"
         if engine.kind == EngineKind.UNKNOWN:
             return "the engine was not reached: no canary was sent"
-        if engine.kind == EngineKind.NONE or (engine.kind == EngineKind.GENERIC and not settings.reset_path):
+        if (
+            engine.kind == EngineKind.NONE
+            or (engine.kind == EngineKind.GENERIC and not settings.reset_path)
+            or engine.mode == EngineMode.ROUTER
+        ):
             return "the engine has no reset to verify"
         session, base, kind, timeout_s, key = (
             self._app[UPSTREAM_POOL],

@@ -85,6 +85,8 @@ class SimConfig:
     slots: int = 2
     slot_save_path: str | None = None
     ram_cache: bool = False
+    sleep_idle_seconds: float | None = None  # --sleep-idle-seconds: unload model and KV when idle
+    router_mode: bool = False  # no --model: a router over child servers, one per model
     # KV cache events (vllm, sglang): PUB to this address (connects; binds when it has `*`)
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None  # the ROUTER that answers replays (bound)
@@ -119,6 +121,10 @@ class SimConfig:
             raise ValueError("--dp-size is for the vllm and sglang dialects")
         if self.refusing_rank is not None and not 0 <= self.refusing_rank < self.dp_size:
             raise ValueError("--refusing-rank must be one of the ranks 0 .. dp_size-1")
+        if (self.sleep_idle_seconds is not None or self.router_mode) and self.dialect != "llamacpp":
+            raise ValueError("--sleep-idle-seconds and --router-mode are for the llamacpp dialect")
+        if self.sleep_idle_seconds is not None and self.sleep_idle_seconds <= 0:
+            raise ValueError("--sleep-idle-seconds must be > 0")
         if self.rust_frontend is not None and (
             self.dialect != "vllm" or self.rust_frontend not in RUST_FRONTENDS
         ):
@@ -335,6 +341,18 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="host-RAM prompt cache that survives slot erase (llama-server --cache-ram)",
     )
+    llama.add_argument(
+        "--sleep-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="unload model and KV after S idle seconds; /props says is_sleeping",
+    )
+    llama.add_argument(
+        "--router-mode",
+        action="store_true",
+        help="a router over models (no --model): /slots and /metrics want ?model=",
+    )
 
 
 def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
@@ -367,6 +385,8 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         slots=ns.slots,
         slot_save_path=ns.slot_save_path,
         ram_cache=ns.ram_cache,
+        sleep_idle_seconds=ns.sleep_idle_seconds,
+        router_mode=ns.router_mode,
         kv_events_endpoint=ns.kv_events_endpoint,
         kv_events_replay=ns.kv_events_replay,
         kv_events_topic=ns.kv_events_topic,

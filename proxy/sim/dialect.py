@@ -240,6 +240,10 @@ class SimDialect:
         """Extra members of this dialect's `/v1/models` entries."""
         return {}
 
+    def metrics_answer(self, request: web.Request) -> web.Response | None:
+        """An answer to `/metrics` other than the metrics (a router's 400), None for the metrics."""
+        return None
+
     def metric_families(self) -> list[Metric]:
         """Prometheus families of this dialect's `/metrics`; empty = no route."""
         return []

@@ -37,7 +37,23 @@ SOURCES: dict[str, str] = {
     "p2p": "external",
     "external_unspecified": "external",
 }
-_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+# The per-tier counters, first found wins: (sample name, its label, label value -> tier; None: not a hit).
+# vLLM 0.32 `prompt_tokens_cached_by_source`, else `prompt_tokens_by_source` (vllm #33290:
+# local_compute is no hit); SGLang `cached_tokens_total{cache_source}` (#17648), whose `storage`
+# is the HiCache storage tier (disk or external, as its backend says: kept as `storage` here).
+_BY_TIER: tuple[tuple[str, str, Mapping[str, str | None]], ...] = (
+    ("vllm:prompt_tokens_cached_by_source_total", "source", SOURCES),
+    (
+        "vllm:prompt_tokens_by_source_total",
+        "source",
+        {"local_cache_hit": "device", "external_kv_transfer": "external", "local_compute": None},
+    ),
+    (
+        "sglang:cached_tokens_total",
+        "cache_source",
+        {"device": "device", "host": "host", "storage": "storage"},
+    ),
+)
 # A /metrics body larger than this is no engine's: stop reading.
 _MAX_METRICS_BYTES = 8 * 1024 * 1024
 
@@ -90,26 +106,42 @@ class Totals:
 
 
 def parse_totals(text: str, kind: str) -> Totals | None:
-    """The totals of one `/metrics` body; None when it has none of the engine's counters."""
+    """The totals of one `/metrics` body; None when it has none of the engine's counters.
+
+    SGLang's storage-tier hits are under `storage` in `by_tier`: only its backend says which
+    tier that is (proxy/witnesses/tiers.py storage_tier).
+    """
     names = COUNTER_NAMES.get(kind)
     if names is None:
         return None
     sums: dict[str, float] = {}
-    by_tier: dict[str, int] = {}
+    tiered: dict[str, dict[str, int]] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 # Summed over labels: one engine serving several models, or DP ranks' own series.
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-                if sample.name == _BY_SOURCE:
-                    tier = SOURCES.get(sample.labels.get("source", ""), "external")
-                    by_tier[tier] = by_tier.get(tier, 0) + int(sample.value)
+                _count_tier(tiered, sample.name, sample.labels, sample.value)
     except ValueError:
         return None  # not the exposition format
     found = [_first(sums, n) for n in (names.requests, names.prompt_tokens, names.cached_tokens)]
     if found[1] is None and found[2] is None:
         return None
+    by_tier = next((tiered[name] for name, _label, _tiers in _BY_TIER if name in tiered), {})
     return Totals(found[0], found[1], found[2], by_tier)
+
+
+def _count_tier(
+    tiered: dict[str, dict[str, int]], name: str, labels: Mapping[str, str], value: float
+) -> None:
+    """Add one sample of a per-tier counter to its tier (an unknown label value is an external tier)."""
+    for counter, label, tiers in _BY_TIER:
+        if name != counter or label not in labels:
+            continue
+        tier = tiers.get(labels[label], "external")
+        counts = tiered.setdefault(name, {})
+        if tier is not None:
+            counts[tier] = counts.get(tier, 0) + int(value)
 
 
 def _first(sums: Mapping[str, float], names: tuple[str, ...]) -> int | None:
@@ -121,7 +153,11 @@ def _first(sums: Mapping[str, float], names: tuple[str, ...]) -> int | None:
 
 
 async def read_totals(
-    session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, api_key: str | None = None
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: str,
+    timeout_s: float,
+    api_key: str | None = None,
 ) -> tuple[bool, Totals | None]:
     """A direct `GET /metrics` (never the shared one-second fetch): (answered at all, its totals)."""
     try:
@@ -148,7 +184,11 @@ _SETTLE_READS = 6
 
 
 async def read_totals_settled(
-    session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, api_key: str | None = None
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: str,
+    timeout_s: float,
+    api_key: str | None = None,
 ) -> tuple[bool, Totals | None]:
     """`read_totals`, repeated until two reads agree (the last read, when they never do)."""
     reachable, totals = await read_totals(session, base_url, kind, timeout_s, api_key)

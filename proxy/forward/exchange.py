@@ -114,4 +114,5 @@ class Exchange:
             self.usage_injected,
             engine_id,
             self.case_token_carried,
+            usage.cached_by_tier,
         )

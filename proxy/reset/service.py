@@ -36,7 +36,7 @@ from proxy.witnesses.counters import Sums
 from proxy.witnesses.events_index import CACHE_INDEX
 from proxy.witnesses.events_witness import EventsCheck, merged
 from proxy.witnesses.ranks import spent, verify_ranks
-from proxy.witnesses.tiers import read_by_tier
+from proxy.witnesses.tiers import read_by_tier, storage_tier
 from proxy.witnesses.verification import Verification, not_run
 
 __all__ = ["RESETS", "ResetService", "setup_reset"]
@@ -55,6 +55,7 @@ class ResetService:
         self._driver: asyncio.Task[None] | None = None
         self._stop_by: float | None = None  # monotonic end of the shutdown's grace period
         self._canary_fit = CanaryFit()  # the engine's tokens per canary word, learned reset by reset
+        self._storage_tier = "external"  # the engine's storage tier, as the last reset's layout said
 
     @property
     def busy(self) -> bool:
@@ -164,6 +165,8 @@ class ResetService:
                 settings.reset_attempt_timeout,
                 settings.engine_key,
             )
+            # The tier SGLang's per-tier counter calls `storage` (its HiCache backend's).
+            self._storage_tier = storage_tier(topology.storage_backend or "")
             canary = self._canary(params, info)
             ranked = (
                 [self._canary(params, info, rank) for rank in topology.ranks] if topology.multi_rank else []
@@ -287,6 +290,7 @@ class ResetService:
             or engine.mode == EngineMode.ROUTER
         ):
             return "the engine has no reset to verify"
+        storage = self._storage_tier
         session, base, kind, timeout_s, key = (
             self._app[UPSTREAM_POOL],
             settings.upstream_base,
@@ -301,7 +305,7 @@ class ResetService:
             timeout_s,
             count=self._app[RECORDER].canary_request,
             api_key=key,
-            read_tiers=lambda: read_by_tier(session, base, kind, timeout_s, key),
+            read_tiers=lambda: read_by_tier(session, base, kind, timeout_s, key, storage),
             rank=rank,
             fit=self._canary_fit,
         )

@@ -78,6 +78,9 @@ class SimConfig:
     refusing_rank: int | None = None
     # sglang
     admin_api_key: str | None = None
+    # SGLang #17648: `sglext.cached_tokens_details` when a request sets return_cached_tokens_details,
+    # and `sglang:cached_tokens_total{cache_source}`.
+    tier_details: bool = False
     # A HiCache storage tier (`file`, `mooncake`, ...): /flush_cache leaves it warm,
     # POST /hicache/storage-backend/clear empties it.
     hicache_storage_backend: str | None = None
@@ -133,6 +136,8 @@ class SimConfig:
             self.dialect not in ("vllm", "sglang") or self.hybrid_block_size < 1
         ):
             raise ValueError("--hybrid-block-size is for the vllm and sglang dialects, >= 1 tokens")
+        if self.tier_details and self.dialect != "sglang":
+            raise ValueError("--tier-details is for the sglang dialect")
         if self.hicache_storage_backend is not None and self.dialect != "sglang":
             raise ValueError("--hicache-storage-backend is for the sglang dialect")
         if self.word_pieces and self.dialect == "mindnano":
@@ -298,6 +303,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     sglang = parser.add_argument_group("sglang dialect")
     sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
     sglang.add_argument(
+        "--tier-details",
+        action="store_true",
+        help="cached tokens per tier: sglext.cached_tokens_details, cached_tokens_total{cache_source}",
+    )
+    sglang.add_argument(
         "--hicache-storage-backend",
         default=None,
         metavar="NAME",
@@ -381,6 +391,7 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         dp_size=ns.dp_size,
         refusing_rank=ns.refusing_rank,
         admin_api_key=ns.admin_api_key,
+        tier_details=ns.tier_details,
         hicache_storage_backend=ns.hicache_storage_backend,
         slots=ns.slots,
         slot_save_path=ns.slot_save_path,

@@ -44,7 +44,7 @@ from proxy.witnesses.canary_size import (
     tokenize_request,
 )
 from proxy.witnesses.counters import Sums
-from proxy.witnesses.tiers import tier_delta
+from proxy.witnesses.tiers import tier_delta, tier_sum
 from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
@@ -114,6 +114,8 @@ class Canary:
     rank: int | None = None
     # What the engine's tokens cost per word, learned at earlier resets (one per sidecar).
     fit: CanaryFit = field(default_factory=CanaryFit)
+    # The last answer's cached tokens per tier, where the engine named them (SGLang's sglext).
+    last_tiers: Mapping[str, int] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -202,9 +204,11 @@ class Canary:
         if reply.status is not None and 200 <= reply.status < 300:
             usage = usage_from_json(reply.body)
             reading = Reading(usage.cached_tokens, usage.prompt_tokens)
+            self.last_tiers = usage.cached_by_tier
             self.spent = self.spent.plus(usage.prompt_tokens, usage.cached_tokens)
         else:
             self.failure = reply.call.error or f"HTTP {reply.status}"
+            self.last_tiers = None
         self.count(_outcome(reading))
         # Never the prompt or the completion: the excerpt holds the numbers only.
         excerpt = orjson.dumps({"canary": name, **(reading.to_json() if reading else {})}).decode()
@@ -263,10 +267,13 @@ async def _run(canary: Canary, reset: ResetCall) -> tuple[CacheReset, Verificati
         return _with_calls(main, before_calls, []), _unverified(reason, repeat)
     tiers_before = await canary.read_tiers()
     probes = [await canary.ask("C1 probe", c1)]
+    named = [canary.last_tiers]
     between = await reset()  # each probe meets a cache a reset just emptied
     probes.append(await canary.ask("C2 probe", c2))
+    named.append(canary.last_tiers)
     final = await reset()  # nothing of the canaries is left for the benchmark's first request
-    by_tier = tier_delta(tiers_before, await canary.read_tiers())
+    # The engine's counters per tier, else what the probes' own answers named (SGLang's sglext).
+    by_tier = tier_delta(tiers_before, await canary.read_tiers()) or tier_sum(named)
     after_calls = canary.take_calls()
     # Order of the calls as they were made: probe, reset, probe, reset.
     after_calls[1:1] = between.calls

@@ -111,11 +111,15 @@ class Settings:
     case_idle_s: float = 30.0
     # SGLang: also clear the HiCache storage tier at each reset, where the engine runs one.
     clear_storage_tier: bool = True
+    # vLLM with LMCache: its internal API servers' base URLs, or ("auto",) to find them on the
+    # upstream's host (proxy/engines/lmcache.py); each reset also clears LMCache there.
+    lmcache_api: tuple[str, ...] = ()
     verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None
     kv_events_ranks: int = 1
     kv_events_topic: str = "kv"
+    kv_events_publishers: tuple[str, ...] | None = None  # None: the upstream's host
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True

@@ -16,12 +16,14 @@ from proxy.engines.detect import (
     detect_engine,
     probe_info,
 )
+from proxy.engines.dynamo import DynamoDialect
 from proxy.engines.generic import GenericDialect
 from proxy.engines.llamacpp import LlamacppDialect
 from proxy.engines.mindnano import MindnanoDialect
 from proxy.engines.modes import EngineMode, LlamacppRouterDialect, VllmRustDialect
 from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
+from proxy.engines.trtllm import TrtllmDialect
 from proxy.engines.vllm import VllmDialect
 from proxy.logs import log_event
 from proxy.redact import redact_url
@@ -44,6 +46,10 @@ def make_dialect(kind: EngineKind, settings: Settings, mode: str | None = None) 
         return LlamacppRouterDialect() if mode == EngineMode.ROUTER else LlamacppDialect(api_key=key)
     if kind == EngineKind.MINDNANO:
         return MindnanoDialect(api_key=key)
+    if kind == EngineKind.TRTLLM:
+        return TrtllmDialect(api_key=key)
+    if kind == EngineKind.DYNAMO:
+        return DynamoDialect(api_key=key)
     if kind == EngineKind.UNKNOWN:
         return UndetectedDialect()
     if kind == EngineKind.NONE:

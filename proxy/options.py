@@ -101,6 +101,12 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def _lmcache_api(text: str) -> tuple[str, ...]:
+    if text.strip() == "auto":
+        return ("auto",)
+    return tuple(url_option(url) for url in _names(text))
+
+
 def _peer_list(text: str) -> tuple[str, ...]:
     peers = _names(text)
     for peer in peers:
@@ -328,6 +334,13 @@ OPTIONS: tuple[Option, ...] = (
         "true or false",
     ),
     Option(
+        "lmcache_api",
+        _lmcache_api,
+        "vLLM with LMCache: each reset also clears LMCache (DELETE /cache/clear) at these internal API "
+        "servers, or auto: the upstream host's ports from 6999 (LMCache's internal_api_server_port_start)",
+        "auto, or comma-separated URLs such as http://127.0.0.1:7000,http://127.0.0.1:7001",
+    ),
+    Option(
         "verify",
         VerifyMode,
         "how a reset proves itself by default: canary (a private prompt cached before, cold after), "
@@ -348,6 +361,13 @@ OPTIONS: tuple[Option, ...] = (
         "a whole number ≥ 1",
     ),
     Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
+    Option(
+        "kv_events_publishers",
+        _names,
+        "hosts whose publishers may connect to a tcp kv_events_endpoint the sidecar binds "
+        "(unset: the upstream's host; others are refused in the handshake)",
+        "comma-separated host names or addresses such as 127.0.0.1,10.0.0.7",
+    ),
     Option("inject_usage", _bool, "add stream_options.include_usage to streams", "true or false"),
     Option(
         "inject_usage_reprobe_seconds",

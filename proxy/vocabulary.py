@@ -35,6 +35,8 @@ class EngineKind(StrEnum):
     SGLANG = "sglang"
     LLAMACPP = "llamacpp"
     MINDNANO = "mindnano"
+    TRTLLM = "trtllm"  # TensorRT-LLM's trtllm-serve
+    DYNAMO = "dynamo"  # NVIDIA Dynamo's frontend
     GENERIC = "generic"
     NONE = "none"
     UNKNOWN = "unknown"

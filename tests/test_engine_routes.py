@@ -137,6 +137,7 @@ CONTROL = {
         ("POST", "/wake_up"),
         ("GET", "/server_info"),
         ("POST", "/update_weights"),
+        ("GET", "/kv_event_sources"),
     ],
     "sglang": [
         ("POST", "/flush_cache"),
@@ -155,7 +156,15 @@ CONTROL = {
     "mindnano": [("POST", "/v1/cache/clear"), ("POST", "/v1/cancel")],
 }
 MARKERS = {
-    "vllm": ["reset_prefix", "collective", "sleep", "wake", "server_info", "update_weights"],
+    "vllm": [
+        "reset_prefix",
+        "collective",
+        "sleep",
+        "wake",
+        "server_info",
+        "update_weights",
+        "kv_event_sources",
+    ],
     "sglang": ["flush", "update_weights", "release_memory", "abort"],
     "llamacpp": ["slots", "POST /props", "lora"],
     "mindnano": ["cache/clear", "cancel"],

@@ -120,10 +120,13 @@ PINNED_TAGS = {
     "vllm": re.compile(r"v\d+\.\d+\.\d+"),
     "sglang": re.compile(r"v\d+\.\d+\.\d+"),
     "llamacpp": re.compile(r"server-cuda-b\d+"),
+    "trtllm": re.compile(r"\d+\.\d+\.\d+(rc\d+)?"),
 }
 
 
-@pytest.mark.parametrize("source", ["preset", "values-sglang.yaml", "values-llamacpp.yaml"])
+@pytest.mark.parametrize(
+    "source", ["preset", "values-sglang.yaml", "values-llamacpp.yaml", "values-trtllm.yaml"]
+)
 def test_engine_images_are_pinned_releases(source: str) -> None:
     """Every preset and example names a release of its engine, never a floating tag (server-cuda,
     latest); SGLang is the release its routes were checked against."""
@@ -340,6 +343,25 @@ def test_sglang_preset_enables_cache_report_and_metrics() -> None:
     assert {"--enable-cache-report", "--enable-metrics"} <= set(container["command"])
     assert "VLLM_SERVER_DEV_MODE" not in env_of(container)
     assert env_values(sidecar(render("--set", "engine.preset=sglang")))["CACHEWITNESS_ENGINE"] == "sglang"
+
+
+def test_trtllm_preset_turns_on_perf_metrics_and_block_reuse() -> None:
+    """TensorRT-LLM: trtllm-serve with an options file written at start (return_perf_metrics for
+    /prometheus/metrics, block reuse for prefix caching); extraArgs reach trtllm-serve; no vLLM dev mode."""
+    manifests = render("--set", "engine.preset=trtllm", "--set-string", "engine.extraArgs={--tp_size,2}")
+    container = engine(manifests)
+    argv = container["command"]
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "trtllm-serve"
+    assert argv[-2:] == ["--tp_size", "2"]
+    options = flag_value(argv, "--extra_llm_api_options")
+    assert f"> {options} && exec trtllm-serve" in argv[2]
+    for line in ("'return_perf_metrics: true'", "'kv_cache_config:'", "'  enable_block_reuse: true'"):
+        assert line in argv[2]
+    mount = next(m for m in container["volumeMounts"] if options.startswith(m["mountPath"] + "/"))
+    assert mount["name"] == "engine-cache"  # writable: the engine's root filesystem may not be
+    assert "VLLM_SERVER_DEV_MODE" not in env_of(container)
+    assert "--kv-events-config" not in argv
+    assert env_values(sidecar(manifests))["CACHEWITNESS_ENGINE"] == "trtllm"
 
 
 def test_llamacpp_preset_saves_slots_on_an_emptydir_and_disables_ram_cache() -> None:
@@ -595,6 +617,7 @@ def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> No
     env = env_values(sidecar(manifests))
     assert env["CACHEWITNESS_KV_EVENTS_ENDPOINT"] == kv["endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_REPLAY"] == kv["replay_endpoint"]
+    assert env["CACHEWITNESS_KV_EVENTS_PUBLISHERS"] == "127.0.0.1"  # the engine's address only
 
 
 @pytest.mark.parametrize(

@@ -491,6 +491,25 @@ async def test_engine_answering_metrics_with_html_is_not_merged(
     assert "<html>" not in result.text
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'[{"iter": 3, "numActiveRequests": 0, "kvCacheStats": {"reusedBlocks": 2}}]',  # TensorRT-LLM /metrics
+        b"<html><body>chat ui</body></html>",
+        b"engine_queue_depth 3\nnot a sample line\n",
+    ],
+)
+async def test_engine_text_that_is_not_the_exposition_format_is_not_merged_even_as_text_plain(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession, body: bytes
+) -> None:
+    """Whatever the engine's label says, a body with a line that is no sample or comment stays out."""
+    async with engine_serving_metrics(body, "text/plain; version=0.0.4") as engine:
+        url = await sidecar(engine, engine="none")
+        result = await scrape(http, url)  # parses the whole exposition as Prometheus does
+    assert result.value("cachewitness_upstream_metrics_up") == 0
+    assert "engine_queue_depth" not in result.text
+
+
 # --- resets, verdicts, evidence ------------------------------------------------------------------
 
 

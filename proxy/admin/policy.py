@@ -16,7 +16,7 @@ from enum import StrEnum
 from urllib.parse import unquote
 
 from proxy.config import Settings
-from proxy.engines import llamacpp, mindnano, sglang, vllm
+from proxy.engines import dynamo, llamacpp, mindnano, sglang, trtllm, vllm
 from proxy.engines.base import Dialect
 from proxy.engines.routes import NativeReset, RouteRule, control, control_prefix
 from proxy.vocabulary import EngineKind
@@ -39,11 +39,22 @@ ALL_CONTROL_ROUTES: tuple[RouteRule, ...] = (
     *sglang.CONTROL_ROUTES,
     *llamacpp.CONTROL_ROUTES,
     *mindnano.CONTROL_ROUTES,
+    *trtllm.CONTROL_ROUTES,
+    *dynamo.CONTROL_ROUTES,
 )
 # Distinct plain-traffic paths remembered; past it, decisions are made afresh (a client
 # spraying random paths only loses the shortcut).
 _MEMO_SIZE = 1024
-_KNOWN_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LLAMACPP, EngineKind.MINDNANO})
+_KNOWN_KINDS = frozenset(
+    {
+        EngineKind.VLLM,
+        EngineKind.SGLANG,
+        EngineKind.LLAMACPP,
+        EngineKind.MINDNANO,
+        EngineKind.TRTLLM,
+        EngineKind.DYNAMO,
+    }
+)
 # Percent-decoding passes before a path is judged: the engine's own, and one more for a client
 # or proxy that encoded twice. Decoding until nothing changed cost 44 ms for an 8 KB `%2525...`
 # path (quadratic); what still holds `%` after two passes is refused instead (issue 27).

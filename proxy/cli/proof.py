@@ -36,6 +36,7 @@ from proxy.cli.http import (
 from proxy.evidence.bundle import BundleError, cases_of, read_bundle, verify_bundle, write_bundle
 from proxy.evidence.keys import KeyFileError, PublicKey, generate_key_files, load_public_key
 from proxy.evidence.proof import ProofRouter
+from proxy.evidence.tar_read import printable
 from proxy.evidence.verify import ChainCheck, ChainReport
 from proxy.redact import redact_url
 from proxy.vocabulary import EventType
@@ -177,11 +178,12 @@ def _check_chain(name: Path, files: Mapping[int, Path], pinned: PublicKey | None
 
 
 def _print_report(report: ChainReport) -> None:
-    print(report.summary_line())
+    # Names and values come from the files: escaped, so none can rewrite what is printed around it.
+    print(printable(report.summary_line()))
     for problem in report.problems:
-        print(f"  broken: {problem}")
+        print(f"  broken: {printable(problem)}")
     for note in report.notes:
-        print(f"  note: {note}")
+        print(f"  note: {printable(note)}")
 
 
 def run_verify(ns: argparse.Namespace) -> int:
@@ -196,7 +198,7 @@ def run_verify(ns: argparse.Namespace) -> int:
             reports += bundle_reports
             problems += [f"{path}: {problem}" for problem in bundle_problems]
     except (_BadInput, KeyFileError, BundleError) as exc:
-        print(f"cachewitness evidence verify: {exc}", file=sys.stderr)
+        print(f"cachewitness evidence verify: {printable(str(exc))}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if not any(report.records for report in reports):
         print("cachewitness evidence verify: no evidence records in what was given", file=sys.stderr)
@@ -204,7 +206,7 @@ def run_verify(ns: argparse.Namespace) -> int:
     for report in reports:
         _print_report(report)
     for problem in problems:
-        print(f"broken: {problem}")
+        print(f"broken: {printable(problem)}")
     if pinned is None and any(report.signed for report in reports):
         print(
             "note: each signature was checked against the key its checkpoint names; pass --public-key to pin it"
@@ -302,7 +304,7 @@ def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
     for report in reports:
         _print_report(report)
     for problem in problems:
-        print(f"broken: {problem}")
+        print(f"broken: {printable(problem)}")
     records = sum(len(lines) for chains in pods.values() for lines in chains.values())
     print(f"wrote {out}: {size} bytes, {len(cases)} cases, {records} lines from {len(pods)} pods")
     return EXIT_BROKEN if problems or not all(report.whole for report in reports) else EXIT_WHOLE

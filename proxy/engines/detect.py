@@ -69,15 +69,46 @@ async def _sglang(probe: _Prober) -> EngineInfo | None:
     return None
 
 
-async def _vllm(probe: _Prober) -> EngineInfo | None:
-    """vLLM: `/version`, and `/v1/models` owned by vllm (TensorRT-LLM's `/version` looks the same)."""
+def _owners(models: Any) -> set[str]:
+    """The `owned_by` values of a `/v1/models` answer."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return set()
+    return {m["owned_by"] for m in data if isinstance(m, dict) and isinstance(m.get("owned_by"), str)}
+
+
+async def _versioned(probe: _Prober) -> EngineInfo | None:
+    """vLLM or TensorRT-LLM: both answer `/version` with `{"version"}`; `/v1/models` `owned_by` tells them apart.
+
+    vLLM's cards say `vllm`, trtllm-serve's `tensorrt_llm` (tensorrt_llm/serve/openai_protocol.py, ModelCard).
+    """
     version = await probe.json("/version")
     if not isinstance(version, dict) or "version" not in version:
         return None
-    models = await probe.json("/v1/models")
-    data = models.get("data") if isinstance(models, dict) else None
-    if isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data):
+    owners = _owners(await probe.json("/v1/models"))
+    if "vllm" in owners:
         return EngineInfo(EngineKind.VLLM, _text(version["version"]), vllm_mode(version))
+    if "tensorrt_llm" in owners:
+        return EngineInfo(EngineKind.TRTLLM, _text(version["version"]))
+    return None
+
+
+async def _dynamo(probe: _Prober) -> EngineInfo | None:
+    """Dynamo's frontend has no `/version`: its `/health` lists `endpoints` and `instances`.
+
+    (lib/llm/src/http/service/health.rs; seen on ai-dynamo 1.6.1.) `/health` is 503 while
+    discovery runs, so `/live` answering `live` with `/v1/models` owned by `nvidia` counts too.
+    """
+    health = await probe.json("/health")
+    if isinstance(health, dict) and isinstance(health.get("instances"), list) and "endpoints" in health:
+        return EngineInfo(EngineKind.DYNAMO)
+    live = await probe.json("/live")
+    if (
+        isinstance(live, dict)
+        and live.get("status") == "live"
+        and "nvidia" in _owners(await probe.json("/v1/models"))
+    ):
+        return EngineInfo(EngineKind.DYNAMO)
     return None
 
 
@@ -92,7 +123,9 @@ async def _mindnano(probe: _Prober) -> EngineInfo | None:
 _PROBES: dict[str, Callable[[_Prober], Awaitable[EngineInfo | None]]] = {
     EngineKind.LLAMACPP: _llamacpp,
     EngineKind.SGLANG: _sglang,
-    EngineKind.VLLM: _vllm,
+    EngineKind.VLLM: _versioned,
+    EngineKind.TRTLLM: _versioned,
+    EngineKind.DYNAMO: _dynamo,
     EngineKind.MINDNANO: _mindnano,
 }
 
@@ -100,10 +133,10 @@ _PROBES: dict[str, Callable[[_Prober], Awaitable[EngineInfo | None]]] = {
 async def detect_engine(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float, *, api_key: str | None = None
 ) -> EngineInfo:
-    """The engine at `base_url`: llama.cpp, SGLang, vLLM, mindnano, else generic; `unknown` if unreachable. Never raises."""
+    """The engine at `base_url` (llama.cpp, SGLang, vLLM, TensorRT-LLM, Dynamo, mindnano), else generic; `unknown` if unreachable."""
     probe = _Prober(session, base_url, timeout_s, api_key)
     try:
-        for check in _PROBES.values():
+        for check in dict.fromkeys(_PROBES.values()):  # vLLM and TensorRT-LLM share one probe
             info = await check(probe)
             if info is not None:
                 return info

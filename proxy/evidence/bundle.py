@@ -22,6 +22,7 @@ import orjson
 
 from proxy.evidence.keys import PublicKey
 from proxy.evidence.summary import summarize
+from proxy.evidence.tar_read import DEFAULT_LIMITS, Limits, UnsafeBundle, printable, read_members
 from proxy.evidence.verify import ChainCheck, ChainReport
 
 __all__ = [
@@ -34,7 +35,6 @@ __all__ = [
 ]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
-_MAX_MEMBER_BYTES = 1024 * 1024 * 1024  # a bundle is read whole; a member past this is refused
 
 
 class BundleError(Exception):
@@ -49,6 +49,14 @@ def _at_ns(record: dict[str, Any]) -> int:
 def safe_name(text: str) -> str:
     """A pod's or file's name as a path part of the bundle."""
     return _SAFE.sub("_", text) or "_"
+
+
+def listed_pods(summary: Mapping[str, Any]) -> list[str]:
+    """The pod names a summary lists (entries that are not `{"pod": …}` objects are skipped)."""
+    pods = summary.get("pods")
+    if not isinstance(pods, list):
+        return []
+    return [str(pod.get("pod")) for pod in pods if isinstance(pod, dict)]
 
 
 def cases_of(pods: Mapping[str, Mapping[str, list[bytes]]], session_id: str) -> list[dict[str, Any]]:
@@ -102,21 +110,12 @@ class Bundle:
     pods: dict[str, dict[str, list[bytes]]]
 
 
-def read_bundle(path: Path) -> Bundle:
-    """Read a bundle whole; BundleError when it is not one."""
-    members: dict[str, bytes] = {}
+def read_bundle(path: Path, limits: Limits = DEFAULT_LIMITS) -> Bundle:
+    """Read a bundle (bounded: proxy/evidence/tar_read.py); BundleError, one line, when it is not one."""
     try:
-        with tarfile.open(path, "r:*") as tar:
-            for info in tar:
-                if not info.isfile():
-                    continue
-                if info.size > _MAX_MEMBER_BYTES:
-                    raise BundleError(f"{path}: {info.name} is over {_MAX_MEMBER_BYTES} bytes")
-                handle = tar.extractfile(info)
-                if handle is not None:
-                    members[info.name] = handle.read()
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        raise BundleError(f"{path} is not a readable bundle (a .tar.gz): {exc}") from None
+        members = read_members(path, limits)
+    except UnsafeBundle as exc:
+        raise BundleError(f"{printable(str(path))}: {exc}") from None
     if "summary.json" not in members:
         raise BundleError(f"{path} has no summary.json: not a cachewitness bundle")
     try:
@@ -125,9 +124,10 @@ def read_bundle(path: Path) -> Bundle:
         raise BundleError(f"{path}: summary.json is not JSON: {exc}") from None
     if not isinstance(summary, dict):
         raise BundleError(f"{path}: summary.json is not a JSON object")
-    by_dir = {safe_name(str(pod.get("pod"))): str(pod.get("pod")) for pod in summary.get("pods") or []}
+    by_dir = {safe_name(pod): pod for pod in listed_pods(summary)}
     pods: dict[str, dict[str, list[bytes]]] = {}
-    for name, data in members.items():
+    for name in list(members):
+        data = members.pop(name)  # one copy at a time: the bytes, or their lines
         parts = name.split("/")
         if len(parts) == 3 and parts[0] == "pods":
             pod = by_dir.get(parts[1], parts[1])
@@ -146,7 +146,7 @@ def verify_bundle(bundle: Bundle, pinned: PublicKey | None) -> tuple[list[ChainR
             for number, line in enumerate(lines, 1):
                 check.feed(line, name, number)
             reports.append(check.finish())
-    listed = {str(pod.get("pod")) for pod in bundle.summary.get("pods") or []}
+    listed = set(listed_pods(bundle.summary))
     if listed != set(bundle.pods):
         problems.append(
             f"summary.json lists pods {sorted(listed)} but the bundle holds segments of {sorted(bundle.pods)}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 from aiohttp import web
@@ -21,6 +22,7 @@ from proxy.errors import error_response
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
+from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, InjectionProbe
 from proxy.forward.request_body import BodyTooLarge, ClientGone
 from proxy.forward.side import Side
 from proxy.logs import log_event
@@ -53,9 +55,6 @@ log = logging.getLogger("cachewitness.forward")
 
 R = TypeVar("R")
 
-# Validation failures (FastAPI's 422, plain 400) that may be our injected stream_options;
-# only one whose body names `stream_options` is (a "context too long" 400 is the client's).
-_REFUSED_INJECTION = frozenset({400, 422})
 _ERROR_PEEK = 64 * 1024
 # An observed body past this goes upstream in pieces of the client's buffer, not one copy.
 _CHUNK = 64 * 1024
@@ -64,8 +63,18 @@ INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
 
 
 def setup_forward(app: web.Application) -> None:
-    """What forwarding keeps across requests: the engines that refused the injection."""
-    app[INJECTION_REFUSALS] = InjectionRefusals(app[SETTINGS].inject_usage_reprobe_seconds)
+    """What forwarding keeps across requests: the engines that refused the injection, and the probe
+    that alone decides it."""
+    refusals = InjectionRefusals(app[SETTINGS].inject_usage_reprobe_seconds)
+    app[INJECTION_REFUSALS] = refusals
+    probe = app[INJECTION_PROBE] = InjectionProbe(refusals)
+
+    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
+        """A probe in flight is cancelled before the pool it uses closes."""
+        yield
+        await probe.stop()
+
+    app.cleanup_ctx.append(lifetime)
 
 
 def too_large(limit: int) -> web.Response:
@@ -245,7 +254,7 @@ async def _exchange(
     try:
         peeked = b""
         if refusal is not None:
-            _judge_refusal(app, exchange, upstream.status, refusal)
+            _judge_refusal(side, exchange, upstream.status, refusal)
         elif exchange.usage_injected and prepared is not None:
             refused, peeked = await _injection_refusal(upstream)
             if refused is not None:
@@ -264,25 +273,24 @@ async def _exchange(
         upstream.close()
 
 
-def _judge_refusal(app: web.Application, exchange: Exchange, status: int, refusal: str) -> None:
-    """Remember a refusal only when the client's own request, without the injection, succeeded.
+def _judge_refusal(side: Side[R], exchange: Exchange, status: int, refusal: str) -> None:
+    """Probe the engine when the client's own request, without the injection, succeeded.
 
-    Only then can the error have come from the injection: a client's bad request whose
-    error merely quotes `stream_options` (`"messages": "stream_options"`) fails both ways,
-    and must not switch the injection off for everyone else.
+    A client's bad request whose error merely quotes `stream_options` (`"messages":
+    "stream_options"`) fails both ways: no probe. One that succeeds without the injection is
+    still no proof: the engine may read its body otherwise than the sidecar (an escaped or
+    repeated name, issue 45). Only the sidecar's own probe switches the injection off.
     """
     if not 200 <= status < 300:
         return
-    refusals = app[INJECTION_REFUSALS]
-    refusals.remember(exchange.engine_info)
     log_event(
         log,
         logging.INFO,
-        f"engine {refusal}, and took the client's own request without it; "
-        f"not injecting for this engine for {refusals.reprobe_s:g} s",
+        f"engine {refusal}, and took the client's own request without it; probing the engine",
         request_id=exchange.request_id,
         status=status,
     )
+    side.app[INJECTION_PROBE].suspect(side.app, exchange.engine_info, side.request.path, exchange.model)
 
 
 async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, bytes]:
@@ -294,7 +302,7 @@ async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, by
     """
     if upstream.headers.get("Content-Encoding", "identity").lower() != "identity":
         return "compressed an injected answer", b""
-    if upstream.status not in _REFUSED_INJECTION:
+    if upstream.status not in REFUSED_STATUSES:
         return None, b""
     peeked = await upstream.peek(_ERROR_PEEK)
     return ("refused the injected include_usage" if names_stream_options(peeked) else None), peeked

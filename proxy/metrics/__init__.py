@@ -17,6 +17,7 @@ from aiohttp import web
 from prometheus_client import disable_created_metrics
 
 from proxy.config import SETTINGS
+from proxy.engines.counters import metrics_path
 from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
 from proxy.metrics.families import Metrics
 from proxy.metrics.labels import (
@@ -124,7 +125,9 @@ def setup_metrics(
         session, settings = app[UPSTREAM_POOL], app[SETTINGS]
         if session.closed:
             return None
-        text = await fetch_engine_metrics(session, settings.upstream_base, settings.upstream_metrics_timeout)
+        text = await fetch_engine_metrics(
+            session, settings.upstream_base, settings.upstream_metrics_timeout, metrics_path(engine_kind())
+        )
         return engine_exposition(text) if text is not None else None
 
     shared_text: SharedFetch[bytes | None] = SharedFetch(fetch_engine_text, ENGINE_METRICS_MAX_AGE_S)

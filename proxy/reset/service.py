@@ -25,7 +25,7 @@ from proxy.engines.topology import read_topology
 from proxy.logs import log_event
 from proxy.recorder import RECORDER
 from proxy.reset.answer import Caller, Round, RoundOutcome, answer_all, caller_answer, reset_summary
-from proxy.reset.layout import StorageClear, judged
+from proxy.reset.layout import judged, tier_clears
 from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
 from proxy.reset.silent import verify_until_cold
@@ -171,13 +171,8 @@ class ResetService:
             ranked = (
                 [self._canary(params, info, rank) for rank in topology.ranks] if topology.multi_rank else []
             )
-            storage = (
-                StorageClear(
-                    session, settings.upstream_base, settings.reset_attempt_timeout, settings.engine_key
-                )
-                if info.kind == EngineKind.SGLANG and topology.storage_backend and settings.clear_storage_tier
-                else None
-            )
+            # The tiers the engine's own reset does not reach: SGLang's HiCache storage, LMCache.
+            storage = tier_clears(session, settings, info, topology)
             if params.drain:
                 # A held request waits out the whole reset at worst: the drain, the retry window,
                 # the last attempt — and SGLang's `?timeout=` wait for idle inside that attempt.
@@ -322,12 +317,14 @@ class ResetService:
         if index is None or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
             return None
         settings = self._app[SETTINGS]
+        case = self._app[RECORDER].case
         return EventsCheck(
             index.events,
             self._app[UPSTREAM_POOL],
             settings.upstream_base,
             settings.reset_attempt_timeout,
             api_key=settings.engine_key,
+            restart_seen=case.restarted_since if case is not None else None,
         )
 
     def _finish(self, current: Round, outcome: RoundOutcome) -> None:

@@ -15,13 +15,16 @@ from prometheus_client.registry import Collector
 
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
+from proxy.sim.dynamo import DynamoDialect
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
 from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.llamacpp import LlamacppDialect
+from proxy.sim.lmcache import serve_lmcache
 from proxy.sim.mindnano import MindnanoDialect
 from proxy.sim.openai import OpenaiDialect
 from proxy.sim.sglang import SglangDialect
 from proxy.sim.text import PromptError
+from proxy.sim.trtllm import TrtllmDialect
 from proxy.sim.vllm import VllmDialect
 from proxy.sim.wire import (
     DONE,
@@ -42,6 +45,8 @@ _DIALECTS: dict[str, type[SimDialect]] = {
     "sglang": SglangDialect,
     "llamacpp": LlamacppDialect,
     "mindnano": MindnanoDialect,
+    "trtllm": TrtllmDialect,
+    "dynamo": DynamoDialect,
     "openai": OpenaiDialect,
 }
 
@@ -85,7 +90,9 @@ class OpenAIRoutes:
         if stream_options is not None and self.config.reject_stream_options:
             return error_response(400, "Unrecognized request argument supplied: stream_options")
         if stream_options is not None and not stream and self.dialect.rejects_stream_options_without_stream:
-            return error_response(400, "Stream options can only be defined when `stream=True`.")
+            # vLLM names the field: `"param": "stream_options"` (protocol.py, VLLMValidationError).
+            message = "Stream options can only be defined when `stream=True`."
+            return error_response(400, message, param="stream_options")
         include_usage = (
             stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
         )
@@ -291,6 +298,9 @@ def build_sim_app(config: SimConfig) -> web.Application:
 
     app.router.add_post("/sim/restart", sim_restart)
     dialect.add_routes(app)
+    if isinstance(dialect, VllmDialect) and dialect.lmcache is not None:
+        tier = dialect.lmcache
+        app.cleanup_ctx.append(lambda _app: serve_lmcache(tier))
     if dialect.kv_events is not None:
         _add_kv_events(app, dialect, dialect.kv_events)
     if dialect.metric_families():

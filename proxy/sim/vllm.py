@@ -11,6 +11,7 @@ from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.lmcache import LmcacheTier
 from proxy.sim.wire import error_response
 
 __all__ = ["VllmDialect"]
@@ -30,6 +31,8 @@ class VllmDialect(SimDialect):
         """The device cache, and with --host-tier an offload tier that resets leave warm."""
         super().__init__(config)
         self.host = PrefixCache(config.block_size, config.cache_blocks) if config.host_tier else None
+        # LMCache's tier (a KV connector): /reset_prefix_cache does not reach it, its own API does.
+        self.lmcache = LmcacheTier(config) if config.lmcache else None
         self.cached_by_source = self._no_hits()
         self.sleeping = False
 
@@ -38,18 +41,25 @@ class VllmDialect(SimDialect):
         return [dict.fromkeys(self.sources, 0) for _ in range(self.config.dp_size)]
 
     def lookup(self, seq: Sequence) -> int:
-        """Device hits first, then the host tier's longer prefix (each counted by source)."""
+        """Device hits first, then the host tier's and LMCache's longer prefixes (each counted by source)."""
         device = super().lookup(seq)
         host = self.host.lookup(seq.prompt) if self.host is not None and seq.cache_prompt else 0
+        local = max(device, host)
+        external = self.lmcache.lookup(seq.prompt) if self.lmcache is not None and seq.cache_prompt else 0
         self.cached_by_source[seq.rank]["device"] += device
         self.cached_by_source[seq.rank]["host"] += max(0, host - device)
-        return max(device, host)
+        self.cached_by_source[seq.rank]["external_unspecified"] += max(0, external - local)
+        if self.lmcache is not None:
+            self.lmcache.hit_tokens += max(0, external - local)
+        return max(local, external)
 
     def prefilled(self, seq: Sequence) -> None:
-        """Blocks go to the device cache and are offloaded to the host tier."""
+        """Blocks go to the device cache and are offloaded to the host tier and LMCache."""
         super().prefilled(seq)
         if self.host is not None and seq.cache_prompt:
             self.host.insert(seq.kv_tokens())
+        if self.lmcache is not None and seq.cache_prompt:
+            self.lmcache.store(seq.kv_tokens())
 
     async def restart(self, reconnect: bool = False) -> None:
         """Every tier empty, counters at 0."""
@@ -58,6 +68,16 @@ class VllmDialect(SimDialect):
         self.sleeping = False
         if self.host is not None:
             self.host.clear()
+        if self.lmcache is not None:
+            self.lmcache.forget()
+
+    def stats(self) -> dict[str, object]:
+        """`/sim/stats`, with LMCache's clears and each worker's shard size."""
+        stats = super().stats()
+        if self.lmcache is not None:
+            stats["lmcache_clears"] = self.lmcache.clears
+            stats["lmcache_blocks"] = [len(shard) for shard in self.lmcache.shards]
+        return stats
 
     def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
         """vLLM 0.32 puts `system_fingerprint` on a stream's last chunk (the usage chunk if any)."""
@@ -147,7 +167,7 @@ class VllmDialect(SimDialect):
         success = not held
         rust = self.config.rust_frontend
         external = request.query.get("reset_external", "").lower() in ("true", "1")
-        if rust == "strict" and external and self.host is None:  # no KV connector: nothing external
+        if rust == "strict" and external and self.host is None and self.lmcache is None:  # no connector
             return error_response(400, "reset_external requires a KV connector to be configured")
         if success:
             self.clear_cache()
@@ -238,7 +258,7 @@ class VllmDialect(SimDialect):
         cache_config.add_metric(
             [str(self.config.block_size), "True", str(self.config.cache_blocks), hybrid, alignment], 1.0
         )
-        return [
+        families: list[Metric] = [
             queries,
             hits,
             cached,
@@ -251,3 +271,11 @@ class VllmDialect(SimDialect):
             usage,
             cache_config,
         ]
+        if self.lmcache is not None:
+            # LMCache's own counters, on vLLM's /metrics (lmcache/observability.py).
+            lmcache_hits = CounterMetricFamily(
+                "lmcache:num_hit_tokens", "Total number of tokens hit in lmcache", labels=["model_name"]
+            )
+            lmcache_hits.add_metric([model], self.lmcache.hit_tokens)
+            families.append(lmcache_hits)
+        return families

@@ -146,6 +146,13 @@ class CaseWitness:
         self._note(reachable, totals, "counters read at a case end")
         return reachable, totals
 
+    async def restarted_since(self, wall: float) -> bool:
+        """Whether the engine's counters went down since `wall` (a direct read first): a restart
+        the HTTP side saw, what an events-only restart needs to count."""
+        await self.read()
+        since_ns = int(wall * 1e9)
+        return any(e.kind == EventKind.RESTARTED and e.at_ns >= since_ns for e in self.events)
+
     async def reset_started(self) -> None:
         """A reset is about to run (inside its drain window): close the case before it."""
         _reachable, totals = await self.read()

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import socket
 import time
 from collections.abc import Callable
 
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proxy.witnesses.events_rank import RankSubscriber
 from proxy.witnesses.events_state import (
@@ -43,6 +46,19 @@ __all__ = [
 ]
 
 
+async def resolve(hosts: tuple[str, ...]) -> set[str]:
+    """Every address `hosts` name (IP literals as they are); OSError when one cannot be resolved."""
+    loop = asyncio.get_running_loop()
+    found: set[str] = set()
+    for host in hosts:
+        try:
+            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise OSError(f"kv events: cannot resolve the publisher host {host!r}: {exc}") from exc
+        found.update(str(info[4][0]) for info in infos)
+    return found
+
+
 class KvEvents:
     """The subscribers of every rank of one engine, and the questions the reset path asks them."""
 
@@ -52,24 +68,44 @@ class KvEvents:
         self._ctx: zmq.asyncio.Context | None = None
         self._ranks: list[RankSubscriber] = []
         self._changed = asyncio.Event()
+        self._auth: AsyncioAuthenticator | None = None
 
     async def start(self) -> None:
-        """Open every rank's sockets; raises OSError when an endpoint cannot be bound."""
+        """Open every rank's sockets; raises OSError when an endpoint cannot be bound or a
+        publisher's host cannot be resolved."""
         self._ctx = zmq.asyncio.Context()
         self._ranks = [
             RankSubscriber(self._ctx, self.config, r, self._notify) for r in range(self.config.ranks)
         ]
         try:
+            admit = await self._admission()
             for sub in self._ranks:
-                sub.open()
+                sub.open(admit)
         except OSError:
             await self.close()
             raise
+
+    async def _admission(self) -> bool:
+        """Where the sidecar binds tcp: a ZAP handler that admits only the publishers' addresses."""
+        config = self.config
+        if config.connect or not config.publishers or not config.endpoint.startswith("tcp://"):
+            return False
+        assert self._ctx is not None
+        addresses = await resolve(config.publishers)
+        if not addresses:  # pyzmq's allow() with no address would admit everyone
+            raise OSError(f"kv events: the publisher hosts {config.publishers!r} name no address")
+        self._auth = AsyncioAuthenticator(self._ctx, log=logging.getLogger("cachewitness.events.zap"))
+        self._auth.start()
+        self._auth.allow(*addresses)
+        return True
 
     async def close(self) -> None:
         """Close every socket."""
         for sub in self._ranks:
             await sub.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -119,7 +155,13 @@ class KvEvents:
     def mark(self) -> Marker:
         """Take a marker; call it just before sending the reset."""
         ranks = tuple(
-            RankMark(s.state.incarnation, s.state.applied, s.state.restarts, s.state.unreplayed_gaps)
+            RankMark(
+                s.state.incarnation,
+                s.state.applied,
+                s.state.restarts,
+                s.state.unreplayed_gaps,
+                s.state.extra_publishers,
+            )
             for s in self._ranks
         )
         return Marker(time.time(), time.monotonic(), ranks)

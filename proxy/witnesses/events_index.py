@@ -13,6 +13,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -177,6 +178,16 @@ class KvEventsCollector(Collector):
         for medium in sorted({DEVICE} | {m for s in snaps for m in s.blocks}):
             blocks.add_metric((medium,), sum(s.blocks.get(medium, 0) for s in snaps))
         yield blocks
+        yield CounterMetricFamily(
+            _PREFIX + "kv_event_publishers_extra_total",
+            "Publishers that connected to a rank's KV-events socket while another one was (an alarm).",
+            value=sum(s.extra_publishers for s in snaps),
+        )
+        yield CounterMetricFamily(
+            _PREFIX + "kv_event_publishers_refused_total",
+            "Publishers refused in the handshake: not from kv_events_publishers' addresses.",
+            value=sum(s.refused_publishers for s in snaps),
+        )
         yield GaugeMetricFamily(
             _PREFIX + "kv_events_up",
             "1 when every engine rank's KV event publisher is connected.",
@@ -197,7 +208,16 @@ def kv_events_config(settings: Settings) -> KvEventsConfig | None:
         settings.kv_events_replay or None,
         ranks=settings.kv_events_ranks,
         topic=settings.kv_events_topic,
+        publishers=_publishers(settings),
     )
+
+
+def _publishers(settings: Settings) -> tuple[str, ...]:
+    """The hosts admitted to publish: as configured, else the engine's (the upstream URL's host)."""
+    if settings.kv_events_publishers is not None:
+        return settings.kv_events_publishers
+    host = urlsplit(settings.upstream).hostname
+    return (host,) if host else ()
 
 
 CACHE_INDEX = web.AppKey("cache_index", CacheIndex)

@@ -35,8 +35,14 @@ __all__ = ["RankSubscriber"]
 log = logging.getLogger("cachewitness.events")
 
 _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes out
+# Batches above this are decoded in a worker thread, so a large one does not hold the event loop
+# (a few ms of msgpack per 100 KiB; a full 4 MiB batch would stall every request for a while).
+_DECODE_OFF_LOOP = 256 << 10
+_REPLAY_HWM = 10_000  # vLLM's replay buffer holds 10,000 batches by default
 # A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.
-_PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+# One the address check refused (proxy/witnesses/events.py) never gets that far.
+_PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+ZAP_DOMAIN = b"cachewitness-kv-events"
 
 
 class RankSubscriber:
@@ -61,9 +67,12 @@ class RankSubscriber:
         self._lock = asyncio.Lock()  # one replay at a time, and no live batch applied during it
         self._throttle = LogThrottle()
 
-    def open(self) -> None:
-        """Bind (or connect) the SUB socket and start reading it."""
+    def open(self, admit: bool = False) -> None:
+        """Bind (or connect) the SUB socket and start reading it; with `admit`, each publisher's
+        handshake goes to the context's ZAP handler, which admits only the engine's addresses."""
         sub = self._ctx.socket(zmq.SUB)
+        if admit:
+            sub.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.config.hwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
@@ -129,12 +138,38 @@ class RankSubscriber:
             event = parse_monitor_message(frames)["event"]
             if event == zmq.EVENT_DISCONNECTED:
                 self.state.peers = max(0, self.state.peers - 1)
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.state.refused_publishers += 1
+                self._warn(
+                    "kv_events_refused",
+                    "kv events: a publisher from an address not in kv_events_publishers was refused",
+                    rank=self.state.rank,
+                )
             else:
                 # A publisher (re)connected: a restarted engine, or one that was up before the
                 # sidecar. Its replay buffer holds its history from seq 0: rebuild from it.
                 self.state.peers += 1
+                if self.state.peers > 1:
+                    self._second_publisher()
                 async with self._lock:
                     await self._resync()
+
+    def _second_publisher(self) -> None:
+        """Two publishers on one rank's socket: one is not the engine, and either one's batches may
+        be forged. The set is unknown from here, and no reset judged across it is vouched for."""
+        st = self.state
+        st.extra_publishers += 1
+        st.foreign = True
+        st.lost()
+        # An alarm (every one is counted in cachewitness_kv_event_publishers_extra_total), throttled
+        # all the same: a publisher that reconnects in a loop must not flood the log.
+        self._warn(
+            "kv_events_second_publisher",
+            "kv events: a second publisher connected to one rank's socket; the events witness will not vouch",
+            level=logging.ERROR,
+            rank=st.rank,
+            publishers=st.peers,
+        )
 
     async def _drain(self) -> None:
         assert self._sub is not None
@@ -170,7 +205,7 @@ class RankSubscriber:
             verdict = st.classify(seq)
         st.live = seq
         if verdict != "duplicate":
-            self._apply(seq, payload)
+            await self._apply(seq, payload)
 
     async def _fill(self, start: int, stop: int | None) -> None:
         """A gap from `start` (to `stop`, or to whatever the engine has): replay it, or say it is lost."""
@@ -193,9 +228,12 @@ class RankSubscriber:
             async with self._lock:
                 await self._fill(0 if self.state.applied is None else self.state.applied + 1, None)
 
-    def _apply(self, seq: int, payload: bytes) -> None:
+    async def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            batch = decode_batch(payload)
+            if len(payload) > _DECODE_OFF_LOOP:
+                batch = await asyncio.to_thread(decode_batch, payload)
+            else:
+                batch = decode_batch(payload)
         except DecodeError as exc:
             self.state.skip(seq)
             self._warn(
@@ -240,7 +278,7 @@ class RankSubscriber:
                     complete = False  # the engine's buffer no longer holds what is missing
                     st.lost()
                 # Batches past `stop` are applied too: the live socket's copies then read as duplicates.
-                self._apply(seq, payload)
+                await self._apply(seq, payload)
         except DecodeError:
             self._drop_replay_socket()
             return False
@@ -256,7 +294,8 @@ class RankSubscriber:
             assert self._replay_endpoint is not None
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.RCVHWM, self.config.hwm)
+            # The engine's own replay socket, a whole buffer at once: a ROUTER drops what overflows.
+            dealer.setsockopt(zmq.RCVHWM, _REPLAY_HWM)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
             dealer.connect(self._replay_endpoint)
             self._dealer = dealer
@@ -302,7 +341,7 @@ class RankSubscriber:
                 st.cleared_incarnation = st.incarnation
             log_event(log, logging.WARNING, "kv events: the engine restarted", rank=st.rank)
 
-    def _warn(self, key: str, msg: str, **fields: Any) -> None:
+    def _warn(self, key: str, msg: str, level: int = logging.WARNING, **fields: Any) -> None:
         count = self._throttle.due(key)
         if count:
-            log_event(log, logging.WARNING, msg, count=count, **fields)
+            log_event(log, level, msg, count=count, **fields)

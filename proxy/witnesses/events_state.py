@@ -32,6 +32,7 @@ class RankSnapshot:
     rank: int
     up: bool  # the subscriber's socket is open
     connected: bool  # a publisher is connected to it
+    publishers: int  # publishers connected now: one is the engine; a second is an alarm
     synced: bool
     overflow: bool
     blocks: Mapping[str, int]
@@ -49,11 +50,16 @@ class RankSnapshot:
     restarts: int
     decode_errors: int
     unknown_removals: int  # removals of blocks never seen stored (a sign of history missed)
+    extra_publishers: int  # times a publisher connected while another one was (an alarm)
+    refused_publishers: int  # handshakes refused by the publisher address check
+    foreign: bool  # a second publisher came since the last clear received from a lone publisher
 
     @property
     def vouches(self) -> bool:
-        """Whether `blocks` is the cache's content, not a lower bound or a guess."""
-        return self.synced and not self.overflow
+        """Whether `blocks` is the cache's content, not a lower bound or a guess (never while two
+        publishers share the socket, nor after, until a clear from a lone one: either one's
+        batches could be the other's forgery)."""
+        return self.synced and not self.overflow and self.publishers <= 1 and not self.foreign
 
 
 @dataclass
@@ -70,6 +76,9 @@ class RankState:
     max_blocks: int
     up: bool = False
     peers: int = 0
+    extra_publishers: int = 0
+    refused_publishers: int = 0
+    foreign: bool = False  # see RankSnapshot.foreign
     synced: bool = False
     overflow: bool = False
     applied: int | None = None  # the last seq applied to the set (this incarnation)
@@ -145,6 +154,7 @@ class RankState:
             elif event.kind == CLEARED:
                 self._drop_set()
                 self.synced = True
+                self.foreign = self.peers > 1  # whose clear it was is known only with one publisher
                 self.clears += 1
                 self.cleared_seq, self.cleared_ts = seq, batch.ts
                 self.cleared_at, self.cleared_mono = wall, mono
@@ -159,8 +169,8 @@ class RankState:
 
     def _store(self, event: Event) -> None:
         self.stored_since_clear += len(event.hashes)
-        if self.overflow:
-            return
+        if self.overflow or not event.hashes:
+            return  # an empty store makes no set: a set per (medium, group) holds at least one block
         blocks = self._sets.setdefault((event.medium, event.group), set())
         for h in event.hashes:
             if h in blocks:
@@ -182,6 +192,8 @@ class RankState:
                 self._size -= 1
             else:
                 self.unknown_removals += 1
+        if blocks is not None and not blocks:
+            del self._sets[(event.medium, event.group)]
 
     def _drop_set(self) -> None:
         self._sets.clear()
@@ -201,6 +213,7 @@ class RankState:
             rank=self.rank,
             up=self.up,
             connected=self.peers > 0,
+            publishers=self.peers,
             synced=self.synced,
             overflow=self.overflow,
             blocks=MappingProxyType(self.blocks()),
@@ -218,6 +231,9 @@ class RankState:
             restarts=self.restarts,
             decode_errors=self.decode_errors,
             unknown_removals=self.unknown_removals,
+            extra_publishers=self.extra_publishers,
+            refused_publishers=self.refused_publishers,
+            foreign=self.foreign,
         )
 
 
@@ -229,6 +245,7 @@ class RankMark:
     seq: int | None
     restarts: int
     unreplayed_gaps: int
+    extra_publishers: int = 0
 
 
 @dataclass(frozen=True)
@@ -258,15 +275,18 @@ class RankClear:
     synced: bool
     overflow: bool
     connected: bool
+    extra_publishers: int = 0  # a second publisher connected since the marker (or is now)
 
     @property
     def vouches(self) -> bool:
-        """The cache was emptied after the marker, and every batch since then is known."""
+        """The cache was emptied after the marker, every batch since then is known, and they all
+        came while one publisher, the engine, was connected."""
         return (
             (self.cleared or self.restarted)
             and self.synced
             and not self.overflow
             and not self.unreplayed_gaps
+            and not self.extra_publishers
         )
 
 
@@ -308,4 +328,5 @@ def judge_rank(st: RankState, m: RankMark, marker: Marker, clock_slack_s: float)
         synced=st.synced,
         overflow=st.overflow,
         connected=st.peers > 0,
+        extra_publishers=st.extra_publishers - m.extra_publishers + max(0, st.peers - 1),
     )

@@ -16,6 +16,9 @@ __all__ = [
     "CLEARED",
     "DEVICE",
     "END_SEQ",
+    "MAX_EVENTS_PER_BATCH",
+    "MAX_HASHES_PER_EVENT",
+    "OTHER",
     "REMOVED",
     "STORED",
     "Batch",
@@ -35,6 +38,15 @@ CLEARED = "AllBlocksCleared"
 # Events that name no medium come from the engine's device prefix cache: vLLM's block pool before
 # it sent `medium`, SGLang's radix cache (its `medium` defaults to None).
 DEVICE = "GPU"
+# Anything else a publisher names, as a metric label and a key: a publisher must not mint series.
+OTHER = "other"
+_KINDS = frozenset((STORED, REMOVED, CLEARED))
+_MEDIA = frozenset((DEVICE, "CPU", "CPU_PINNED", "DISK"))  # device pools and offloading tiers
+# Bounds on one batch, far above what an engine publishes per step (a 1M-token prompt at 16 tokens
+# a block is 62,500 hashes); past them the batch is refused as undecodable (lost, not applied).
+MAX_EVENTS_PER_BATCH = 16_384
+MAX_HASHES_PER_EVENT = 131_072
+_MAX_GROUP = 1_023  # vLLM's KV cache group index: one per attention kind, a handful
 _MASK64 = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # a replay's end marker
 # SGLang appends its publisher's epoch (a new one per process) to the topic when snapshots are on.
@@ -55,12 +67,18 @@ class KvEventsConfig:
     ranks: int = 1
     topic: str = "kv"
     connect: bool = False  # the engine binds `endpoint` (`tcp://*:PORT` in its config)
+    # Where the sidecar binds a tcp endpoint: the hosts (names or addresses) whose publishers are
+    # admitted, checked by address in the ZMTP handshake (ZAP). Empty: any (ipc:// relies on the
+    # socket file's permissions; a connected endpoint is the engine's own).
+    publishers: tuple[str, ...] = ()
     max_blocks: int = 262_144  # 64-bit hashes kept per rank; beyond it the rank reports overflow
     replay_timeout_s: float = 2.0  # one replay, from request to end marker
     clock_slack_s: float = 0.0  # how far the engine's clock may lag the sidecar's (other hosts)
     catch_up_s: float = 0.25  # while waiting for a clear, ask the replay socket this often
-    hwm: int = 100_000  # live batches ZeroMQ queues before it drops (and a gap shows)
-    max_message_bytes: int = 64 << 20
+    # A few MiB per batch and a short queue: at most hwm x max_message_bytes waits unread (M3 of
+    # issue 45: 64 MiB x 100,000 let one batch take 1.1 GiB and stall the loop for seconds).
+    hwm: int = 128  # live batches ZeroMQ queues before it drops (a gap shows, the replay fills it)
+    max_message_bytes: int = 4 << 20
 
     def __post_init__(self) -> None:
         """Reject addresses and bounds no subscriber could use."""
@@ -128,15 +146,27 @@ def hash64(value: Any) -> int:
 def _hashes(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise DecodeError("block_hashes is not a list")
+    if len(value) > MAX_HASHES_PER_EVENT:
+        raise DecodeError(f"an event of {len(value)} block hashes (at most {MAX_HASHES_PER_EVENT})")
     return tuple(hash64(h) for h in value)
 
 
 def _medium(value: Any) -> str:
-    return value if isinstance(value, str) and value else DEVICE
+    if not isinstance(value, str) or not value:
+        return DEVICE
+    return value if value in _MEDIA else OTHER
 
 
 def _group(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    if not isinstance(value, int) or isinstance(value, bool):
+        return 0
+    if not 0 <= value <= _MAX_GROUP:
+        raise DecodeError(f"a group_idx of {value} (0 to {_MAX_GROUP})")
+    return value
+
+
+def _kind(value: str) -> str:
+    return value if value in _KINDS else OTHER
 
 
 def _at(items: list[Any], index: int) -> Any:
@@ -156,7 +186,7 @@ def _event(raw: Any) -> Event:
                 _medium(raw.get("medium")),
                 _group(raw.get("group_idx")),
             )
-        return Event(kind)
+        return Event(_kind(kind))
     if isinstance(raw, list) and raw and isinstance(raw[0], str):
         kind = raw[0]
         if kind == STORED:
@@ -170,7 +200,7 @@ def _event(raw: Any) -> Event:
                 _medium(_at(raw, _REMOVED_MEDIUM)),
                 _group(_at(raw, _REMOVED_GROUP)),
             )
-        return Event(kind)
+        return Event(_kind(kind))
     raise DecodeError("an event is neither a tagged map nor a tagged array")
 
 
@@ -189,6 +219,8 @@ def decode_batch(payload: bytes) -> Batch:
         raise DecodeError("a batch is neither [ts, events, rank] nor a map")
     if isinstance(ts, bool) or not isinstance(ts, int | float) or not isinstance(events, list):
         raise DecodeError("a batch without a numeric ts and a list of events")
+    if len(events) > MAX_EVENTS_PER_BATCH:
+        raise DecodeError(f"a batch of {len(events)} events (at most {MAX_EVENTS_PER_BATCH})")
     return Batch(float(ts), tuple(_event(e) for e in events), rank if isinstance(rank, int) else None)
 
 

@@ -85,10 +85,22 @@ def _rank_json(rank: RankClear) -> dict[str, Any]:
     }
 
 
-def _why_not(rank: RankClear, timeout_s: float) -> str | None:
+def _why_not(rank: RankClear, timeout_s: float, restart_seen: bool) -> str | None:
     """Why one rank cannot vouch for the reset, None when it does."""
-    if rank.vouches:
+    if rank.vouches and (rank.cleared or restart_seen):
         return None
+    if rank.extra_publishers:
+        return (
+            f"a second publisher connected to rank {rank.rank}'s events socket: "
+            "either one's batches could be forged"
+        )
+    if rank.vouches:
+        # A seq that starts again is all a restart is on the events socket, and anyone who can
+        # publish can send one: it counts only when the engine's own counters went down too.
+        return (
+            f"rank {rank.rank}'s events say the engine restarted, but its counters saw no restart "
+            "(an events-only restart is not taken for a clear)"
+        )
     if rank.overflow:
         return f"rank {rank.rank}'s block set outgrew its cap (overflow): its content is unknown"
     if rank.unreplayed_gaps:
@@ -106,6 +118,7 @@ def events_report(
     flush: EngineCall | None,
     timeout_s: float,
     problem: str = "",
+    restart_seen: bool = False,
 ) -> WitnessReport:
     """The events witness's result from `cleared_since`'s answer (None: it was not asked)."""
     numbers: dict[str, Any] = {
@@ -119,7 +132,7 @@ def events_report(
     numbers["elapsed_s"] = round(result.elapsed_s, 6)
     numbers["timed_out"] = result.timed_out
     numbers["ranks"] = [_rank_json(rank) for rank in result.ranks]
-    reasons = [why for rank in result.ranks if (why := _why_not(rank, timeout_s)) is not None]
+    reasons = [why for rank in result.ranks if (why := _why_not(rank, timeout_s, restart_seen)) is not None]
     if reasons:
         if flush is not None and (flush.status is None or not 200 <= flush.status < 300):
             reasons.append(f"the flush probe failed ({flush.error or f'HTTP {flush.status}'})")
@@ -138,6 +151,8 @@ def events_report(
 
 
 ResetCall = Callable[[], Awaitable[CacheReset]]
+# Whether the HTTP side saw the engine restart since a wall-clock time (its counters went down).
+RestartSeen = Callable[[float], Awaitable[bool]]
 
 
 @dataclass
@@ -155,6 +170,7 @@ class EventsCheck:
     base_url: str
     timeout_s: float  # one flush probe's bound
     api_key: str | None = field(default=None, repr=False)
+    restart_seen: RestartSeen | None = None  # None: no counters, so no events-only restart counts
     clear_timeout_s: float = CLEAR_TIMEOUT_S
     report: WitnessReport | None = None
     calls: list[EngineCall] = field(default_factory=list)
@@ -184,8 +200,15 @@ class EventsCheck:
             )
         flush = await self.flush()
         result = await self.events.cleared_since(marker, self.clear_timeout_s)
+        seen = False
+        if self.restart_seen is not None and any(r.restarted and not r.cleared for r in result.ranks):
+            seen = await self.restart_seen(marker.wall)
         return done, events_report(
-            result, blocks_before=blocks_before, flush=flush, timeout_s=self.clear_timeout_s
+            result,
+            blocks_before=blocks_before,
+            flush=flush,
+            timeout_s=self.clear_timeout_s,
+            restart_seen=seen,
         )
 
     async def settle(self) -> None:

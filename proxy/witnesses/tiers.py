@@ -87,8 +87,8 @@ async def read_by_tier(
     api_key: str | None,
     storage: str = "external",
 ) -> dict[str, int] | None:
-    """The engine's cached tokens per tier (vLLM, SGLang), from a settled read of its counters."""
-    if kind not in (EngineKind.VLLM, EngineKind.SGLANG):
+    """The engine's cached tokens per tier (vLLM, TensorRT-LLM, SGLang), from a settled read of its counters."""
+    if kind not in (EngineKind.VLLM, EngineKind.TRTLLM, EngineKind.SGLANG):
         return None
     _reachable, totals = await read_totals_settled(session, base_url, kind, timeout_s, api_key)
     if totals is None or not totals.by_tier:

@@ -57,7 +57,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "cachewitness.enginePreset" -}}
 {{- $preset := get .Values.engine.presets .Values.engine.preset }}
 {{- if not $preset }}
-{{- fail (printf "engine.preset %q has no entry under engine.presets (use vllm, sglang or llamacpp)" .Values.engine.preset) }}
+{{- fail (printf "engine.preset %q has no entry under engine.presets (use vllm, sglang, llamacpp or trtllm)" .Values.engine.preset) }}
 {{- end }}
 {{- toYaml $preset }}
 {{- end }}
@@ -105,6 +105,10 @@ pod-local port and turns on what the sidecar needs:
 - llamacpp: --slot-save-path (without it the slot erase answers 501), --cache-ram 0
   (else the host-RAM prompt cache survives an erase and the next request still hits),
   --metrics and --slots.
+- trtllm: an LLM API options file (written by the command itself, on the engine's cache
+  volume) with return_perf_metrics (without it there is no /prometheus/metrics, whose
+  trtllm_prompt_cached_tokens_total the counter witness reads), enable_iter_perf_stats and
+  KV cache block reuse (prefix caching).
 */}}
 {{- define "cachewitness.engineCommand" -}}
 {{- $port := toString .Values.engine.port }}
@@ -163,8 +167,23 @@ pod-local port and turns on what the sidecar needs:
 - --metrics
 - --slots
 - --no-webui
+{{- else if eq .Values.engine.preset "trtllm" }}
+{{- $options := "/var/cache/engine/cachewitness-llm-api-options.yaml" }}
+- /bin/sh
+- -c
+- {{ printf "printf '%%s\\n' 'return_perf_metrics: true' 'enable_iter_perf_stats: true' 'kv_cache_config:' '  enable_block_reuse: true' > %s && exec trtllm-serve \"$@\"" $options | quote }}
+- trtllm-serve
+- {{ $model | quote }}
+- --host
+- 127.0.0.1
+- --port
+- {{ $port | quote }}
+- --backend
+- pytorch
+- --extra_llm_api_options
+- {{ $options }}
 {{- else }}
-{{- fail (printf "engine.preset must be vllm, sglang or llamacpp, not %q" .Values.engine.preset) }}
+{{- fail (printf "engine.preset must be vllm, sglang, llamacpp or trtllm, not %q" .Values.engine.preset) }}
 {{- end }}
 {{- range .Values.engine.extraArgs }}
 - {{ . | quote }}

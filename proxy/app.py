@@ -24,6 +24,7 @@ from proxy.refusals import REFUSALS, RefusalReason
 from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
 from proxy.witnesses.events_index import setup_kv_events
+from proxy.witnesses.kv_discovery import setup_kv_discovery
 
 __all__ = ["build_app", "setup_routes", "sidecar_state"]
 
@@ -73,6 +74,8 @@ def build_app(settings: Settings) -> web.Application:
     setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
     # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
     setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
+    # Without kv_events_endpoint: the publishers the engine names (kv_events_discovery).
+    setup_kv_discovery(app, kind=lambda: engine.info.kind)
     setup_recorder(app)
     setup_reset(app)
     setup_cluster(app)

@@ -25,6 +25,7 @@ from proxy.health import HEALTH
 from proxy.reset.params import BadInput, read_params
 from proxy.reset.service import RESETS
 from proxy.vocabulary import EventType, Scope
+from proxy.witnesses.events_index import CACHE_INDEX
 from proxy.witnesses.traffic import WITNESS
 
 __all__ = ["handle_evidence", "handle_reset", "handle_state"]
@@ -67,6 +68,9 @@ async def handle_state(request: web.Request) -> web.Response:
     app = request.app
     state = app[WITNESS].state()
     state["engine"] = app[ENGINE].info.to_json()
+    index = app.get(CACHE_INDEX)
+    if index is not None:  # each rank's KV event endpoints and where they come from
+        state["kv_events"] = index.events.describe()
     admission = app[ADMISSION]
     evidence = app[EVIDENCE]
     state["sidecar"] = {

@@ -314,7 +314,11 @@ class ResetService:
     def _events(self, params: ResetParams) -> EventsCheck | None:
         """The events witness for this reset, None without kv_events_endpoint or when not asked."""
         index = self._app.get(CACHE_INDEX)
-        if index is None or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
+        if (
+            index is None
+            or not index.events.running
+            or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH)
+        ):
             return None
         settings = self._app[SETTINGS]
         case = self._app[RECORDER].case

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from proxy.sim.config import DIALECTS, RUST_FRONTENDS, SCHEDULING_POLICIES, SimConfig
+from proxy.sim.config import DIALECTS, KV_SOURCE_SHAPES, RUST_FRONTENDS, SCHEDULING_POLICIES, SimConfig
 
 __all__ = ["add_sim_arguments", "parse_listen", "sim_config_from_args"]
 
@@ -183,6 +183,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-events-legacy", action="store_true", help="vllm: positional arrays (older vLLM releases)"
     )
     kv.add_argument(
+        "--kv-events-discovery",
+        choices=KV_SOURCE_SHAPES,
+        default=None,
+        help="the engine names its publishers: vllm GET /kv_event_sources in this shape; sglang /server_info",
+    )
+    kv.add_argument(
         "--kv-events-drop-every",
         type=int,
         default=d.kv_events_drop_every,
@@ -276,4 +282,5 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         kv_events_rank=ns.kv_events_rank,
         kv_events_legacy=ns.kv_events_legacy,
         kv_events_drop_every=ns.kv_events_drop_every,
+        kv_events_discovery=ns.kv_events_discovery,
     )

@@ -14,6 +14,8 @@ __all__ = [
 ]
 
 DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "trtllm", "dynamo", "openai")
+# The shapes of vLLM's GET /kv_event_sources (0.32: a dict keyed by rank).
+KV_SOURCE_SHAPES: tuple[str, ...] = ("dict", "list", "sources")
 # vLLM's Rust front end, as two of its versions answer a reset.
 RUST_FRONTENDS: tuple[str, ...] = ("bare", "strict")
 # vLLM's --scheduling-policy: with priority, a later request with a lower `priority` runs first.
@@ -123,6 +125,9 @@ class SimConfig:
     kv_events_rank: int = 0  # this engine's data-parallel rank: ports + rank, `dp_rank` in batches
     kv_events_legacy: bool = False  # vllm: positional arrays (the msgspec array_like releases)
     kv_events_drop_every: int = 0  # every Nth batch is not sent, only replayable (0: none)
+    # The engine names its publishers (vllm: GET /kv_event_sources in this shape: dict keyed by
+    # rank as 0.32, a bare list, or {"sources": [...]}; sglang: /server_info `kv_events`).
+    kv_events_discovery: str | None = None
 
     def __post_init__(self) -> None:
         """Reject values no engine would start with."""
@@ -198,6 +203,13 @@ class SimConfig:
         for addr in (self.kv_events_endpoint, self.kv_events_replay):
             if addr is not None and not (addr.startswith("tcp://") and addr.rpartition(":")[2].isdigit()):
                 raise ValueError(f"a KV events address is tcp://HOST:PORT, not {addr!r}")
+        if self.kv_events_discovery is not None:
+            if self.kv_events_discovery not in KV_SOURCE_SHAPES:
+                raise ValueError(f"--kv-events-discovery is one of {', '.join(KV_SOURCE_SHAPES)}")
+            if self.kv_events_endpoint is None or "*" not in self.kv_events_endpoint:
+                raise ValueError(
+                    "--kv-events-discovery needs an endpoint the engine binds: tcp://*:PORT or tcp://*:0"
+                )
         if self.kv_events_legacy and self.dialect != "vllm":
             raise ValueError("--kv-events-legacy is vLLM's older format")
         if self.kv_events_rank < 0 or self.kv_events_drop_every < 0:

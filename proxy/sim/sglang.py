@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.sim.cache import PrefixCache
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.kv_events import sglang_kv_events
 from proxy.sim.text import PromptError
 from proxy.sim.wire import DONE, error_response, read_json, send_event, sse_response
 
@@ -130,6 +131,9 @@ class SglangDialect(SimDialect):
                 "dp_size": self.config.dp_size,
                 "enable_hierarchical_cache": self.storage is not None,
                 "hicache_storage_backend": self.config.hicache_storage_backend,
+                "kv_events": sglang_kv_events(
+                    self.kv_events, self.config.kv_events_discovery, self.config.dp_size
+                ),
             }
         )
 

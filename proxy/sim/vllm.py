@@ -11,6 +11,7 @@ from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.kv_events import kv_event_sources
 from proxy.sim.lmcache import LmcacheTier
 from proxy.sim.wire import error_response
 
@@ -113,6 +114,8 @@ class VllmDialect(SimDialect):
         app.router.add_post("/ping", self.handle_health)
         app.router.add_get("/version", self.handle_version)
         app.router.add_post("/tokenize", self.handle_tokenize)
+        # 0.32 serves it without dev mode (entrypoints/serve/instrumentator/basic.py).
+        app.router.add_get("/kv_event_sources", self.handle_kv_event_sources)
         if self.config.dev_mode:
             # Registered only under VLLM_SERVER_DEV_MODE=1
             # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.
@@ -145,6 +148,10 @@ class VllmDialect(SimDialect):
     async def handle_other_reset(self, request: web.Request) -> web.Response:
         """POST /reset_mm_cache, /reset_encoder_cache: nothing to clear, 200 with no body."""
         return web.Response(status=200)
+
+    async def handle_kv_event_sources(self, request: web.Request) -> web.Response:
+        """GET /kv_event_sources: the publisher of each rank (with --kv-events-discovery), else {}."""
+        return web.json_response(kv_event_sources(self.kv_events, self.config.kv_events_discovery))
 
     async def handle_version(self, request: web.Request) -> web.Response:
         """GET /version; the Rust front end adds `rust_frontend_version` (vllm #43854)."""

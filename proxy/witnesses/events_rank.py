@@ -26,7 +26,7 @@ from proxy.witnesses.events_wire import (
     KvEventsConfig,
     decode_batch,
     epoch_of,
-    rank_endpoint,
+    rank_addresses,
     replay_item,
 )
 
@@ -57,8 +57,7 @@ class RankSubscriber:
         self.busy = False  # a replay is under way: the state is not final
         self._ctx = ctx
         self._changed = changed
-        self._endpoint = rank_endpoint(config.endpoint, rank)
-        self._replay_endpoint = None if config.replay is None else rank_endpoint(config.replay, rank)
+        self._endpoint, self._replay_endpoint = rank_addresses(config, rank)
         self._topic = config.topic.encode()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None

@@ -30,6 +30,9 @@ __all__ = ["KV_DISCOVERY", "KvDiscovery", "discovered_config", "run_discovery", 
 
 log = logging.getLogger("cachewitness.events")
 
+# How often an engine that named no publisher is asked again.
+QUIET_ASK_S = 30.0
+
 
 def discovered_config(found: KvSources, topic: str) -> KvEventsConfig:
     """The subscribers' configuration for what the engine said: connect to each rank's publisher.
@@ -101,11 +104,16 @@ class KvDiscovery:
         return True
 
     async def watch(self, interval_s: float) -> None:
-        """Ask again every interval while a rank has no publisher (cancelled at shutdown)."""
+        """Ask again every interval while a rank has no publisher (cancelled at shutdown).
+
+        An engine that names no publisher (events off, an older vLLM without the route, another
+        kind) is asked again only every QUIET_ASK_S: it rarely starts publishing on its own.
+        """
         while True:
             if self._stale():
                 await self.refresh()
-            await asyncio.sleep(interval_s)
+            named = self.found is not None
+            await asyncio.sleep(interval_s if named else max(interval_s, QUIET_ASK_S))
 
 
 def run_discovery(

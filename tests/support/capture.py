@@ -1,12 +1,13 @@
 """A capturing upstream: a real HTTP hop in front of an engine that writes down every request it passes on.
 
 Tests put it between the sidecar and the simulator to see exactly what reached the engine
-(paths, methods, `Authorization` headers), without changing either of them.
+(paths, methods, headers, bodies) without changing either of them, or to answer a request in
+the engine's place.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -18,6 +19,8 @@ from tests.support.client import CLIENT_TIMEOUT
 from tests.support.sidecar import serve_app
 
 _CLIENT = web.AppKey("capture_client", aiohttp.ClientSession)
+# Answers a request in the engine's place (None: the engine answers it).
+Answer = Callable[[web.Request], web.Response | None]
 _HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "content-length"})
 
 
@@ -29,6 +32,7 @@ class Seen:
     raw_path: str
     authorization: tuple[str, ...]
     headers: tuple[tuple[str, str], ...]
+    body: bytes = b""
 
 
 @dataclass
@@ -44,25 +48,29 @@ class Capture:
 
 
 @asynccontextmanager
-async def capturing(target: str, port: int = 0) -> AsyncIterator[Capture]:
+async def capturing(target: str, port: int = 0, *, answer: Answer | None = None) -> AsyncIterator[Capture]:
     """Serve a hop that records each request and relays it to `target`, streaming the answer back.
 
     `port`: where it listens (0: a free port), for an upstream that comes up after its sidecar.
+    `answer`: called with each request once recorded; what it returns goes back in place of the engine's.
     """
     app = web.Application()
     capture = Capture(url="")
 
     async def relay(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
         capture.seen.append(
             Seen(
                 method=request.method,
                 raw_path=request.raw_path,
                 authorization=tuple(request.headers.getall("Authorization", [])),
                 headers=tuple(request.headers.items()),
+                body=body,
             )
         )
+        if answer is not None and (instead := answer(request)) is not None:
+            return instead
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
-        body = await request.read()
         client = request.app[_CLIENT]
         async with client.request(
             request.method,

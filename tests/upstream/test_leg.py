@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
@@ -157,6 +158,44 @@ async def test_an_answer_that_is_not_http_is_502_and_the_sidecar_keeps_serving(
             assert "not valid HTTP" in error["message"]
         async with http.get(f"{proxy}/v1/models") as response:
             assert response.status == 200
+
+
+_CHUNKS = (
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}',
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}',
+)
+
+
+def _capitalised_stream(_: bytes) -> bytes:
+    body = b"".join(b"data: %b\n\n" % chunk for chunk in _CHUNKS) + b"data: [DONE]\n\n"
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+
+
+async def test_a_media_type_in_capitals_is_the_same_media_type(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """`Text/Event-Stream` is an SSE answer (media types are case-insensitive): its usage is read, and
+    the usage chunk the sidecar asked for on the client's behalf is taken out again."""
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with raw_engine(_capitalised_stream) as engine:
+        proxy = await sidecar(engine.url, engine="vllm", health_interval=3600)
+        async with http.post(f"{proxy}/v1/chat/completions", json=request) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"] == "Text/Event-Stream; charset=utf-8"
+            body = await response.read()
+        async with http.get(
+            f"{proxy}/cache/evidence", params={"event_type": "infer.cache_observation"}
+        ) as got:
+            (observation,) = [orjson.loads(line) for line in (await got.read()).splitlines()]
+    assert (
+        b'"content":"hi"' in body and b'"finish_reason":"stop"' in body and body.endswith(b"data: [DONE]\n\n")
+    )
+    assert b"usage" not in body  # the client did not ask for it
+    assert (observation["usage_injected"], observation["prompt_tokens"]) == (True, 5)
 
 
 async def test_the_connection_limit_bounds_upstream_connections_and_every_request_is_answered(

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
 
+from proxy.upstream.body import write_body
 from proxy.upstream.pools import UPSTREAM_LEG
 from tests.support.hostile_engine import OK_JSON, hostile_engine, path_of, query_of
 from tests.support.sidecar import SidecarFactory, serve_sidecar
@@ -69,6 +70,35 @@ async def test_a_post_without_a_body_says_content_length_zero(
         (head,) = [head for head in engine.heads if query_of(head) == "bodiless"]
         assert b"\r\nContent-Length: 0\r\n" in head
         assert b"Transfer-Encoding" not in head
+
+
+async def test_an_empty_piece_of_a_streamed_body_does_not_end_its_chunked_framing() -> None:
+    """`write_body` on a real connection: an empty piece is skipped, not framed as `0\\r\\n\\r\\n`,
+    which would end the body there for the engine and make the rest a request of its own.
+
+    The client's stream (proxy/forward/request_body.py) yields no empty piece today; this is
+    the leg's own guard, for any stream handed to it."""
+    received = asyncio.get_running_loop().create_future()
+
+    async def collect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.set_result(await reader.read())
+        writer.close()
+
+    async def pieces() -> AsyncIterator[bytes]:
+        for piece in (b"ab", b"", b"cd"):
+            yield piece
+
+    server = await asyncio.start_server(collect, "127.0.0.1", 0)
+    try:
+        _, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        await write_body(transport, pieces(), True, writer.drain)
+        writer.close()
+        async with asyncio.timeout(10):
+            assert await received == b"2\r\nab\r\n2\r\ncd\r\n0\r\n\r\n"
+    finally:
+        server.close()
 
 
 async def test_a_connection_answered_while_its_body_was_written_is_not_pooled(

@@ -220,6 +220,19 @@ def test_an_inserted_line_that_links_to_the_one_before_is_named(
     assert code == 1 and f"{target}:{number + 2}: " in out and "lines reordered, or one inserted" in out
 
 
+def test_a_line_with_seq_0_is_not_a_chained_line(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Seqs start at 1: a line claiming seq 0 (its prev left as it was) is named as no chained record."""
+    target = files_oldest_first(copy)[1]
+    number = _observation_line(target)
+    lines = target.read_bytes().splitlines(keepends=True)
+    record = orjson.loads(lines[number - 1])
+    lines[number - 1] = orjson.dumps({**record, "seq": 0}, option=orjson.OPT_APPEND_NEWLINE)
+    target.write_bytes(b"".join(lines))
+    code, out = verify(capsys, str(copy))
+    assert code == 1
+    assert f"{target}:{number}: not a chained evidence record" in out, out
+
+
 def test_a_removed_rotated_file_is_named(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = files_oldest_first(copy)
     files[1].unlink()

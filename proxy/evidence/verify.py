@@ -17,7 +17,7 @@ import orjson
 from proxy.evidence.chain import ZERO_HASH, chained_fields, line_hash
 from proxy.evidence.keys import PublicKey
 from proxy.evidence.merkle import CompactTree, leaf_hash
-from proxy.evidence.note import Checkpoint, parse_note
+from proxy.evidence.signature import Signed, check_checkpoint_signature
 from proxy.vocabulary import EventType
 
 __all__ = ["ChainCheck", "ChainReport"]
@@ -221,49 +221,13 @@ class ChainCheck:
                 f"{record.get('root')}, but this life's lines before it make {self._tree.size} {root}"
             )
 
-    def _note(self, record: dict[str, object], key: PublicKey, seq: int, where: str) -> bool:
-        """Its signed note: signed by its key, stating its own tree size, root and writer."""
-        if "note" not in record:
-            return True  # a checkpoint of an older format
-        note = parse_note(record.get("note"), key)
-        if not isinstance(note, Checkpoint):
-            self._problems.append(f"{where}: checkpoint seq {seq}: its note is {note}")
-            return False
-        if not note.signed:
-            self._problems.append(f"{where}: checkpoint seq {seq}: bad note signature")
-            return False
-        stated = (note.tree_size, base64.b64encode(note.root).decode())
-        if stated != (record.get("tree_size"), record.get("root")) or not note.origin.endswith(
-            f"/{record.get('writer_id')}"
-        ):
-            self._problems.append(
-                f"{where}: checkpoint seq {seq}: its note does not state its tree size, root and writer"
-            )
-            return False
-        return True
-
     def _signature(self, record: dict[str, object], line: bytes, seq: int, where: str) -> None:
-        """The signature over the line without it, by the key it names (the pinned one, if given)."""
-        key = PublicKey.from_text(record.get("public_key"))
-        signature = record.get("signature")
-        if key is None or not isinstance(signature, str):
-            self._problems.append(f"{where}: checkpoint seq {seq} says signed but has no key or signature")
+        """Its signatures (proxy/evidence/signature.py), and the key the same as its life's before."""
+        signed = check_checkpoint_signature(record, line, seq, self.pinned)
+        if not isinstance(signed, Signed):
+            self._problems.append(f"{where}: {signed}")
             return
-        if record.get("key_fingerprint") != key.fingerprint:
-            self._problems.append(f"{where}: checkpoint seq {seq}: key_fingerprint is not its public key's")
-            return
-        if self.pinned is not None and key.raw != self.pinned.raw:
-            self._problems.append(
-                f"{where}: checkpoint seq {seq} is signed by {key.fingerprint}, not by the given key "
-                f"{self.pinned.fingerprint}"
-            )
-            return
-        suffix = b',"signature":"' + signature.encode() + b'"}\n'
-        if not line.endswith(suffix) or not key.verifies(signature, line[: -len(suffix)] + b"}"):
-            self._problems.append(f"{where}: checkpoint seq {seq}: bad signature")
-            return
-        if not self._note(record, key, seq, where):
-            return
+        key = signed.key
         writer = str(record.get("writer_id"))
         if self._writer_keys.setdefault(writer, key.fingerprint) != key.fingerprint:
             self._problems.append(

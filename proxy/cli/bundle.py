@@ -14,10 +14,11 @@ from pathlib import Path
 
 from proxy.cli.attest import KEY_ENV, attestations, session_cases, signing_key
 from proxy.cli.http import EXIT_BAD_INPUT, common_arguments
-from proxy.cli.proof_fetch import EXIT_BROKEN, Fetched, fetch_proofs, print_report, proof_keys
+from proxy.cli.proof_fetch import EXIT_BROKEN, Fetched, fetch_proofs, print_report
 from proxy.evidence.bundle import (
     BundleError,
     cases_of,
+    checkpoint_keys,
     proven_records,
     read_bundle,
     verify_bundle,
@@ -71,7 +72,7 @@ def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> 
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
-    keys = proof_keys(proofs)
+    keys = checkpoint_keys(proofs)
     summary = {
         "schema_version": 2,
         "session_id": ns.session_id,

@@ -23,20 +23,18 @@ from proxy.cli.http import (
     sidecar_target,
     unreachable,
 )
-from proxy.evidence.keys import PublicKey
 from proxy.evidence.proof_check import ProofReport
 from proxy.evidence.tar_read import printable
 from proxy.evidence.verify import ChainReport
 from proxy.vocabulary import EventType
 
-__all__ = ["EXIT_BROKEN", "Fetched", "fetch_proofs", "print_report", "proof_keys"]
+__all__ = ["EXIT_BROKEN", "Fetched", "fetch_proofs", "print_report"]
 
 EXIT_BROKEN = 1  # a chain or proof not whole; pods that could not be read
 
 # How the control lines of a proof answer start (orjson writes no spaces).
 _POD = b'{"event_type":"cachewitness.proof_pod"'
 _CLUSTER_READ = b'{"event_type":"cachewitness.cluster_read"'
-_CHECKPOINT = b'{"event_type":"cachewitness.checkpoint"'
 
 
 @dataclass(frozen=True)
@@ -99,16 +97,3 @@ def fetch_proofs(command: str, ns: argparse.Namespace, env: Mapping[str, str]) -
         print(f"cachewitness evidence {command}: pods not read: {'; '.join(missing)}", file=sys.stderr)
         return EXIT_BROKEN
     return Fetched(base, proofs)
-
-
-def proof_keys(proofs: Mapping[str, list[bytes]]) -> list[PublicKey]:
-    """The public keys the proofs' checkpoints carry."""
-    keys: dict[str, PublicKey] = {}
-    for lines in proofs.values():
-        for line in lines:
-            if line.startswith(_CHECKPOINT):
-                checkpoint = orjson.loads(orjson.loads(line)["line"])
-                key = PublicKey.from_text(checkpoint.get("public_key"))
-                if key is not None:
-                    keys[key.fingerprint] = key
-    return list(keys.values())

@@ -23,6 +23,7 @@ from typing import Any
 
 import orjson
 
+from proxy.evidence.attest_check import bundle_keys, check_attestation
 from proxy.evidence.keys import PublicKey
 from proxy.evidence.proof_check import ProofCheck, ProofReport
 from proxy.evidence.summary import summarize
@@ -39,7 +40,9 @@ __all__ = [
 ]
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]")
-_INCLUSION = b'{"event_type":"cachewitness.inclusion"'  # how an inclusion entry's line starts (orjson)
+# How a proof answer's entries start (orjson writes no spaces).
+_INCLUSION = b'{"event_type":"cachewitness.inclusion"'
+_CHECKPOINT = b'{"event_type":"cachewitness.checkpoint"'
 
 
 class BundleError(Exception):
@@ -124,6 +127,23 @@ def proven_records(lines: Iterable[bytes]) -> dict[str, list[bytes]]:
     return records
 
 
+def checkpoint_keys(proofs: Mapping[str, list[bytes]]) -> list[PublicKey]:
+    """The public keys the proofs' checkpoints carry (not yet checked: ProofCheck does that)."""
+    keys: dict[str, PublicKey] = {}
+    for lines in proofs.values():
+        for line in lines:
+            if not line.startswith(_CHECKPOINT):
+                continue
+            try:
+                checkpoint = orjson.loads(orjson.loads(line)["line"])
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+            key = PublicKey.from_text(checkpoint.get("public_key") if isinstance(checkpoint, dict) else None)
+            if key is not None:
+                keys[key.fingerprint] = key
+    return list(keys.values())
+
+
 @dataclass(frozen=True)
 class Bundle:
     """A bundle read back: its summary and, by the summary's pod names, each pod's records by file
@@ -195,6 +215,13 @@ def verify_bundle(
     session = bundle.summary.get("session_id")
     if not isinstance(session, str):
         problems.append("summary.json names no session_id")
-    elif bundle.summary.get("cases") != cases_of(bundle.pods, session):
+        return reports, problems
+    if bundle.summary.get("cases") != cases_of(bundle.pods, session):
         problems.append("summary.json: its cases are not what the bundle's records say")
+    signers = {fingerprint for report in reports for fingerprint in report.keys}
+    carried = [key for key in checkpoint_keys(bundle.proofs) if key.fingerprint in signers]
+    for name, data in sorted(bundle.attestations.items()):
+        problems += check_attestation(
+            f"attestations/{name}", data, bundle_keys(pinned, carried), bundle.pods, session
+        )
     return reports, problems

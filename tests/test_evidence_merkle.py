@@ -130,9 +130,7 @@ async def test_each_checkpoint_states_the_tree_of_its_life_as_a_signed_note(tmp_
             root = their_tree(life).get_root(len(life)) if life else hashlib.sha256(b"").digest()
             assert (record["tree_size"], record["root"]) == (len(life), base64.b64encode(root).decode())
             origin = f"cachewitness/{record['note'].split('/')[1]}/ev.jsonl/{record['writer_id']}"
-            assert record["note"].startswith(
-                f"{origin}\n{len(life)}\n{record['root']}\n\n\u2014 cachewitness "
-            )
+            assert record["note"].startswith(f"{origin}\n{len(life)}\n{record['root']}\n\n\u2014 {origin} ")
             assert note_signature_holds(record["note"], key.public.raw)
             assert not note_signature_holds(
                 record["note"].replace(f"\n{len(life)}\n", f"\n{len(life) + 1}\n"), key.public.raw

@@ -132,8 +132,8 @@ def find_predecessor(files: list[Path], current: Path) -> Predecessor:
 def log_origin(file: str, writer_id: str) -> str:
     """A writer life's log name, the first line of its checkpoints' notes: `cachewitness/<host>/<file>/<writer_id>`
     (the host is the pod's name under Kubernetes)."""
-    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "_"
-    return f"cachewitness/{host}/{file}/{writer_id}"
+    host, name = (re.sub(r"[^A-Za-z0-9._-]", "_", part) or "_" for part in (socket.gethostname(), file))
+    return f"cachewitness/{host}/{name}/{writer_id}"
 
 
 def _ordered(counts: dict[str, int]) -> dict[str, int]:

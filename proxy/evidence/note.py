@@ -2,9 +2,11 @@
 
 The note's text is the log's origin, the tree size in decimal and the root in base64, one a line;
 then a blank line and one signature line: an em dash, the key's name, and the base64 of the
-key's 4-byte id followed by the Ed25519 signature of the text. The id is the first 4 bytes of
-SHA-256(name || 0x0A || 0x01 || the 32-byte public key), 0x01 naming Ed25519. So any verifier of
-signed notes (Go's golang.org/x/mod/sumdb/note among them) checks it with `verifier_key`.
+key's 4-byte id followed by the Ed25519 signature of the text. The key's name is the origin (as
+tlog-checkpoint recommends), so a writer life's notes are signed under its own name; the id is
+the first 4 bytes of SHA-256(name || 0x0A || 0x01 || the 32-byte public key), 0x01 naming
+Ed25519. So any verifier of signed notes (Go's golang.org/x/mod/sumdb/note among them) checks
+it with `verifier_key(public, origin)`.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ from dataclasses import dataclass
 
 from proxy.evidence.keys import PublicKey, SigningKey
 
-__all__ = ["KEY_NAME", "Checkpoint", "key_id", "parse_note", "signed_note", "verifier_key"]
+__all__ = ["Checkpoint", "key_id", "parse_note", "signed_note", "verifier_key"]
 
-KEY_NAME = "cachewitness"
 _ED25519 = b"\x01"
 _DASH = "\u2014 "
 
@@ -28,7 +29,7 @@ def key_id(name: str, public: PublicKey) -> bytes:
     return hashlib.sha256(name.encode() + b"\n" + _ED25519 + public.raw).digest()[:4]
 
 
-def verifier_key(public: PublicKey, name: str = KEY_NAME) -> str:
+def verifier_key(public: PublicKey, name: str) -> str:
     """`name+<hex id>+<base64 of 0x01 || key>`: the verifier key text of C2SP signed notes."""
     return f"{name}+{key_id(name, public).hex()}+{base64.b64encode(_ED25519 + public.raw).decode()}"
 
@@ -42,8 +43,8 @@ def signed_note(origin: str, tree_size: int, root: bytes, signer: SigningKey) ->
     """The checkpoint as a signed note."""
     text = checkpoint_text(origin, tree_size, root)
     signature = signer.sign_raw(text.encode())
-    blob = base64.b64encode(key_id(KEY_NAME, signer.public) + signature).decode()
-    return f"{text}\n{_DASH}{KEY_NAME} {blob}\n"
+    blob = base64.b64encode(key_id(origin, signer.public) + signature).decode()
+    return f"{text}\n{_DASH}{origin} {blob}\n"
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,14 @@ def parse_note(note: object, public: PublicKey | None) -> Checkpoint | str:
     if len(root) != 32:
         return "its root is not 32 bytes"
     signed = False
+    name = lines[0]
     for line in signatures.split("\n"):
-        if public is None or not line.startswith(_DASH + KEY_NAME + " "):
+        if public is None or not line.startswith(_DASH + name + " "):
             continue
         try:
-            blob = base64.b64decode(line[len(_DASH + KEY_NAME) + 1 :], validate=True)
+            blob = base64.b64decode(line[len(_DASH + name) + 1 :], validate=True)
         except (binascii.Error, ValueError):
             continue
-        if blob[:4] == key_id(KEY_NAME, public) and public.verifies_raw(blob[4:], text.encode()):
+        if blob[:4] == key_id(name, public) and public.verifies_raw(blob[4:], text.encode()):
             signed = True
     return Checkpoint(lines[0], int(lines[1]), root, signed)

@@ -138,7 +138,7 @@ def main() -> None:
         print(
             f"log: {ns.records:,} records, {size / 1e6:.1f} MB, one writer life, a checkpoint every 1,000 records\n"
         )
-        print("| step | seconds (best of %d) |" % ns.repeat)
+        print(f"| step | seconds (best of {ns.repeat}) |")
         print("|---|---|")
         print(
             f"| `evidence verify` the whole file (chain, counts, signatures, trees), fresh interpreter | {verify_s:.2f} |"

@@ -161,7 +161,10 @@ def run_verify(ns: argparse.Namespace) -> int:
         ]
         problems: list[str] = []
         for path in bundles:
-            bundle_reports, bundle_problems = verify_bundle(read_bundle(path), pinned)
+            try:
+                bundle_reports, bundle_problems = verify_bundle(read_bundle(path), pinned)
+            except BundleError as exc:
+                raise BundleError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
             reports += bundle_reports
             problems += [f"{path}: {problem}" for problem in bundle_problems]
     except (_BadInput, KeyFileError, BundleError) as exc:

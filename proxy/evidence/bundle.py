@@ -25,7 +25,7 @@ import orjson
 
 from proxy.evidence.attest_check import bundle_keys, check_attestation
 from proxy.evidence.keys import PublicKey
-from proxy.evidence.proof_check import ProofCheck, ProofReport
+from proxy.evidence.proof_check import MalformedProof, ProofCheck, ProofReport
 from proxy.evidence.summary import summarize
 from proxy.evidence.tar_read import DEFAULT_LIMITS, Limits, UnsafeBundle, printable, read_members
 from proxy.evidence.verify import ChainCheck, ChainReport
@@ -189,14 +189,18 @@ def read_bundle(path: Path, limits: Limits = DEFAULT_LIMITS) -> Bundle:
 def verify_bundle(
     bundle: Bundle, pinned: PublicKey | None
 ) -> tuple[list[ChainReport | ProofReport], list[str]]:
-    """Each pod's proof check (each segment's, in an older bundle), and what is wrong beyond them."""
+    """Each pod's proof check (each segment's, in an older bundle), and what is wrong beyond them;
+    BundleError for a proof that is malformed (bad input, not a broken proof)."""
     reports: list[ChainReport | ProofReport] = []
     problems: list[str] = []
     for pod, lines in sorted(bundle.proofs.items()):
         name = f"proofs/{safe_name(pod)}.jsonl"
         proof = ProofCheck(name, pinned=pinned)
-        for number, line in enumerate(lines, 1):
-            proof.feed(line, number)
+        try:
+            for number, line in enumerate(lines, 1):
+                proof.feed(line, number)
+        except MalformedProof as exc:
+            raise BundleError(f"{exc} (a malformed proof: not a bundle verify can check)") from None
         reports.append(proof.finish())
     for pod, chains in sorted(bundle.pods.items()):
         if pod in bundle.proofs:

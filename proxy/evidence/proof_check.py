@@ -22,9 +22,15 @@ from proxy.evidence.merkle import leaf_hash, verify_consistency, verify_inclusio
 from proxy.evidence.signature import Signed, check_checkpoint_signature
 from proxy.vocabulary import EventType
 
-__all__ = ["ProofCheck", "ProofReport"]
+__all__ = ["MalformedProof", "ProofCheck", "ProofReport"]
 
 _MAX_PATH = 64  # a tree of 2^64 leaves has shorter paths
+
+
+class MalformedProof(Exception):
+    """An answer that is not one: a line that is no JSON object, sizes that are not its checkpoint's
+    or not numbers, hashes that are not 32-byte hex: bad input, refused whole (the message names
+    `where:line`). A proof well formed that does not hold is a problem, not this."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +109,7 @@ class ProofCheck:
         except orjson.JSONDecodeError:
             entry = None
         if not isinstance(entry, dict):
-            self._problems.append(f"{where}: not a JSON object")
-            return
+            raise MalformedProof(f"{where}: not a JSON object")
         kind = entry.get("event_type")
         if kind == EventType.PROOF_CHECKPOINT:
             self._checkpoint(entry, where)
@@ -178,7 +183,11 @@ class ProofCheck:
                 f"{where}: {what}: its checkpoint seq {entry.get('checkpoint_seq')} is not held (signed)"
             )
         elif path is None or type(index) is not int or entry.get("tree_size") != held.tree_size:
-            self._problems.append(f"{where}: {what}: its proof's sizes or hashes are malformed")
+            raise MalformedProof(
+                f"{where}: {what}: a malformed proof: leaf_index {entry.get('leaf_index')!r}, tree_size "
+                f"{entry.get('tree_size')!r} (its checkpoint's is {held.tree_size}), audit_path of "
+                f"{'hex SHA-256 hashes' if path is not None else 'something else than at most 64 hex SHA-256 hashes'}"
+            )
         elif not verify_inclusion(leaf_hash(line), index, held.tree_size, path, held.root):
             self._problems.append(
                 f"{where}: {what}: its audit path does not lead to the root of checkpoint seq {held.seq} "
@@ -190,16 +199,21 @@ class ProofCheck:
         first = self._held.get((file, entry.get("from_seq")))  # type: ignore[arg-type]  # any JSON value: a miss
         second = self._held.get((file, entry.get("to_seq")))  # type: ignore[arg-type]
         proof = _hashes(entry.get("proof"))
-        if first is None or second is None or proof is None:
+        if proof is None:
+            raise MalformedProof(
+                f"{where}: {file}: a malformed consistency proof: not at most 64 hex SHA-256 hashes"
+            )
+        if first is None or second is None:
             self._problems.append(
-                f"{where}: {file}: a consistency proof between checkpoints not held, or malformed"
+                f"{where}: {file}: a consistency proof between checkpoints not held (signed)"
             )
             return
         if (entry.get("from_size"), entry.get("to_size")) != (first.tree_size, second.tree_size):
-            self._problems.append(
-                f"{where}: {file}: consistency proof {first.seq}->{second.seq}: its sizes are not the checkpoints'"
+            raise MalformedProof(
+                f"{where}: {file}: a malformed consistency proof {first.seq}->{second.seq}: sizes "
+                f"{entry.get('from_size')!r}->{entry.get('to_size')!r}, the checkpoints' are "
+                f"{first.tree_size}->{second.tree_size}"
             )
-            return
         if first.writer_id != second.writer_id or not verify_consistency(
             first.tree_size, second.tree_size, first.root, second.root, proof
         ):

@@ -186,6 +186,8 @@ async def test_a_consistency_proof_between_two_checkpoints(signed: Any) -> None:
         (f"proof=consistency&from={seqs[0]}&to={seqs[-1]}&scope=cluster", "scope"),
         (f"proof=inclusion&from={seqs[0]}", "from"),
         ("proof=merkle", "proof"),
+        ("proof=inclusion", "session_id"),
+        ("proof=inclusion&event_type=infer.cache_observation", "session_id"),
     ):
         status, body = await get(s, query)
         assert status == 400 and orjson.loads(body)["error"]["param"] == param, (query, body)

@@ -131,6 +131,9 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     for name in ("from", "to", "file"):
         if name in query and proof != "consistency":
             return _bad_filter(name, f"{name} is a parameter of proof=consistency only")
+    if proof == "inclusion" and "session_id" not in query and "case_id" not in query:
+        # Every record's proof is the whole log, held while it is built: that is what the files are for.
+        return _bad_filter("session_id", "proof=inclusion needs session_id or case_id (one session's proofs)")
     filters = {k: v for k, v in query.items() if k not in ("scope", "proof")}
     if scope == Scope.CLUSTER:
         if proof == "consistency":

@@ -203,6 +203,22 @@ async def test_a_bundle_holds_the_session_only_and_names_each_tampering(
         capsys, "evidence", "verify", str(bundle), "--public-key", str(folder / "key.pem")
     )
     assert code == 0 and ": proven: " in printed, printed
+    # attest --from-bundle, offline: the same subjects as the bundle's own attestation of c2.
+    offline = tmp_path / "c2.dsse.json"
+    code, printed = await cli(
+        capsys, "evidence", "attest", "--from-bundle", str(bundle), "--session-id", SESSION,
+        "--case-id", "c2", "--key-file", str(folder / "key.pem"), "-o", str(offline),
+    )  # fmt: skip
+    assert code == 0, printed
+
+    def subjects(data: bytes) -> list[dict[str, Any]]:
+        subject: list[dict[str, Any]] = orjson.loads(Envelope.from_dict(orjson.loads(data)).payload)[
+            "subject"
+        ]
+        return subject
+
+    assert subjects(offline.read_bytes()) == subjects(files["attestations/c2.dsse.json"])
+    assert len(subjects(offline.read_bytes())) >= 4  # its reset, 2 observations, its verdict
 
     async def broken(items: list[dict[str, Any]]) -> str:
         rewrite(bundle, {**files, proof_name: dumped(items)})

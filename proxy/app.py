@@ -71,7 +71,12 @@ def build_app(settings: Settings) -> web.Application:
     setup_health(app, path=lambda: engine.health_path, on_up=redetector(app))
     setup_admission(app)
     setup_body_budget(app)
-    setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
+    setup_metrics(
+        app,
+        state=lambda: sidecar_state(app),
+        engine_kind=lambda: engine.info.kind,
+        engine_mode=lambda: engine.info.mode,
+    )
     # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
     setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
     # Without kv_events_endpoint: the publishers the engine names (kv_events_discovery).

@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 
 from proxy.engine_state import ENGINE
+from proxy.metrics.per_model import merge_per_model
 from tests.support.sidecar import running_request, stack
 from tests.support.sim import WAIT_S, fast, slow
 
@@ -152,3 +153,34 @@ async def test_llamacpp_router_mode_is_detected_and_its_resets_are_unsupported(t
         assert status == 501 and body["answer"] == "unsupported", body
         assert "one llama-server per model" in body["hint"]
         assert body["calls"] == []  # no slot erase, no canary: nothing of the router is a cache
+
+
+async def test_a_llamacpp_routers_metrics_are_read_per_model(tmp_path: Path) -> None:
+    async with stack(fast("llamacpp", router_mode=True, slot_save_path=str(tmp_path)), tmp_path) as s:
+        assert await s.chat(2) == 200
+        async with s.http.get(f"{s.url}/metrics") as resp:
+            text = await resp.text()
+        assert "cachewitness_upstream_metrics_up 1.0" in text
+        assert 'llamacpp:prompt_tokens_total{model="sim-model"}' in text
+
+
+def test_router_texts_merge_with_a_model_label_and_one_head_per_family() -> None:
+    def child(prompt: int) -> bytes:
+        return (
+            b"# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.\n"
+            b"# TYPE llamacpp:prompt_tokens_total counter\n"
+            b"llamacpp:prompt_tokens_total %d\n"
+            b"# TYPE llamacpp:requests_processing gauge\n"
+            b'llamacpp:requests_processing{slot="0"} 1\n' % prompt
+        )
+
+    merged = merge_per_model([("a", child(5)), ('b"x', child(7))])
+    assert merged.splitlines() == [
+        b"# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
+        b"# TYPE llamacpp:prompt_tokens_total counter",
+        b'llamacpp:prompt_tokens_total{model="a"} 5',
+        b'llamacpp:prompt_tokens_total{model="b\\"x"} 7',
+        b"# TYPE llamacpp:requests_processing gauge",
+        b'llamacpp:requests_processing{model="a",slot="0"} 1',
+        b'llamacpp:requests_processing{model="b\\"x",slot="0"} 1',
+    ]

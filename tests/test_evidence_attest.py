@@ -238,17 +238,11 @@ async def test_a_bundle_holds_the_session_only_and_names_each_tampering(
     edited = [dict(e) for e in proof]
     edited[first]["line"] = edited[first]["line"].replace('"stream":false', '"stream":true')
     seq = orjson.loads(proof[first]["line"])["seq"]
-    assert (
-        f"{proof_name}:{first + 1}: {file} seq {seq}: its audit path does not lead"
-        in await broken(edited)
-    )
+    assert f"{proof_name}:{first + 1}: {file} seq {seq}: its audit path does not lead" in await broken(edited)
     # Deleted: a record left out (and the summary with it): the case's attestation names it.
     printed = await broken([e for i, e in enumerate(proof) if i != first])
     [pod] = [p["pod"] for p in orjson.loads(files["summary.json"])["pods"]]
-    assert (
-        f"subject {pod}/{file}#{seq} is not among the bundle's records (removed or edited?)"
-        in printed
-    )
+    assert f"subject {pod}/{file}#{seq} is not among the bundle's records (removed or edited?)" in printed
     assert "summary.json: its cases are not what the bundle's records say" in printed
     # Swapped: two records exchange places (each keeps the other's proof).
     swapped = [dict(e) for e in proof]
@@ -300,9 +294,7 @@ async def test_a_forked_log_is_named_by_its_consistency_proof(
     )
     checkpoint = orjson.loads(proof[later]["line"])
     # A forked tree of the same size: its leaf 0 is another line.
-    lines = [
-        line for line in (folder / "evidence" / file).read_bytes().splitlines(keepends=True)
-    ]
+    lines = [line for line in (folder / "evidence" / file).read_bytes().splitlines(keepends=True)]
     size = checkpoint["tree_size"]
     forked = [merkle.leaf_hash(b'{"forged":true}\n'), *(merkle.leaf_hash(line) for line in lines[1:size])]
     levels = merkle.Levels(forked)

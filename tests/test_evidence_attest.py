@@ -226,23 +226,23 @@ async def test_a_bundle_holds_the_session_only_and_names_each_tampering(
         assert code == 1, printed
         return printed
 
-    inclusions = [i for i, e in enumerate(proof) if e["event_type"] == "cachewitness.inclusion"]
+    # Observations of the session (the open case's go to the resets file, issue 45's reserve).
+    inclusions = [
+        i
+        for i, e in enumerate(proof)
+        if e["event_type"] == "cachewitness.inclusion" and '"stream":false' in e["line"]
+    ]
     first, second = inclusions[1], inclusions[2]
+    file = proof[first]["file"]
     # Edited: one byte of a record.
     edited = [dict(e) for e in proof]
     edited[first]["line"] = edited[first]["line"].replace('"stream":false', '"stream":true')
     seq = orjson.loads(proof[first]["line"])["seq"]
-    assert (
-        f"{proof_name}:{first + 1}: cachewitness.jsonl seq {seq}: its audit path does not lead"
-        in await broken(edited)
-    )
+    assert f"{proof_name}:{first + 1}: {file} seq {seq}: its audit path does not lead" in await broken(edited)
     # Deleted: a record left out (and the summary with it): the case's attestation names it.
     printed = await broken([e for i, e in enumerate(proof) if i != first])
     [pod] = [p["pod"] for p in orjson.loads(files["summary.json"])["pods"]]
-    assert (
-        f"subject {pod}/cachewitness.jsonl#{seq} is not among the bundle's records (removed or edited?)"
-        in printed
-    )
+    assert f"subject {pod}/{file}#{seq} is not among the bundle's records (removed or edited?)" in printed
     assert "summary.json: its cases are not what the bundle's records say" in printed
     # Swapped: two records exchange places (each keeps the other's proof).
     swapped = [dict(e) for e in proof]
@@ -256,7 +256,7 @@ async def test_a_bundle_holds_the_session_only_and_names_each_tampering(
         {**proof[first], "line": other.decode().replace('"O"', f'"{SESSION}"')},
         *proof[first:],
     ]
-    assert f"{proof_name}:{first + 1}: cachewitness.jsonl seq" in await broken(inserted)
+    assert f"{proof_name}:{first + 1}: {file} seq" in await broken(inserted)
     # A replaced signature: another key's, over the same checkpoint line.
     number = next(i for i, e in enumerate(proof) if e["event_type"] == "cachewitness.checkpoint")
     line = orjson.loads(proof[number]["line"])
@@ -265,7 +265,7 @@ async def test_a_bundle_holds_the_session_only_and_names_each_tampering(
     resigned = [dict(e) for e in proof]
     resigned[number]["line"] = body[:-1].decode() + f',"signature":"{stranger.sign(body)}"}}\n'
     assert (
-        f"{proof_name}:{number + 1}: cachewitness.jsonl: checkpoint seq {line['seq']}: bad signature"
+        f"{proof_name}:{number + 1}: {proof[number]['file']}: checkpoint seq {line['seq']}: bad signature"
         in await broken(resigned)
     )
 
@@ -284,11 +284,9 @@ async def test_a_forked_log_is_named_by_its_consistency_proof(
     files = members(bundle)
     [proof_name] = [n for n in files if n.startswith("proofs/")]
     proof = entries(files[proof_name])
-    linked = next(
-        e
-        for e in proof
-        if e["event_type"] == "cachewitness.consistency" and e["file"] == "cachewitness.jsonl"
-    )
+    # The first file with two checkpoints linked by a consistency proof.
+    linked = next(e for e in proof if e["event_type"] == "cachewitness.consistency")
+    file = linked["file"]
     later = next(
         i
         for i, e in enumerate(proof)
@@ -296,9 +294,7 @@ async def test_a_forked_log_is_named_by_its_consistency_proof(
     )
     checkpoint = orjson.loads(proof[later]["line"])
     # A forked tree of the same size: its leaf 0 is another line.
-    lines = [
-        line for line in (folder / "evidence" / "cachewitness.jsonl").read_bytes().splitlines(keepends=True)
-    ]
+    lines = [line for line in (folder / "evidence" / file).read_bytes().splitlines(keepends=True)]
     size = checkpoint["tree_size"]
     forked = [merkle.leaf_hash(b'{"forged":true}\n'), *(merkle.leaf_hash(line) for line in lines[1:size])]
     levels = merkle.Levels(forked)
@@ -323,6 +319,6 @@ async def test_a_forked_log_is_named_by_its_consistency_proof(
     )
     assert code == 1
     assert (
-        f"{proof_name}:{number + 1}: cachewitness.jsonl: checkpoints seq {linked['from_seq']} and {linked['to_seq']} "
+        f"{proof_name}:{number + 1}: {file}: checkpoints seq {linked['from_seq']} and {linked['to_seq']} "
         "are not consistent: not one append-only log" in printed
     ), printed

@@ -114,7 +114,7 @@ class Settings:
     # vLLM with LMCache: its internal API servers' base URLs, or ("auto",) to find them on the
     # upstream's host (proxy/engines/lmcache.py); each reset also clears LMCache there.
     lmcache_api: tuple[str, ...] = ()
-    verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
+    verify: VerifyMode | None = None  # None: both with kv_events_endpoint or discovery, else canary
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None
     kv_events_ranks: int = 1

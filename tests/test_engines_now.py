@@ -16,6 +16,8 @@ import orjson
 
 from proxy.engine_state import ENGINE
 from proxy.metrics.per_model import merge_per_model
+from proxy.witnesses.events_index import CACHE_INDEX
+from tests.support.kv_events import Ports, until
 from tests.support.sidecar import running_request, stack
 from tests.support.sim import WAIT_S, fast, slow
 
@@ -184,3 +186,21 @@ def test_router_texts_merge_with_a_model_label_and_one_head_per_family() -> None
         b'llamacpp:requests_processing{model="a",slot="0"} 1',
         b'llamacpp:requests_processing{model="b\\"x",slot="0"} 1',
     ]
+
+
+async def test_a_bare_200_without_a_clear_is_sent_again_under_the_events_witness(tmp_path: Path) -> None:
+    ports = Ports()
+    config = slow(
+        "vllm",
+        rust_frontend="bare",
+        kv_events_endpoint=ports.endpoint,
+        kv_events_replay=ports.replay_endpoint,
+    )
+    overrides = {"kv_events_endpoint": ports.endpoint, "kv_events_replay": ports.replay_endpoint}
+    async with stack(config, tmp_path, drain_timeout=0.1, **overrides) as s:
+        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].connected)
+        async with running_request(s, max_tokens=120):
+            status, body = await s.reset({"verify": "events", "retry_seconds": 20})
+        events = body["verification"]["witnesses"]["events"]
+        assert status == 200 and body["verified"] == "verified", events
+        assert len(_reset_urls(body)) >= 2  # the first 200 was followed by no clear

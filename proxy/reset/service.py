@@ -28,7 +28,7 @@ from proxy.reset.answer import Caller, Round, RoundOutcome, answer_all, caller_a
 from proxy.reset.layout import judged, tier_clears
 from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import INTERRUPTED_BY_SHUTDOWN, interrupted, retry_reset
-from proxy.reset.silent import verify_until_cold
+from proxy.reset.silent import events_until_cleared, verify_until_cold
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
 from proxy.witnesses.canary import Canary, CanaryFit, verify_reset
@@ -217,6 +217,12 @@ class ResetService:
                     reset, verification = await verify_reset(canary, witnessed)
                 if events is not None and reset.succeeded:
                     await events.settle()  # the canary's last reset: its clear, before a case starts
+            elif events is not None and dialect.silent_refusals and params.retry:
+                left = params.retry_seconds - (time.time_ns() - started_ns) / 1e9
+                reset, events = await events_until_cleared(
+                    events, lambda: self._events(params), engine_reset, window_s=left
+                )
+                verification = not_run(canary)
             else:
                 reset, verification = await witnessed(), not_run(canary)
             if events is not None:
@@ -279,11 +285,8 @@ class ResetService:
             return "the canary runs inside the drain window only, and this reset had drain false"
         if engine.kind == EngineKind.UNKNOWN:
             return "the engine was not reached: no canary was sent"
-        if (
-            engine.kind == EngineKind.NONE
-            or (engine.kind == EngineKind.GENERIC and not settings.reset_path)
-            or engine.mode == EngineMode.ROUTER
-        ):
+        no_reset = engine.kind == EngineKind.NONE or engine.mode == EngineMode.ROUTER
+        if no_reset or (engine.kind == EngineKind.GENERIC and not settings.reset_path):
             return "the engine has no reset to verify"
         storage = self._storage_tier
         session, base, kind, timeout_s, key = (

@@ -23,6 +23,7 @@ from proxy.recorder import setup_recorder
 from proxy.refusals import REFUSALS, RefusalReason
 from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
+from proxy.witnesses.kv_events.discovery import setup_kv_discovery
 from proxy.witnesses.kv_events.index import setup_kv_events
 
 __all__ = ["build_app", "setup_routes", "sidecar_state"]
@@ -73,9 +74,17 @@ def build_app(settings: Settings) -> web.Application:
     setup_health(app, path=lambda: engine.health_path, on_up=redetector(app))
     setup_admission(app)
     setup_body_budget(app)
-    setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
+    setup_metrics(
+        app,
+        state=lambda: sidecar_state(app),
+        engine_kind=lambda: engine.info.kind,
+        engine_mode=lambda: engine.info.mode,
+    )
     # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
-    setup_recorder(app, setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry))
+    index = setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
+    # Without kv_events_endpoint: the publishers the engine names (kv_events_discovery).
+    setup_kv_discovery(app, index, kind=lambda: engine.info.kind)
+    setup_recorder(app, index)
     setup_reset(app)
     setup_cluster(app)
     setup_admin(app, forward)

@@ -599,10 +599,14 @@ def test_dockerfile_runs_serve_as_a_non_root_user_with_a_healthcheck() -> None:
 # --- the engine's KV cache events --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["vllm", "sglang"])
-def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> None:
-    """vLLM and SGLang publish to the port the sidecar binds, replay on their own, both pod-local."""
-    manifests = render("--set", f"engine.preset={preset}")
+@pytest.mark.parametrize(
+    ("preset", "overrides"), [("vllm", ("engine.kvEvents.discovery=false",)), ("sglang", ())]
+)
+def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(
+    preset: str, overrides: tuple[str, ...]
+) -> None:
+    """SGLang (and vLLM without discovery) publish to the port the sidecar binds, replay on their own, both pod-local."""
+    manifests = render("--set", f"engine.preset={preset}", *(arg for o in overrides for arg in ("--set", o)))
     kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
     assert kv["publisher"] == "zmq"
     # A concrete host: the engine connects, the sidecar binds (docs/engines.md).
@@ -616,6 +620,21 @@ def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> No
     assert env["CACHEWITNESS_KV_EVENTS_ENDPOINT"] == kv["endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_REPLAY"] == kv["replay_endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_PUBLISHERS"] == "127.0.0.1"  # the engine's address only
+
+
+def test_vllm_names_its_kv_event_sockets_and_the_sidecar_finds_them() -> None:
+    """vLLM binds ipc sockets in a pod-local emptyDir both containers mount; the sidecar is told nothing."""
+    manifests = render("--set", "engine.preset=vllm")
+    kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
+    assert (kv["endpoint"], kv["replay_endpoint"]) == (
+        "ipc:///var/run/kv-events/pub",
+        "ipc:///var/run/kv-events/replay",
+    )
+    assert not any(name.startswith("CACHEWITNESS_KV_EVENTS") for name in env_values(sidecar(manifests)))
+    for container in (engine(manifests), sidecar(manifests)):
+        assert {"name": "kv-events", "mountPath": "/var/run/kv-events"} in container["volumeMounts"]
+    [volume] = [v for v in pod_spec(manifests)["volumes"] if v["name"] == "kv-events"]
+    assert volume["emptyDir"]["medium"] == "Memory"
 
 
 @pytest.mark.parametrize(

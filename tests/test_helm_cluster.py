@@ -217,6 +217,7 @@ EXPECTED_ALERTS = {
     "CachewitnessBypassTraffic",
     "CachewitnessKvEventsGap",
     "CachewitnessKvEventsDown",
+    "CachewitnessKvEventsForeignPublisher",
     "CachewitnessEngineRestarted",
     "CachewitnessSlowBodies",
 }

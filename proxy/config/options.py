@@ -234,7 +234,8 @@ OPTIONS: tuple[Option, ...] = (
         "verify",
         VerifyMode,
         "how a reset proves itself by default: canary (a private prompt cached before, cold after), "
-        "events (the engine's KV cache events), both, or none (unset: both with kv_events_endpoint, else canary)",
+        "events (the engine's KV cache events), both, or none (unset: both with kv_events_endpoint or "
+        "kv_events_discovery auto, else canary)",
         "canary, events, both or none",
     ),
     Option(
@@ -251,6 +252,13 @@ OPTIONS: tuple[Option, ...] = (
         "a whole number ≥ 1",
     ),
     Option("kv_events_topic", str, "the engine's KV events topic", "a topic such as kv"),
+    Option(
+        "kv_events_discovery",
+        parse_choice(("auto", "off")),
+        "without kv_events_endpoint, follow the KV event publishers the engine names "
+        "(vLLM GET /kv_event_sources, SGLang /server_info), connecting to them",
+        "auto or off",
+    ),
     Option(
         "kv_events_publishers",
         parse_names,

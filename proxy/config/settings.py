@@ -114,12 +114,15 @@ class Settings:
     # vLLM with LMCache: its internal API servers' base URLs, or ("auto",) to find them on the
     # upstream's host (proxy/engines/lmcache.py); each reset also clears LMCache there.
     lmcache_api: tuple[str, ...] = ()
-    verify: VerifyMode | None = None  # None: both with kv_events_endpoint, else canary
+    verify: VerifyMode | None = None  # None: both with kv_events_endpoint or discovery, else canary
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None
     kv_events_ranks: int = 1
     kv_events_topic: str = "kv"
     kv_events_publishers: tuple[str, ...] | None = None  # None: the upstream's host
+    # auto: without kv_events_endpoint, follow the publishers the engine names (vLLM
+    # /kv_event_sources, SGLang /server_info), connecting to them; off: never ask.
+    kv_events_discovery: str = "auto"
     inject_usage: bool = True
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
@@ -170,10 +173,12 @@ class Settings:
 
     @property
     def verify_default(self) -> VerifyMode:
-        """`verify`, else both where the engine's KV events are followed, canary otherwise."""
+        """`verify`, else both where the engine's KV events are (or may be) followed, canary otherwise."""
         if self.verify is not None:
             return VerifyMode(self.verify)  # a Settings built in code may hold the plain word
-        return VerifyMode.BOTH if self.kv_events_endpoint else VerifyMode.CANARY
+        # With discovery the events witness joins once the engine names its publishers.
+        following = self.kv_events_endpoint or self.kv_events_discovery == "auto"
+        return VerifyMode.BOTH if following else VerifyMode.CANARY
 
     @property
     def engine_key(self) -> str | None:

@@ -114,4 +114,5 @@ class Exchange:
             self.usage_injected,
             engine_id,
             numbered.own,
+            usage.cached_by_tier,
         )

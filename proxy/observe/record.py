@@ -56,6 +56,8 @@ class Observation:
     engine_request_id: str | None = None
     # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
     case_token_carried: bool = False
+    # Cached tokens per tier where the engine names them (proxy/observe/tiers.py); None otherwise.
+    cached_by_tier: dict[str, int] | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.cache_observation` evidence record (docs/evidence.md)."""
@@ -84,4 +86,5 @@ class Observation:
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
             "case_token_carried": self.case_token_carried,
+            "cached_by_tier": self.cached_by_tier,
         }

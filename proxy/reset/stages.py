@@ -18,19 +18,21 @@ from proxy.admission import ADMISSION, Hold
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.engines.base import CacheReset, Dialect, EngineInfo
+from proxy.engines.modes import EngineMode
 from proxy.engines.topology import Topology, read_topology
 from proxy.recorder import RECORDER
 from proxy.reset.answer import Round, RoundOutcome
 from proxy.reset.layout import TierClears, judged, tier_clears
 from proxy.reset.params import ResetParams, worst_case_seconds
 from proxy.reset.retry import retry_reset
+from proxy.reset.silent import events_until_cleared, verify_until_cold
 from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import EngineKind, VerifyMode
 from proxy.witnesses.canary import Canary, CanaryFit, verify_reset
 from proxy.witnesses.counters import Sums
 from proxy.witnesses.kv_events.witness import EventsCheck, merged
 from proxy.witnesses.ranks import spent, verify_ranks
-from proxy.witnesses.tiers import read_by_tier
+from proxy.witnesses.tiers import read_by_tier, storage_tier
 from proxy.witnesses.verification import Verification, not_run
 
 __all__ = ["RoundRun", "RoundStages", "Stage", "with_counters"]
@@ -83,6 +85,7 @@ class RoundStages:
         self._app = app
         self._settings = app[SETTINGS]
         self._canary_fit = CanaryFit()  # the engine's tokens per canary word, learned reset by reset
+        self._storage_tier = "external"  # the engine's storage tier, as the last reset's layout said
 
     @property
     def stages(self) -> tuple[Stage, ...]:
@@ -107,6 +110,8 @@ class RoundStages:
         base, timeout_s, key = settings.upstream_base, settings.reset_attempt_timeout, settings.engine_key
         run.topology = await read_topology(session, base, run.info.kind, timeout_s, key)
         run.clears = tier_clears(session, settings, run.info, run.topology)
+        # The tier SGLang's per-tier counter calls `storage` (its HiCache backend's).
+        self._storage_tier = storage_tier(run.topology.storage_backend or "")
 
     async def plan(self, run: RoundRun) -> None:
         """The witnesses this round sends: the canary (one per rank) and the KV events witness."""
@@ -138,11 +143,25 @@ class RoundStages:
             await case.reset_started()
         engine_reset = self._engine_reset(run)
         witnessed = run.events.wrap(engine_reset) if run.events is not None else engine_reset
-        canaries = run.canaries()
+        canaries, params, info = run.canaries(), run.params, run.info
+        # An engine that refuses in silence (a bare 200) is reset again within the retry window
+        # until a witness sees the cache cold (proxy/reset/silent.py).
+        silent = run.dialect is not None and run.dialect.silent_refusals and params.retry
+        window_s = max(0.0, params.retry_seconds - (time.time_ns() - run.started_ns) / 1e9)
         if isinstance(run.canary, str):  # why no canary was sent
-            reset, verification = await witnessed(), not_run(run.canary)
+            if run.events is not None and silent:
+                again = lambda: self._events(params)  # noqa: E731
+                reset, run.events = await events_until_cleared(
+                    run.events, again, engine_reset, window_s=window_s
+                )
+            else:
+                reset = await witnessed()
+            verification = not_run(run.canary)
         elif len(canaries) > 1:  # every data-parallel rank proven on its own
             reset, verification = await verify_ranks(canaries, witnessed)
+        elif silent:
+            fresh = lambda: self._fresh_canary(params, info)  # noqa: E731
+            reset, verification = await verify_until_cold(canaries[0], fresh, witnessed, window_s=window_s)
         else:
             reset, verification = await verify_reset(canaries[0], witnessed)
         if run.events is not None:
@@ -155,8 +174,14 @@ class RoundStages:
     async def judge(self, run: RoundRun) -> None:
         """The verification with what each cache tier and rank was asked and found."""
         verification = self._verification(run)
+        reset = run.reset
         run.verification = judged(
-            verification, run.info, run.topology, run.clears, events_ran=run.events is not None
+            verification,
+            run.info,
+            run.topology,
+            run.clears,
+            events_ran=run.events is not None,
+            unsupported_tiers=reset.unsupported_tiers if reset is not None else (),
         )
 
     async def record(self, run: RoundRun) -> None:
@@ -218,8 +243,10 @@ class RoundStages:
             return "the canary runs inside the drain window only, and this reset had drain false"
         if engine.kind == EngineKind.UNKNOWN:
             return "the engine was not reached: no canary was sent"
-        if engine.kind == EngineKind.NONE or (engine.kind == EngineKind.GENERIC and not settings.reset_path):
+        no_reset = engine.kind == EngineKind.NONE or engine.mode == EngineMode.ROUTER
+        if no_reset or (engine.kind == EngineKind.GENERIC and not settings.reset_path):
             return "the engine has no reset to verify"
+        storage = self._storage_tier
         session, base, kind, timeout_s, key = (
             self._app[UPSTREAM_POOL],
             settings.upstream_base,
@@ -234,15 +261,21 @@ class RoundStages:
             timeout_s,
             count=self._app[RECORDER].canary_request,
             api_key=key,
-            read_tiers=lambda: read_by_tier(session, base, kind, timeout_s, key),
+            read_tiers=lambda: read_by_tier(session, base, kind, timeout_s, key, storage),
             rank=rank,
             fit=self._canary_fit,
         )
 
+    def _fresh_canary(self, params: ResetParams, engine: EngineInfo) -> Canary:
+        """Another canary for a retried round (fresh prompts: the last ones are known warm)."""
+        canary = self._canary(params, engine)
+        assert isinstance(canary, Canary)  # the same reset made one before
+        return canary
+
     def _events(self, params: ResetParams) -> EventsCheck | None:
         """The events witness for this reset, None without kv_events_endpoint or when not asked."""
         events = self._app[RECORDER].kv_events
-        if events is None or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
+        if events is None or not events.running or params.verify not in (VerifyMode.EVENTS, VerifyMode.BOTH):
             return None
         settings, case = self._settings, self._app[RECORDER].case
         return EventsCheck(

@@ -24,7 +24,7 @@ from proxy.vocabulary import EventType, Verified
 from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig, RankSnapshot
 from proxy.witnesses.kv_events.wire import CLEARED, DEVICE, REMOVED, STORED
 
-__all__ = ["CACHE_BLOCKS_EVENT", "CacheIndex", "kv_events_config", "setup_kv_events"]
+__all__ = ["CACHE_BLOCKS_EVENT", "CacheIndex", "kv_events_config", "setup_kv_events", "wants_discovery"]
 
 CACHE_BLOCKS_EVENT = EventType.CACHE_BLOCKS
 _EVENT_TYPES = (STORED, REMOVED, CLEARED)
@@ -75,7 +75,9 @@ class CacheIndex:
     def reset_answered(
         self, *, reset_id: str, session_id: str | None, case_id: str | None, verified: Verified
     ) -> dict[str, Any]:
-        """Record the index as a reset leaves it; the record written."""
+        """Record the index as a reset leaves it; the record written (none before subscribers run)."""
+        if not self.events.running:
+            return {}
         snaps = self.events.snapshots()
         empty = all(s.vouches for s in snaps) and _total(snaps) == 0
         self._last = _LastReset(reset_id, verified, empty)
@@ -85,7 +87,7 @@ class CacheIndex:
 
     def request_started(self, session_id: str | None, case_id: str | None) -> dict[str, Any] | None:
         """A request reaches the engine: the record of its case's start when it is the case's first."""
-        if case_id is None:
+        if case_id is None or not self.events.running:
             return None
         key = (session_id, case_id)
         if key in self._cases:
@@ -156,6 +158,8 @@ class KvEventsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         """Events per type, gaps, live blocks per medium, and whether every rank's publisher is there."""
+        if self._events.config is None:
+            return  # discovery found no publisher yet: no KV events families (as without the witness)
         snaps = self._events.snapshots()
         total = CounterMetricFamily(
             _PREFIX + "kv_events_total",
@@ -212,6 +216,11 @@ def kv_events_config(settings: Settings) -> KvEventsConfig | None:
     )
 
 
+def wants_discovery(settings: Settings) -> bool:
+    """Discovery is on (`auto`) and no static kv_events_endpoint overrides it."""
+    return settings.kv_events_discovery == "auto" and not settings.kv_events_endpoint
+
+
 def _publishers(settings: Settings) -> tuple[str, ...]:
     """The hosts admitted to publish: as configured, else the engine's (the upstream URL's host)."""
     if settings.kv_events_publishers is not None:
@@ -225,9 +234,9 @@ def setup_kv_events(app: web.Application, write: Write, registry: CollectorRegis
     and closed at shutdown, their metrics on `registry` (at 0 until events come), and the index
     over them, which the recorder alone writes to; None without."""
     config = kv_events_config(app[SETTINGS])
-    if config is None:
+    if config is None and not wants_discovery(app[SETTINGS]):
         return None
-    events = KvEvents(config)
+    events = KvEvents(config)  # None: opened once the engine names its publishers (discovery.py)
     index = CacheIndex(events, write)
     registry.register(KvEventsCollector(events))
 

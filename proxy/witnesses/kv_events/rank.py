@@ -26,7 +26,7 @@ from proxy.witnesses.kv_events.wire import (
     KvEventsConfig,
     decode_batch,
     epoch_of,
-    rank_endpoint,
+    rank_addresses,
     replay_item,
 )
 
@@ -40,7 +40,7 @@ _DRAIN_MAX = 256  # live batches read per wake-up before the notification goes o
 _DECODE_OFF_LOOP = 256 << 10
 _REPLAY_HWM = 10_000  # vLLM's replay buffer holds 10,000 batches by default
 # A publisher counts once its ZMTP handshake is done: the SUB sends its subscription right after.
-# One the address check refused (proxy/witnesses/events.py) never gets that far.
+# One the address check refused (proxy/witnesses/kv_events/subscribers.py) never gets that far.
 _PEER_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 ZAP_DOMAIN = b"cachewitness-kv-events"
 
@@ -57,8 +57,7 @@ class RankSubscriber:
         self.busy = False  # a replay is under way: the state is not final
         self._ctx = ctx
         self._changed = changed
-        self._endpoint = rank_endpoint(config.endpoint, rank)
-        self._replay_endpoint = None if config.replay is None else rank_endpoint(config.replay, rank)
+        self._endpoint, self._replay_endpoint = rank_addresses(config, rank)
         self._topic = config.topic.encode()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None

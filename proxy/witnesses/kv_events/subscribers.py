@@ -32,7 +32,7 @@ from proxy.witnesses.kv_events.state import (
     RankSnapshot,
     judge_rank,
 )
-from proxy.witnesses.kv_events.wire import KvEventsConfig, rank_endpoint
+from proxy.witnesses.kv_events.wire import KvEventsConfig, rank_addresses, rank_endpoint
 
 __all__ = [
     "ClearResult",
@@ -62,8 +62,8 @@ async def resolve(hosts: tuple[str, ...]) -> set[str]:
 class KvEvents:
     """The subscribers of every rank of one engine, and the questions the reset path asks them."""
 
-    def __init__(self, config: KvEventsConfig) -> None:
-        """Prepare one subscriber per rank (`start` opens them)."""
+    def __init__(self, config: KvEventsConfig | None) -> None:
+        """Prepare one subscriber per rank (`start` opens them); None: none until `restart_with`."""
         self.config = config
         self._ctx: zmq.asyncio.Context | None = None
         self._ranks: list[RankSubscriber] = []
@@ -73,6 +73,8 @@ class KvEvents:
     async def start(self) -> None:
         """Open every rank's sockets; raises OSError when an endpoint cannot be bound or a
         publisher's host cannot be resolved."""
+        if self.config is None:
+            return  # endpoints not known yet (discovery: proxy/witnesses/kv_events/discovery.py)
         self._ctx = zmq.asyncio.Context()
         self._ranks = [
             RankSubscriber(self._ctx, self.config, r, self._notify) for r in range(self.config.ranks)
@@ -85,9 +87,32 @@ class KvEvents:
             await self.close()
             raise
 
+    @property
+    def running(self) -> bool:
+        """Whether subscribers are open (not before the endpoints are known)."""
+        return self._ctx is not None
+
+    async def restart_with(self, config: KvEventsConfig) -> None:
+        """Close every socket and open them for `config` (the engine's endpoints changed)."""
+        await self.close()
+        self.config = config
+        await self.start()
+
+    def describe(self) -> dict[str, object]:
+        """Each rank's endpoints and where they come from (`/cache/state`)."""
+        config = self.config
+        if config is None:
+            return {"running": False, "ranks": []}
+        ranks = [
+            {"rank": r, "endpoint": rank_addresses(config, r)[0], "replay": rank_addresses(config, r)[1]}
+            for r in range(config.ranks)
+        ]
+        return {"running": self.running, "learnt_from": config.learnt_from, "ranks": ranks}
+
     async def _admission(self) -> bool:
         """Where the sidecar binds tcp: a ZAP handler that admits only the publishers' addresses."""
         config = self.config
+        assert config is not None
         if config.connect or not config.publishers or not config.endpoint.startswith("tcp://"):
             return False
         assert self._ctx is not None
@@ -179,7 +204,8 @@ class KvEvents:
             return all(r.cleared or r.restarted for r in self._judge(marker))
 
         # A clear whose batch was lost, with no batch after it, shows no gap: ask for it.
-        while not await self.wait_until(done, min(self.config.catch_up_s, max(0.0, deadline - loop.time()))):
+        every = self.config.catch_up_s if self.config is not None else timeout
+        while not await self.wait_until(done, min(every, max(0.0, deadline - loop.time()))):
             if loop.time() >= deadline:
                 return ClearResult(
                     self._judge(marker), timed_out=True, elapsed_s=time.monotonic() - marker.mono
@@ -188,7 +214,7 @@ class KvEvents:
         return ClearResult(self._judge(marker), timed_out=False, elapsed_s=time.monotonic() - marker.mono)
 
     def _judge(self, marker: Marker) -> tuple[RankClear, ...]:
-        slack = self.config.clock_slack_s
+        slack = self.config.clock_slack_s if self.config is not None else 0.0
         return tuple(
             judge_rank(sub.state, m, marker, slack) for sub, m in zip(self._ranks, marker.ranks, strict=True)
         )

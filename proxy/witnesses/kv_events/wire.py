@@ -71,6 +71,10 @@ class KvEventsConfig:
     # admitted, checked by address in the ZMTP handshake (ZAP). Empty: any (ipc:// relies on the
     # socket file's permissions; a connected endpoint is the engine's own).
     publishers: tuple[str, ...] = ()
+    # Each rank's (endpoint, replay) as the engine said them (proxy/engines/kv_sources.py): no
+    # port + rank rule then; `ranks` is their number. Empty: the rule, from `endpoint` and `replay`.
+    rank_endpoints: tuple[tuple[str, str | None], ...] = ()
+    learnt_from: str = "configured"  # where the endpoints come from (named on /cache/state)
     max_blocks: int = 262_144  # 64-bit hashes kept per rank; beyond it the rank reports overflow
     replay_timeout_s: float = 2.0  # one replay, from request to end marker
     clock_slack_s: float = 0.0  # how far the engine's clock may lag the sidecar's (other hosts)
@@ -91,6 +95,14 @@ class KvEventsConfig:
             raise ValueError("kv events bounds must be >= 1")
         if self.replay_timeout_s <= 0 or self.catch_up_s <= 0 or self.clock_slack_s < 0:
             raise ValueError("replay_timeout_s and catch_up_s must be > 0, clock_slack_s >= 0")
+
+
+def rank_addresses(config: KvEventsConfig, rank: int) -> tuple[str, str | None]:
+    """Rank `rank`'s (endpoint, replay): as the engine said them, else by the port + rank rule."""
+    if config.rank_endpoints:
+        return config.rank_endpoints[rank]
+    replay = None if config.replay is None else rank_endpoint(config.replay, rank)
+    return rank_endpoint(config.endpoint, rank), replay
 
 
 def rank_endpoint(endpoint: str, rank: int) -> str:

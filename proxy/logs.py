@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["LogThrottle", "log_event", "setup_logging"]
+__all__ = ["ClientTracebackThrottle", "LogThrottle", "log_event", "setup_logging"]
 
 _RESERVED = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
@@ -41,10 +41,35 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(payload, default=str).decode()
 
 
+# Libraries that log a traceback for what a client sent: aiohttp for each malformed request, asyncio
+# for an exception out of a protocol callback. One client can send thousands a second (issue 45:
+# 2,000 requests, 2 MB of log), so each kind of line is let through once per LogThrottle period.
+_CLIENT_TRACEBACKS = frozenset({"aiohttp.server", "asyncio"})
+
+
+class ClientTracebackThrottle(logging.Filter):
+    """Lets one traceback line a period through per logger and message; the line says how many it stands for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._throttle = LogThrottle()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Whether `record` goes out (a line with a traceback from a library above: when due)."""
+        if record.exc_info is None or record.name not in _CLIENT_TRACEBACKS:
+            return True
+        count = self._throttle.due(f"{record.name} {record.msg}")
+        if not count:
+            return False
+        record.repeated = count  # this line and those held back since the last one
+        return True
+
+
 def setup_logging(level: str = "info") -> None:
     """Send every `cachewitness.*` logger to stderr as JSON lines."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter())
+    handler.addFilter(ClientTracebackThrottle())
     root = logging.getLogger("cachewitness")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

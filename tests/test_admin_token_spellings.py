@@ -14,12 +14,15 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 import pytest
+from yarl import URL
 
 from tests.support.capture import Capture, Seen, capturing
 from tests.support.client import CLIENT_TIMEOUT
+from tests.support.process import start_sidecar, stop
 from tests.support.sidecar import serve_sidecar
 from tests.support.sim import chat, fast, sim
 
@@ -29,6 +32,11 @@ ENGINE_KEY = "engine-key-for-spelling-tests"
 
 def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
+
+
+def _escaped(text: str) -> str:
+    """Every character percent-encoded."""
+    return "".join(f"%{byte:02X}" for byte in text.encode())
 
 
 SPELLINGS: dict[str, tuple[str, str]] = {
@@ -45,6 +53,17 @@ SPELLINGS: dict[str, tuple[str, str]] = {
     "cookie": ("Cookie", f"theme=dark; session={TOKEN}"),
     "inside another value": ("X-Anything", f"prefix-{TOKEN}-suffix"),
     "in a header's name": (f"X-{TOKEN}", "1"),
+    # Issue 45: spellings a lenient decoder reads as the token.
+    "basic, whitespace inside the base64": ("Authorization", "Basic " + " ".join(_b64(f"admin:{TOKEN}"))),
+    "percent-encoded": ("Authorization", "Bearer " + _escaped(TOKEN)),
+    "percent-encoded cookie": ("Cookie", f"session={_escaped(TOKEN)}"),
+    "percent-encoded twice": ("X-Anything", _escaped(_escaped(TOKEN))),
+}
+# The token in a query parameter, as sent, escaped, or in the parameter's name.
+QUERIES = {
+    "plain": f"api_key={TOKEN}",
+    "escaped": f"x=1&token={_escaped(TOKEN)}&y=2",
+    "in the name": f"{TOKEN}=1",
 }
 
 
@@ -54,9 +73,12 @@ def _holds_token(seen: Seen) -> list[tuple[str, str]]:
     for name, value in seen.headers:
         scheme, _, rest = value.replace("\t", " ").partition(" ")
         decoded = (
-            base64.b64decode(rest + "==").decode("utf-8", "replace") if scheme.lower() == "basic" else ""
+            base64.b64decode("".join(rest.split()) + "==").decode("utf-8", "replace")
+            if scheme.lower() == "basic"
+            else ""
         )
-        if TOKEN in name or TOKEN in value or TOKEN in decoded:
+        unescaped = unquote(unquote(value))
+        if TOKEN in name or TOKEN in value or TOKEN in decoded or TOKEN in unescaped:
             found.append((name, value))
     return found
 
@@ -126,3 +148,54 @@ async def test_a_request_without_the_token_is_forwarded_unchanged(tmp_path: Path
             assert resp.status == 200
         seen = _this_call(capture, before, "/v1/models")
     assert {(k, v) for k, v in seen.headers} >= set(headers.items())
+
+
+@pytest.mark.parametrize("query", sorted(QUERIES))
+async def test_the_admin_token_in_the_query_never_reaches_the_engine(tmp_path: Path, query: str) -> None:
+    """The parameter that holds the token goes; the path and the other parameters go on."""
+    async with engine_view(tmp_path) as (url, capture, http):
+        before = len(capture.seen)
+        target = URL(
+            f"{url}/v1/chat/completions?{QUERIES[query]}", encoded=True
+        )  # as written, not re-encoded
+        async with http.post(target, json=chat("hello")) as resp:
+            assert resp.status == 200
+        seen = [x for x in capture.seen[before:] if x.raw_path.startswith("/v1/chat/completions")]
+    assert len(seen) == 1
+    assert TOKEN not in unquote(unquote(seen[0].raw_path)), seen[0].raw_path
+    others = [p for p in QUERIES[query].split("&") if TOKEN not in unquote(p)]
+    assert seen[0].raw_path == "/v1/chat/completions" + ("?" + "&".join(others) if others else "")
+
+
+async def test_through_serve_no_new_spelling_nor_dot_segment_reaches_the_engine(tmp_path: Path) -> None:
+    """`python -m proxy serve` with a token before a captured SGLang simulator (issue 45): the new
+    header spellings and the query spellings reach the engine without the token, and `/dumper/.`
+    (folded: `/dumper`, outside the `/dumper/` prefix) is refused."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    new = [spelling for spelling in SPELLINGS if "percent" in spelling or "whitespace" in spelling]
+    async with sim(fast("sglang")) as engine, capturing(engine.url) as capture:
+        process, url = await start_sidecar(
+            capture.url, tmp_path, "--engine", "sglang", "--admin-token-file", str(token_file)
+        )
+        try:
+            async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+                for spelling in new:
+                    name, value = SPELLINGS[spelling]
+                    async with http.post(
+                        f"{url}/v1/chat/completions", json=chat("hi"), headers={name: value}
+                    ) as r:
+                        assert r.status == 200, spelling
+                for query in QUERIES.values():
+                    target = URL(f"{url}/v1/chat/completions?{query}", encoded=True)
+                    async with http.post(target, json=chat("hi")) as r:
+                        assert r.status == 200, query
+                async with http.post(URL(f"{url}/dumper/.", encoded=True), json={}) as r:
+                    dumper_status = r.status
+        finally:
+            await stop(process)
+    seen = [x for x in capture.seen if x.raw_path.startswith("/v1/chat/completions")]
+    assert len(seen) == len(new) + len(QUERIES)
+    assert [x.raw_path for x in seen if _holds_token(x) or TOKEN in unquote(unquote(x.raw_path))] == []
+    assert dumper_status == 401
+    assert not [x for x in capture.seen if x.raw_path.startswith("/dumper")]

@@ -201,3 +201,19 @@ async def test_bind_must_be_a_boolean_and_is_refused_with_scope_cluster(tmp_path
                 assert (await response.json())["error"]["param"] == "bind"
         async with r.http.post(r.url + "/cache/reset?bind=yes&verify=none") as response:
             assert response.status == 200 and (await response.json())["bind"] is True
+
+
+async def test_a_token_that_differs_only_in_its_tail_or_length_is_foreign(tmp_path: Path) -> None:
+    """The whole token is compared: a forger who learnt its start (a log line cut short, a prefix
+    leaked by a side channel) still holds no token of this case."""
+    async with rig(tmp_path) as r:
+        token = (await r.reset(bind=True, session_id="run1", case_id="c1"))["case_token"]
+        last = "A" if token[-1] != "A" else "B"
+        forgeries = {"tail": token[:-1] + last, "short": token[:-1], "long": token + "A", "start": token[:8]}
+        for name, forged in forgeries.items():
+            await r.infer(name, name, token=forged)
+        await r.infer("own", "benchmark", token=token)
+        carried = {
+            o["request_id"]: o["case_token_carried"] for o in await r.records("infer.cache_observation")
+        }
+    assert carried == {"tail": False, "short": False, "long": False, "start": False, "own": True}

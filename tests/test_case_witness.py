@@ -15,6 +15,8 @@ import aiohttp
 import orjson
 import pytest
 
+from proxy.engines.counters import Totals
+from proxy.witnesses.counters import CaseVerdict, Sums, reconcile
 from tests.support.capture import capturing
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.sidecar import Stack, free_port, serve_sidecar, stack
@@ -285,3 +287,20 @@ async def test_traffic_straight_to_the_engine_during_the_reset_contradicts_its_c
         assert counters["result"] == "contradicted", counters
         assert counters["bypass"]["requests"] > 0 and counters["bypass"]["cached_tokens"] > 0
         assert body["verified"] == "verified"  # the canary's own prompts ran cold: the counters only say so
+
+
+def test_counters_that_lag_a_request_in_flight_are_inconclusive_not_consistent() -> None:
+    # The sidecar saw 2 requests reach the engine; the engine has counted 1 so far (the other is
+    # still running at the read): nothing can be said about a bypass yet.
+    _engine, bypass, restarted, verdict, reason = reconcile(
+        Totals(10, 1000, 0),
+        Totals(11, 1100, 0),
+        seen=Sums(2, 200, 0),
+        canary=Sums(),
+        in_flight_at_read=1,
+        restart_seen=None,
+        restart_before_traffic=False,
+    )
+    assert bypass == {"requests": -1, "prompt_tokens": -100, "cached_tokens": 0} and not restarted
+    assert verdict == CaseVerdict.INCONCLUSIVE, reason
+    assert "1 requests in flight" in reason

@@ -54,7 +54,10 @@ async def stack(
     async with (
         sim(fast(dialect, **options)) as engine,
         capturing(engine.url) as capture,
-        serve_sidecar(capture.url, tmp_path, host=host, **{"engine": dialect, **overrides}) as sidecar,
+        # Discovery off: the sidecar's own GET /kv_event_sources is no client's request reaching the engine.
+        serve_sidecar(
+            capture.url, tmp_path, host=host, **{"engine": dialect, "kv_events_discovery": "off", **overrides}
+        ) as sidecar,
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         yield Stack(sidecar.url, capture, http)
@@ -137,6 +140,7 @@ CONTROL = {
         ("POST", "/wake_up"),
         ("GET", "/server_info"),
         ("POST", "/update_weights"),
+        ("GET", "/kv_event_sources"),
     ],
     "sglang": [
         ("POST", "/flush_cache"),
@@ -155,7 +159,15 @@ CONTROL = {
     "mindnano": [("POST", "/v1/cache/clear"), ("POST", "/v1/cancel")],
 }
 MARKERS = {
-    "vllm": ["reset_prefix", "collective", "sleep", "wake", "server_info", "update_weights"],
+    "vllm": [
+        "reset_prefix",
+        "collective",
+        "sleep",
+        "wake",
+        "server_info",
+        "update_weights",
+        "kv_event_sources",
+    ],
     "sglang": ["flush", "update_weights", "release_memory", "abort"],
     "llamacpp": ["slots", "POST /props", "lora"],
     "mindnano": ["cache/clear", "cancel"],

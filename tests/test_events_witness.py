@@ -9,8 +9,7 @@ from typing import Any
 
 import orjson
 
-from proxy.witnesses.events_index import CACHE_INDEX
-from tests.support.kv_events import Ports, engine, until
+from tests.support.kv_events import Ports, engine, flooding, rogue_stack, sidecar_events, until
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
 
@@ -23,7 +22,7 @@ async def events_stack(tmp_path: Path, *, replay: bool = True, **sim_options: An
     if replay:
         overrides["kv_events_replay"] = ports.replay_endpoint
     async with stack(engine("vllm", ports, **sim_options), tmp_path, **overrides) as s:
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].connected)
+        await until(sidecar_events(s), lambda snaps: snaps[0].connected)
         yield s
 
 
@@ -76,8 +75,7 @@ async def test_traffic_between_the_reset_and_the_case_is_flagged(tmp_path: Path)
         _status, answer = await s.reset({"verify": "events"})
         assert answer["verified"] == "verified", answer["verification"]
         await _traffic(s, "other")
-        index = s.app[CACHE_INDEX]
-        await until(index.events, lambda snaps: sum(snaps[0].blocks.values()) > 0)
+        await until(sidecar_events(s), lambda snaps: sum(snaps[0].blocks.values()) > 0)
         await _traffic(s, "mine", {"X-Case-Id": "c2"})
     (start,) = [r for r in _records(tmp_path) if r["trigger"] == "case_start"]
     check = start["verification"]
@@ -107,3 +105,37 @@ async def test_the_kv_events_metrics_are_there_from_the_start(tmp_path: Path) ->
         "cachewitness_kv_events_up 1.0",
     ):
         assert line in text, line
+
+
+async def test_both_is_unverified_when_the_events_lost_a_batch_the_canary_verified(tmp_path: Path) -> None:
+    # Every 2nd batch is not sent and there is no replay address: the events cannot vouch, the
+    # canary can; `both` is `verified` only when every witness that ran says so.
+    async with events_stack(tmp_path, replay=False, kv_events_drop_every=2) as s:
+        for tag in ("a", "b"):
+            await _traffic(s, tag)
+        status, answer = await s.reset({"verify": "both"})
+    witnesses = answer["verification"]["witnesses"]
+    assert {name: w["result"] for name, w in witnesses.items()} == {
+        "events": "unverified",
+        "canary": "verified",
+    }, witnesses
+    assert status == 200 and answer["verified"] == "unverified"
+    assert answer["cache_state"]["verified"] == "unverified"
+
+
+async def test_a_case_start_after_lost_batches_is_unknown_not_clean(tmp_path: Path) -> None:
+    # The only publisher (from the engine's address) clears during a verified reset, then loses a
+    # batch for good (no replay address): the index holds no block, but it can no longer say so.
+    async with rogue_stack(tmp_path) as (s, pub):
+        assert await pub.subscribed()
+        async with flooding(pub) as next_seq:
+            _status, answer = await s.reset({"verify": "events"})
+        assert answer["verified"] == "verified", answer["verification"]
+        await pub.send(next_seq() + 1, [])  # the batch at next_seq() never comes
+        await until(sidecar_events(s), lambda snaps: snaps[0].unreplayed_gaps == 1)
+        snap = sidecar_events(s).snapshots()[0]
+        assert snap.blocks == {} and not snap.vouches
+        await _traffic(s, "mine", {"X-Case-Id": "c1"})
+    (start,) = [r for r in _records(tmp_path) if r["trigger"] == "case_start"]
+    assert start["verification"]["result"] == "unknown", start
+    assert start["blocks"] == 0 and start["vouches"] is False

@@ -29,6 +29,9 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from proxy.cli import main
+from proxy.evidence.keys import SigningKey
+from proxy.evidence.merkle import CompactTree, leaf_hash
+from proxy.evidence.note import signed_note
 from proxy.evidence.proof import proof_stream
 from proxy.evidence.writer import EvidenceWriter
 from proxy.sim import running_sim
@@ -218,6 +221,19 @@ def test_an_inserted_line_that_links_to_the_one_before_is_named(
     target.write_bytes(b"".join(lines))
     code, out = verify(capsys, str(copy))
     assert code == 1 and f"{target}:{number + 2}: " in out and "lines reordered, or one inserted" in out
+
+
+def test_a_line_with_seq_0_is_not_a_chained_line(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Seqs start at 1: a line claiming seq 0 (its prev left as it was) is named as no chained record."""
+    target = files_oldest_first(copy)[1]
+    number = _observation_line(target)
+    lines = target.read_bytes().splitlines(keepends=True)
+    record = orjson.loads(lines[number - 1])
+    lines[number - 1] = orjson.dumps({**record, "seq": 0}, option=orjson.OPT_APPEND_NEWLINE)
+    target.write_bytes(b"".join(lines))
+    code, out = verify(capsys, str(copy))
+    assert code == 1
+    assert f"{target}:{number}: not a chained evidence record" in out, out
 
 
 def test_a_removed_rotated_file_is_named(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -470,7 +486,8 @@ async def test_a_record_removed_and_the_chain_rewritten_is_caught_by_the_counts(
     code, out = verify(capsys, str(evidence))
     assert (
         code == 1
-        and "counts {'infer.cache_observation': 3" in out
+        # Three chats; the first decided the reset's verdict and is in the resets file.
+        and "counts {'infer.cache_observation': 2" in out
         and "records since the last one are" in out
     )
 
@@ -496,3 +513,96 @@ async def test_a_proof_stops_at_the_checkpoint_it_asked_for(tmp_path: Path) -> N
         now + 1,
         now + 2,
     ]
+
+
+def resigned(lines: list[bytes], life: list[bytes], key: SigningKey) -> list[bytes]:
+    """`relinked`, every checkpoint among them signed again by `key` (naming it), with the tree size,
+    root and note of the life's lines before it (`life`: the lines of the life before `lines`)."""
+    tree = CompactTree()
+    for line in life:
+        tree.append(leaf_hash(line))
+    out: list[bytes] = []
+    for line in lines:
+        record = orjson.loads(line)
+        if out:
+            record["seq"], record["prev"] = (
+                orjson.loads(out[-1])["seq"] + 1,
+                hashlib.sha256(out[-1]).hexdigest(),
+            )
+        elif life:
+            record["prev"] = hashlib.sha256(life[-1]).hexdigest()
+        if record["event_type"] == "infer.evidence_checkpoint":
+            del record["signature"]
+            record["public_key"], record["key_fingerprint"] = key.public.text, key.public.fingerprint
+            origin = record["note"].split("\n")[0]
+            record["tree_size"], record["root"] = tree.size, base64.b64encode(tree.root()).decode()
+            record["note"] = signed_note(origin, tree.size, tree.root(), key)
+            body = orjson.dumps(record)
+            out.append(body[:-1] + b',"signature":"%s"}\n' % key.sign(body).encode())
+        else:
+            out.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
+        tree.append(leaf_hash(out[-1]))
+    return out
+
+
+def test_a_key_change_within_one_writer_life_is_named_without_a_pinned_key(
+    copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each checkpoint from the third on re-signed by another key, every signature valid for the key
+    its checkpoint names, the chain relinked: one writer's life cannot change keys."""
+    lines = all_lines(copy)
+    checkpoints = [i for i, line in enumerate(lines) if b'"event_type":"infer.evidence_checkpoint"' in line]
+    cut = checkpoints[2]
+    forged = lines[:cut] + resigned(lines[cut:], lines[:cut], SigningKey.generate())
+    one = tmp_path / "forged" / "ev.jsonl"
+    one.parent.mkdir()
+    one.write_bytes(b"".join(forged))
+    writer = orjson.loads(lines[0])["writer_id"]
+    code, out = verify(capsys, str(one))
+    assert code == 1, out
+    assert f"{one}:{cut + 1}: checkpoint seq {orjson.loads(forged[cut])['seq']}: the key changed within " \
+        f"writer {writer}'s life" in out  # fmt: skip
+
+
+async def test_a_proof_starts_at_its_anchor_checkpoint(tmp_path: Path) -> None:
+    """Session B's proof starts with the checkpoint before B's records (signed, it anchors their
+    chain), and holds none of session A's records before it."""
+    writer = EvidenceWriter(tmp_path / "ev.jsonl", checkpoint_interval_s=3600.0)
+    await writer.start()
+    now = time.time_ns()
+    marks = []
+    for session in ("A", "B"):
+        for n in range(3):
+            record = {"schema_version": 1, "event_type": "infer.cache_observation", "at_ns": now + n}
+            writer.write({**record, "session_id": session})
+        now += 10**12  # B's records come long after A's checkpoint
+        marks.append(await writer.checkpoint_now())
+    anchor, mark = marks
+    assert anchor is not None and mark is not None
+    proof = [data async for data in proof_stream([("ev.jsonl", [writer.path], mark)], {"session_id": "B"})]
+    await writer.close()
+    chained = [orjson.loads(line) for line in b"".join(proof).splitlines() if b'"seq":' in line]
+    assert (chained[0]["event_type"], chained[0]["seq"]) == ("infer.evidence_checkpoint", anchor.seq)
+    assert [r.get("session_id") for r in chained[1:-1]] == ["B"] * 3
+    assert chained[-1]["seq"] == mark.seq
+
+
+async def test_a_restart_after_rotation_continues_from_the_newest_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first life rotates its file several times; the second links to the last line written,
+    which is in the current file, not in the oldest one kept."""
+    rotation = ("--evidence-max-bytes", "4000", "--evidence-keep", "9")
+    await run_sidecar(tmp_path, *rotation, requests=12)
+    first = all_lines(tmp_path / "ev.jsonl")
+    assert len(files_oldest_first(tmp_path / "ev.jsonl")) >= 3
+    await run_sidecar(tmp_path, *rotation, requests=2)
+    lines = all_lines(tmp_path / "ev.jsonl")
+    opened = [orjson.loads(line) for line in lines if b'"event_type":"infer.evidence_opened"' in line][-1]
+    assert (
+        opened["resumed_from_seq"] == orjson.loads(first[-1])["seq"]
+        and opened["seq"] == opened["resumed_from_seq"] + 1
+    )
+    assert opened["prev"] == hashlib.sha256(first[-1]).hexdigest()
+    code, out = verify(capsys, str(tmp_path / "ev.jsonl"))
+    assert code == 0 and "2 writer lives" in out, out

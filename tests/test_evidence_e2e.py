@@ -240,6 +240,8 @@ async def test_evidence_filters_select_records(sidecar: SidecarFactory, http: ai
         await post_chat(http, proxy, chat(PROMPT), **{"X-Session-Id": "s1", "X-Case-Id": "b"})
         everything = await evidence(http, proxy)
         case_b = await evidence(http, proxy, case_id="b")
+        # Both filters hold together: the session does not widen the case.
+        session_and_case = await evidence(http, proxy, session_id="s1", case_id="a")
         states = await evidence(http, proxy, event_type="infer.cache_state")
         later = await evidence(http, proxy, since_ns=str(states[1]["at_ns"]))
         async with http.get(proxy + "/cache/evidence", params={"since_ns": "yesterday"}) as response:
@@ -247,7 +249,10 @@ async def test_evidence_filters_select_records(sidecar: SidecarFactory, http: ai
             assert (await response.json())["error"]["param"] == "since_ns"
     assert {r["case_id"] for r in case_b} == {"b"} and len(case_b) >= 2
     assert [r["case_id"] for r in states] == ["a", "b"]
+    assert {r["case_id"] for r in session_and_case} == {"a"} and len(session_and_case) >= 2
     assert all(r["at_ns"] >= states[1]["at_ns"] for r in later) and len(later) < len(everything)
+    # since_ns is inclusive: the record written at that very time is among them.
+    assert states[1] in later
 
 
 async def test_full_disk_is_counted_and_forwarding_goes_on(

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from proxy.config import ConfigError
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from proxy.forward.ids import ID_CHARS
 from tests.support.evidence_files import CHAIN_EVENTS, resets_file, unchained
 from tests.support.metrics import scrape
@@ -86,8 +86,9 @@ async def test_a_flood_of_long_ids_rotates_the_observations_but_never_the_reset_
             state = await response.json()
 
     kinds = [r["event_type"] for r in served]
-    # The flood rotated the observation history away, the first request's record with it...
-    assert first not in served
+    # The flood rotated the observation history away, but for the request that decided the
+    # verdict: the resets file keeps it (issue 45, L2)...
+    assert first in served
     assert kinds.count("infer.cache_observation") < FLOOD
     assert evidence_file.with_name("cachewitness.jsonl.1").exists()
     # ...and the reset's own records are still served, as the reset answered them.
@@ -98,7 +99,10 @@ async def test_a_flood_of_long_ids_rotates_the_observations_but_never_the_reset_
     assert (verification["reset_id"], verification["request_id"]) == (answer["reset_id"], first["request_id"])
     assert state["sidecar"]["evidence_resets_path"] == str(resets_file(evidence_file))
     resets = on_disk(resets_file(evidence_file), keep=5)
-    assert [r["event_type"] for r in resets if r["event_type"] not in CHAIN_EVENTS] == list(RESET_EVENTS)
+    kept = [r["event_type"] for r in resets if r["event_type"] not in CHAIN_EVENTS]
+    assert kept[:3] == [RESET_EVENTS[0], "infer.cache_observation", RESET_EVENTS[1]]
+    # ...and says each observation file the flood's rotations dropped.
+    assert kept[3:] and set(kept[3:]) == {"infer.evidence_rotated"}
     # One stream, as before the split: both files' records, each once, in time order.
     stored = on_disk(evidence_file, keep=1) + resets
     # Less the final checkpoint of each file, which shutdown wrote after the read.
@@ -108,7 +112,9 @@ async def test_a_flood_of_long_ids_rotates_the_observations_but_never_the_reset_
     assert sorted(map(orjson.dumps, served)) == sorted(map(orjson.dumps, stored))
     assert [r["at_ns"] for r in served] == sorted(r["at_ns"] for r in served)
     # Every stored request id is the client's, cut at 128 characters.
-    stored_ids = [r["request_id"] for r in served if r["event_type"] == "infer.cache_observation"]
+    stored_ids = [
+        r["request_id"] for r in served if r["event_type"] == "infer.cache_observation" and r != first
+    ]
     assert stored_ids and set(stored_ids) <= {request_id[:ID_CHARS] for request_id in sent}
 
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config_load import load_settings
-from proxy.options import OPTIONS
+from proxy.config.load import load_settings
+from proxy.config.options import OPTIONS
 from tests.support.helm import (
     CHART,
     EXAMPLES,
@@ -120,10 +120,13 @@ PINNED_TAGS = {
     "vllm": re.compile(r"v\d+\.\d+\.\d+"),
     "sglang": re.compile(r"v\d+\.\d+\.\d+"),
     "llamacpp": re.compile(r"server-cuda-b\d+"),
+    "trtllm": re.compile(r"\d+\.\d+\.\d+(rc\d+)?"),
 }
 
 
-@pytest.mark.parametrize("source", ["preset", "values-sglang.yaml", "values-llamacpp.yaml"])
+@pytest.mark.parametrize(
+    "source", ["preset", "values-sglang.yaml", "values-llamacpp.yaml", "values-trtllm.yaml"]
+)
 def test_engine_images_are_pinned_releases(source: str) -> None:
     """Every preset and example names a release of its engine, never a floating tag (server-cuda,
     latest); SGLang is the release its routes were checked against."""
@@ -351,6 +354,25 @@ def test_sglang_preset_enables_cache_report_and_metrics() -> None:
     assert env_values(sidecar(render("--set", "engine.preset=sglang")))["CACHEWITNESS_ENGINE"] == "sglang"
 
 
+def test_trtllm_preset_turns_on_perf_metrics_and_block_reuse() -> None:
+    """TensorRT-LLM: trtllm-serve with an options file written at start (return_perf_metrics for
+    /prometheus/metrics, block reuse for prefix caching); extraArgs reach trtllm-serve; no vLLM dev mode."""
+    manifests = render("--set", "engine.preset=trtllm", "--set-string", "engine.extraArgs={--tp_size,2}")
+    container = engine(manifests)
+    argv = container["command"]
+    assert argv[:2] == ["/bin/sh", "-c"] and argv[3] == "trtllm-serve"
+    assert argv[-2:] == ["--tp_size", "2"]
+    options = flag_value(argv, "--extra_llm_api_options")
+    assert f"> {options} && exec trtllm-serve" in argv[2]
+    for line in ("'return_perf_metrics: true'", "'kv_cache_config:'", "'  enable_block_reuse: true'"):
+        assert line in argv[2]
+    mount = next(m for m in container["volumeMounts"] if options.startswith(m["mountPath"] + "/"))
+    assert mount["name"] == "engine-cache"  # writable: the engine's root filesystem may not be
+    assert "VLLM_SERVER_DEV_MODE" not in env_of(container)
+    assert "--kv-events-config" not in argv
+    assert env_values(sidecar(manifests))["CACHEWITNESS_ENGINE"] == "trtllm"
+
+
 def test_llamacpp_preset_saves_slots_on_an_emptydir_and_disables_ram_cache() -> None:
     """llama.cpp: --slot-save-path on an emptyDir mount, --cache-ram 0, --metrics, --slots."""
     manifests = render("--set", "engine.preset=llamacpp")
@@ -464,8 +486,6 @@ def test_dashboard_configmap_is_labelled_for_grafana_and_holds_the_chart_dashboa
 def test_chart_dashboard_is_a_copy_of_the_config_dashboard() -> None:
     """helm/cachewitness/dashboards/cachewitness.json equals config/grafana-dashboard.json."""
     source = ROOT / "config" / "grafana-dashboard.json"
-    if not source.exists():
-        pytest.skip("config/grafana-dashboard.json is not written yet: the chart ships a minimal dashboard")
     copy_in_chart = json.loads((CHART / "dashboards" / "cachewitness.json").read_text(encoding="utf-8"))
     assert copy_in_chart == json.loads(source.read_text(encoding="utf-8")), (
         "copy config/grafana-dashboard.json to helm/cachewitness/dashboards/cachewitness.json"
@@ -588,10 +608,14 @@ def test_dockerfile_runs_serve_as_a_non_root_user_with_a_healthcheck() -> None:
 # --- the engine's KV cache events --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["vllm", "sglang"])
-def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> None:
-    """vLLM and SGLang publish to the port the sidecar binds, replay on their own, both pod-local."""
-    manifests = render("--set", f"engine.preset={preset}")
+@pytest.mark.parametrize(
+    ("preset", "overrides"), [("vllm", ("engine.kvEvents.discovery=false",)), ("sglang", ())]
+)
+def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(
+    preset: str, overrides: tuple[str, ...]
+) -> None:
+    """SGLang (and vLLM without discovery) publish to the port the sidecar binds, replay on their own, both pod-local."""
+    manifests = render("--set", f"engine.preset={preset}", *(arg for o in overrides for arg in ("--set", o)))
     kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
     assert kv["publisher"] == "zmq"
     # A concrete host: the engine connects, the sidecar binds (docs/engines.md).
@@ -604,6 +628,22 @@ def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> No
     env = env_values(sidecar(manifests))
     assert env["CACHEWITNESS_KV_EVENTS_ENDPOINT"] == kv["endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_REPLAY"] == kv["replay_endpoint"]
+    assert env["CACHEWITNESS_KV_EVENTS_PUBLISHERS"] == "127.0.0.1"  # the engine's address only
+
+
+def test_vllm_names_its_kv_event_sockets_and_the_sidecar_finds_them() -> None:
+    """vLLM binds ipc sockets in a pod-local emptyDir both containers mount; the sidecar is told nothing."""
+    manifests = render("--set", "engine.preset=vllm")
+    kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
+    assert (kv["endpoint"], kv["replay_endpoint"]) == (
+        "ipc:///var/run/kv-events/pub",
+        "ipc:///var/run/kv-events/replay",
+    )
+    assert not any(name.startswith("CACHEWITNESS_KV_EVENTS") for name in env_values(sidecar(manifests)))
+    for container in (engine(manifests), sidecar(manifests)):
+        assert {"name": "kv-events", "mountPath": "/var/run/kv-events"} in container["volumeMounts"]
+    [volume] = [v for v in pod_spec(manifests)["volumes"] if v["name"] == "kv-events"]
+    assert volume["emptyDir"]["medium"] == "Memory"
 
 
 @pytest.mark.parametrize(

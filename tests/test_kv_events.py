@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from proxy.sim import SimConfig, add_sim_arguments, sim_config_from_args
-from proxy.witnesses.events import KvEvents
+from proxy.witnesses.kv_events.subscribers import KvEvents
 from tests.support.kv_events import Ports, caught_up, core, engine, request, stack, until
 from tests.support.sim import fast, sim
 
@@ -104,6 +104,16 @@ async def test_a_gap_without_a_replay_socket_cannot_vouch() -> None:
         assert not snaps[0].vouches and not snaps[0].synced
 
 
+async def test_a_catch_up_that_missed_nothing_counts_no_gap() -> None:
+    async with stack("vllm") as (s, kv):
+        await request(s, 40)
+        await caught_up(s, kv)
+        for _ in range(3):
+            await kv.catch_up(10)
+        (snap,) = kv.snapshots()
+        assert (snap.gaps, snap.replayed_gaps, snap.unreplayed_gaps) == (0, 0, 0) and snap.vouches
+
+
 async def test_a_lost_last_batch_is_fetched_while_waiting_for_the_clear() -> None:
     # Batches 2, 4, ... are not sent: the clear's batch (the 2nd) is the last one, so no gap shows.
     async with stack("vllm", kv_events_drop_every=2) as (s, kv):
@@ -125,6 +135,18 @@ async def test_a_clear_before_the_marker_does_not_count() -> None:
         assert (await kv.cleared_since(before, 10)).vouches
         marker = kv.mark()  # after that clear arrived: a reset now has not happened yet
         result = await kv.cleared_since(marker, QUIET_S)
+        assert result.timed_out and not result.ranks[0].cleared and not result.vouches
+
+
+async def test_a_clear_the_clock_cannot_place_is_placed_by_its_seq() -> None:
+    # An hour of clock slack (an engine host whose clock may lag) lets the clear's time pass
+    # for "after the marker": only its seq, at or below the marker's, says it came before.
+    async with stack("vllm", core_options={"clock_slack_s": 3600.0}) as (s, kv):
+        assert await s.post_json("/reset_prefix_cache", {}) == (200, {"success": True})
+        await request(s, 3)
+        snap, _ = await caught_up(s, kv)
+        assert snap.clears == 1
+        result = await kv.cleared_since(kv.mark(), QUIET_S)
         assert result.timed_out and not result.ranks[0].cleared and not result.vouches
 
 

@@ -88,6 +88,7 @@ def test_reset_block_success_means_what_the_reference_means(
         (Requested.COLD, 0, ResetAnswer.ACCEPTED_UNVERIFIED, "cold_start"),
         (Requested.COLD, 0, ResetAnswer.REFUSED, "unspecified"),
         (Requested.COLD, 0, ResetAnswer.UNSUPPORTED, "unspecified"),
+        (Requested.COLD, 1, ResetAnswer.ACKNOWLEDGED, "steady_state"),
         (Requested.COLD, 2, ResetAnswer.ACKNOWLEDGED, "steady_state"),
         (Requested.UNSPECIFIED, 0, ResetAnswer.ACKNOWLEDGED, "unspecified"),
     ],

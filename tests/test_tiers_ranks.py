@@ -83,6 +83,13 @@ async def test_vllm_before_reset_external_did_not_ask_its_lower_tiers(tmp_path: 
         }
 
 
+async def test_the_first_vllm_with_reset_external_asks_every_tier(tmp_path: Path) -> None:
+    async with stack(fast("vllm", version="0.13.0"), tmp_path) as s:
+        _status, body = await s.reset()
+        assert body["verified"] == "verified", body
+        assert body["verification"]["tiers"] == ALL_CLEARED
+
+
 async def test_no_canary_knows_no_tier(tmp_path: Path) -> None:
     async with stack(fast("vllm"), tmp_path) as s:
         _status, body = await s.reset({"verify": "none"})
@@ -144,6 +151,20 @@ async def test_every_vllm_rank_is_proven(tmp_path: Path) -> None:
         assert len(_canary_ranks(body)) == 10
         stats = await s.engine.stats()
         assert stats["rank_cache_blocks"] == [0, 0]
+
+
+async def test_every_ranks_canary_is_taken_out_of_the_counters(tmp_path: Path) -> None:
+    # The case after a reset holds both ranks' canaries in the engine's counters; only the
+    # sidecar's own traffic is left once they are taken out, so nothing is a bypass.
+    async with stack(fast("vllm", dp_size=2), tmp_path) as s:
+        status, body = await s.reset({"case_id": "c1"})
+        assert status == 200 and len(_canary_ranks(body)) == 10, body
+        assert await s.chat(2) == 200
+        status, _ = await s.reset()  # ends the case: its counters are reconciled
+        assert status == 200
+        (case,) = [r for r in await _records(s, "infer.cache_reconciliation") if r["case_id"] == "c1"]
+    assert case["bypass"] == {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}, case
+    assert case["canary"]["requests"] == 10 and case["verdict"] == "consistent", case
 
 
 async def test_one_refusing_vllm_rank_contradicts_the_reset(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import gzip
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from tests.support.client import CLIENT_TIMEOUT
-from tests.support.sidecar import SidecarFactory, serve_app
+from tests.support.sidecar import SidecarFactory, injection_probes_done, serve_app, serve_sidecar
 
 USAGE = {"prompt_tokens": 9, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 4}}
 
@@ -129,16 +130,20 @@ async def test_an_error_that_does_not_name_stream_options_is_relayed_not_retried
 
 
 async def test_a_refusal_naming_stream_options_is_retried_once_and_remembered(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
+    engine: str, engine_app: web.Application, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     state = engine_app[ENGINE]
     state.refuse = (422, b'{"detail":"extra fields not permitted: stream_options"}')
-    proxy = await sidecar(engine)
-    assert await post(client, proxy, STREAM) == (200, stream_bytes(False))
-    assert await post(client, proxy, STREAM) == (200, stream_bytes(False))
-    # One injected try, then the client's own body twice: the engine is not asked again.
-    assert [b"stream_options" in seen["body"] for seen in state.seen] == [True, False, False]
-    assert [r["usage_injected"] for r in await records(client, proxy)] == [False, False]
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        proxy = sidecar.url
+        assert await post(client, proxy, STREAM) == (200, stream_bytes(False))
+        await injection_probes_done(sidecar.app, 1)
+        assert await post(client, proxy, STREAM) == (200, stream_bytes(False))
+        # One injected try and the client's own body; the sidecar's probe both ways (the
+        # client's model: this engine lists none); then the client's own body: not asked again.
+        sent = [(b"stream_options" in seen["body"], b'"max_tokens":1' in seen["body"]) for seen in state.seen]
+        assert sent == [(True, False), (False, False), (True, True), (False, True), (False, False)]
+        assert [r["usage_injected"] for r in await records(client, proxy)] == [False, False]
 
 
 async def test_an_injected_request_asks_for_identity_encoding(
@@ -153,15 +158,21 @@ async def test_an_injected_request_asks_for_identity_encoding(
 
 
 async def test_an_engine_compressing_an_injected_stream_answers_the_clients_own_request(
-    sidecar: SidecarFactory, engine: str, engine_app: web.Application, client: aiohttp.ClientSession
+    engine: str, engine_app: web.Application, client: aiohttp.ClientSession, tmp_path: Path
 ) -> None:
     state = engine_app[ENGINE]
     state.gzip_always = True
-    proxy = await sidecar(engine)
-    status, body = await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip"})
-    assert status == 200 and gzip.decompress(body) == stream_bytes(False)
-    [record] = await records(client, proxy)
-    assert record["usage_injected"] is False and record["cached_tokens"] is None
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        proxy = sidecar.url
+        status, body = await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip"})
+        assert status == 200 and gzip.decompress(body) == stream_bytes(False)
+        # The probe's injected stream comes back compressed too: remembered, the next one sent as written.
+        await injection_probes_done(sidecar.app, 1)
+        assert await post(client, proxy, STREAM, **{"Accept-Encoding": "gzip"}) == (200, body)
+        injected = [b"stream_options" in seen["body"] for seen in state.seen]
+        assert injected == [True, False, True, False]
+        first, _ = await records(client, proxy)
+    assert first["usage_injected"] is False and first["cached_tokens"] is None
 
 
 async def test_a_stripped_stream_carries_no_stale_content_length(

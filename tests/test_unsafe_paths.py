@@ -115,6 +115,23 @@ async def test_llamacpp_control_routes_in_u_spellings_are_refused(
         assert not [seen for seen in s.capture.seen if "%u" in seen.raw_path.lower()]
 
 
+# -- Issue 45: prefix rules match before dot segments fold ----------------------------------------
+
+DOT_TARGETS = ["/dumper/.", "/dumper/..", "/DUMPER/./x", "/dumper/%2E", "/hicache/.", "/dumper/x/.."]
+
+
+async def test_a_prefix_rule_holds_for_a_path_whose_dot_segments_fold_out_of_it(tmp_path: Path) -> None:
+    """`POST /dumper/.` folds to `/dumper`, outside the `/dumper/` prefix; an engine that does not
+    fold dot segments routes it under the prefix: 401 without the token, never forwarded."""
+    async with stack("sglang", tmp_path, admin_token=TOKEN) as s:
+        for target in DOT_TARGETS:
+            status, body = await s.call("POST", target, json={})
+            assert status == 401, (target, status, body)
+            assert not s.reached(target, "POST"), target
+        status, _ = await s.call("POST", "/v1/./chat/completions", json={"model": "m", "messages": []})
+        assert status != 401  # dot segments elsewhere are still plain traffic
+
+
 # -- M2: two decoding passes, then 400 -------------------------------------------------------------
 
 

@@ -122,6 +122,19 @@ def test_failed_first_request_is_skipped() -> None:
     assert verification is not None and verification["request_id"] == "r2"
 
 
+def test_a_refused_first_request_is_skipped_like_a_failed_one() -> None:
+    """A 4xx (a malformed request, an unknown model) ran no prompt: it cannot speak for the cache."""
+    for status in (400, 404, 413, 429):
+        witness = accepted(Witness())
+        first, second = witness.begin_request(), witness.begin_request()
+        assert finished(witness, first, status=status, cached_tokens=None) is None, status
+        verification = finished(witness, second, cached_tokens=0)
+        assert verification is not None and (verification["verdict"], verification["request_id"]) == (
+            "consistent",
+            "r2",
+        )
+
+
 def test_abandoned_request_stops_blocking_the_verdict() -> None:
     witness = accepted(Witness())
     first, second = witness.begin_request(), witness.begin_request()

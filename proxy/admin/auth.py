@@ -16,9 +16,11 @@ import functools
 import hmac
 import ipaddress
 from collections.abc import Iterable
+from urllib.parse import unquote_plus
 
 from aiohttp import web
 
+from proxy.admin.policy import DECODE_PASSES
 from proxy.config import Settings
 from proxy.errors import error_response
 from proxy.refusals import RefusalReason
@@ -31,6 +33,8 @@ __all__ = [
     "holds_token",
     "is_trusted",
     "peer_host",
+    "query_without_token",
+    "unescaped",
     "without_token",
 ]
 
@@ -92,24 +96,42 @@ def _same(given: str, expected: str) -> bool:
     return hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected.encode("utf-8"))
 
 
-def carries_token(value: str, token: str) -> bool:
-    """Whether a header value holds `token` anywhere, or as a `Basic` credential's user or password.
+def unescaped(text: str) -> str:
+    """`text` percent-decoded twice, `+` as a space (what a cookie or query parser may make of it)."""
+    for _ in range(DECODE_PASSES):
+        text = unquote_plus(text, errors="replace")
+    return text
 
-    Any spelling counts (`Bearer` and a tab, `Bearer <t>, x`, `Basic <t>`, a cookie): an
-    engine or its logs may parse what the sidecar's own bearer check does not.
+
+def carries_token(value: str, token: str) -> bool:
+    """Whether a header value holds `token` anywhere, percent-encoded, or as a `Basic` credential's user or password.
+
+    Any spelling counts (`Bearer` and a tab, `Bearer <t>, x`, `Basic <t>`, a cookie, `%61...`):
+    an engine or its logs may parse what the sidecar's own bearer check does not.
     """
-    if token in value:
+    if token in value or ("%" in value and token in unescaped(value)):
         return True
     if value[:5].lower() != "basic":
         return False
     parts = value.split(None, 1)
     if len(parts) != 2 or parts[0].lower() != "basic":
         return False
-    try:
-        decoded = base64.b64decode(parts[1].strip(), validate=True).decode("utf-8", "replace")
-    except (binascii.Error, ValueError):
-        return False
-    return token in decoded
+    return token in _basic_credential(parts[1])
+
+
+def _basic_credential(encoded: str) -> str:
+    """A Basic credential decoded as the most lenient decoder would: whitespace and characters
+    outside the alphabet skipped, padding optional, either alphabet (Python's b64decode without
+    `validate` reads `YWRt aW4=` as `admin`)."""
+    packed = "".join(encoded.split())
+    packed += "=" * (-len(packed) % 4)
+    decoded = []
+    for altchars in (None, b"-_"):
+        try:
+            decoded.append(base64.b64decode(packed, altchars=altchars).decode("utf-8", "replace"))
+        except (binascii.Error, ValueError):
+            continue
+    return "\n".join(decoded)
 
 
 def admin_denial(
@@ -161,8 +183,17 @@ def holds_token(name: str, value: str, token: str) -> bool:
     """Whether one header holds the admin token, in its value or (oddly) its name."""
     if token in value or token in name:
         return True
+    if ("%" in value or "%" in name) and (token in unescaped(value) or token in unescaped(name)):
+        return True
     # Runs on every forwarded request's every header: the Basic decoding only where it can apply.
     return value[:1] in ("b", "B") and carries_token(value, token)
+
+
+def query_without_token(query: str, token: str) -> str | None:
+    """`query` (raw) without the parameters holding `token`, as sent or escaped; None when none does."""
+    params = query.split("&")
+    kept = [param for param in params if token not in param and token not in unescaped(param)]
+    return None if len(kept) == len(params) else "&".join(kept)
 
 
 def without_token(headers: Iterable[tuple[str, str]], token: str | None) -> list[tuple[str, str]]:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from multidict import CIMultiDict
+from yarl import URL
 
 from proxy.admin.auth import (
     ADMIN_PREFIX,
@@ -19,14 +20,14 @@ from proxy.admin.auth import (
     engine_authorization,
     holds_token,
     peer_host,
+    query_without_token,
     without_token,
 )
 from proxy.admin.native import handle_native_reset, handle_slot_erase
 from proxy.admin.policy import RouteClass, RouteDecision, RoutePolicy
 from proxy.config import SETTINGS, EngineRoutes, NativeResetAuth, Settings
 from proxy.engine_state import ENGINE
-from proxy.forward.handler import forward
-from proxy.forward.inbound import PATH_REFUSAL
+from proxy.forward.refusal import PATH_REFUSAL
 from proxy.refusals import REFUSALS, RefusalReason, Refusals
 from proxy.upstream.pools import UPSTREAM_POOL
 
@@ -36,22 +37,33 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Applies the route policy to one route as it is registered: (handler, registered path) → handler.
 Police = Callable[[Handler, str], Handler]
 ROUTE_POLICY: web.AppKey[Police] = web.AppKey("route_policy")
-# The classifier behind it, for the front (proxy/front/), which takes only what it forwards.
+# The classifier behind it, for the front (proxy/inbound/), which takes only what it forwards.
 ROUTE_CLASSES: web.AppKey[RoutePolicy] = web.AppKey("route_classes", RoutePolicy)
 
 
 def _toward_engine(request: web.Request, settings: Settings, *, control: bool) -> web.Request:
-    """The request as the engine may see it: a clone only when a header must go or change."""
+    """The request as the engine may see it: a clone only when a header or a query parameter must go or change."""
     admin, engine_key = settings.admin_token, settings.engine_key if control else None
-    if engine_key is None and (
-        admin is None or not any(holds_token(name, value, admin) for name, value in request.headers.items())
+    path, _, query = request.raw_path.partition("?")
+    kept_query = query_without_token(query, admin) if admin is not None and query else None
+    if (
+        engine_key is None
+        and kept_query is None
+        and (
+            admin is None
+            or not any(holds_token(name, value, admin) for name, value in request.headers.items())
+        )
     ):
         return request
     headers = CIMultiDict(without_token(request.headers.items(), admin))
     if engine_key is not None:
         headers.popall("Authorization", None)
         headers.add("Authorization", f"Bearer {engine_key}")
-    return request.clone(headers=headers)
+    if kept_query is None:
+        return request.clone(headers=headers)
+    # The token as a query parameter (`?api_key=...`, escaped or not): that parameter goes.
+    target = f"{path}?{kept_query}" if kept_query else path
+    return request.clone(headers=headers, rel_url=URL(target, encoded=True))
 
 
 async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
@@ -68,13 +80,13 @@ async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
     return decision
 
 
-def route_policy(settings: Settings, policy: RoutePolicy | None = None) -> Police:
+def route_policy(settings: Settings, forward: Handler, policy: RoutePolicy | None = None) -> Police:
     """The route policy, applied to each route as it is registered (`police(handler, path)`).
 
     Decided once per route, not per request: a route of the sidecar's own under /cache/ needs
-    admin auth, its other routes pass as they are, and `forward` (every other path) gets the
-    policy's classification. No app middleware: with none, aiohttp skips its middleware chain
-    for every request (issue 34).
+    admin auth, its other routes pass as they are, and `forward` (every other path: aiohttp's
+    forwarding handler, handed down by `build_app`) gets the policy's classification. No app
+    middleware: with none, aiohttp skips its middleware chain for every request (issue 34).
     """
     policy = policy if policy is not None else RoutePolicy(settings)
     guarded = settings.engine_routes == EngineRoutes.ADMIN
@@ -136,8 +148,9 @@ def _refused(
     return answer
 
 
-def setup_admin(app: web.Application) -> None:
-    """The refusal counters, and the route policy that `setup_routes` applies to every route."""
+def setup_admin(app: web.Application, forward: Handler) -> None:
+    """The refusal counters, and the route policy that `setup_routes` applies to every route
+    (`forward`: the handler of every path the sidecar does not answer itself)."""
     app[REFUSALS] = Refusals()
     policy = app[ROUTE_CLASSES] = RoutePolicy(app[SETTINGS])
-    app[ROUTE_POLICY] = route_policy(app[SETTINGS], policy)
+    app[ROUTE_POLICY] = route_policy(app[SETTINGS], forward, policy)

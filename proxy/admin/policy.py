@@ -16,7 +16,7 @@ from enum import StrEnum
 from urllib.parse import unquote
 
 from proxy.config import Settings
-from proxy.engines import llamacpp, mindnano, sglang, vllm
+from proxy.engines import dynamo, llamacpp, mindnano, sglang, trtllm, vllm
 from proxy.engines.base import Dialect
 from proxy.engines.routes import NativeReset, RouteRule, control, control_prefix
 from proxy.vocabulary import EngineKind
@@ -29,6 +29,7 @@ __all__ = [
     "RoutePolicy",
     "decoded_path",
     "normalise_path",
+    "unfolded_path",
 ]
 
 # For an engine whose kind is not known (not detected yet, generic, none): every known
@@ -38,11 +39,22 @@ ALL_CONTROL_ROUTES: tuple[RouteRule, ...] = (
     *sglang.CONTROL_ROUTES,
     *llamacpp.CONTROL_ROUTES,
     *mindnano.CONTROL_ROUTES,
+    *trtllm.CONTROL_ROUTES,
+    *dynamo.CONTROL_ROUTES,
 )
 # Distinct plain-traffic paths remembered; past it, decisions are made afresh (a client
 # spraying random paths only loses the shortcut).
 _MEMO_SIZE = 1024
-_KNOWN_KINDS = frozenset({EngineKind.VLLM, EngineKind.SGLANG, EngineKind.LLAMACPP, EngineKind.MINDNANO})
+_KNOWN_KINDS = frozenset(
+    {
+        EngineKind.VLLM,
+        EngineKind.SGLANG,
+        EngineKind.LLAMACPP,
+        EngineKind.MINDNANO,
+        EngineKind.TRTLLM,
+        EngineKind.DYNAMO,
+    }
+)
 # Percent-decoding passes before a path is judged: the engine's own, and one more for a client
 # or proxy that encoded twice. Decoding until nothing changed cost 44 ms for an 8 KB `%2525...`
 # path (quadratic); what still holds `%` after two passes is refused instead (issue 27).
@@ -96,6 +108,18 @@ def decoded_path(raw_path: str) -> str | None:
     else:
         return None
     return None if _CONTROL.search(path) else path
+
+
+def unfolded_path(raw_path: str) -> str | None:
+    """`raw_path` decoded as `normalise_path` does, but with its `.` and `..` segments kept (None: refuse it).
+
+    A prefix rule is matched against this form too: an engine that does not fold dot segments
+    routes `/dumper/.` under `/dumper/`, which folded reads `/dumper` (issue 45).
+    """
+    path = decoded_path(raw_path)
+    if path is None:
+        return None
+    return "/" + "/".join(segment for segment in path.replace("\\", "/").split("/") if segment).lower()
 
 
 def normalise_path(raw_path: str) -> str | None:
@@ -193,8 +217,12 @@ class RoutePolicy:
             and _erases(query)
         ):
             return RouteDecision(RouteClass.SLOT_ERASE, path)
-        if any(rule.matches(method, path) for rule in self.control_routes(dialect)):
+        rules = self.control_routes(dialect)
+        if any(rule.matches(method, path) for rule in rules):
             return RouteDecision(RouteClass.CONTROL, path)
+        unfolded = unfolded_path(raw_path) if "." in raw_path or "%" in raw_path else None
+        if unfolded is not None and any(rule.prefix and rule.matches(method, unfolded) for rule in rules):
+            return RouteDecision(RouteClass.CONTROL, path)  # matched before its dot segments fold
         return RouteDecision(RouteClass.FORWARDED, path)
 
 

@@ -31,7 +31,7 @@ class PodReset:
     verified: Verified
     reset_id: str | None
     error: str | None = None
-    canary_ran: bool = False
+    witness_ran: bool = False  # a witness (canary, events) judged this pod's reset
     hint: str | None = None
 
     @property
@@ -46,9 +46,9 @@ class PodReset:
 
     @property
     def confirmed(self) -> bool:
-        """Acknowledged, and verified where a canary ran."""
+        """Acknowledged, and verified by every witness that ran (the pod's `verified` combines them)."""
         return self.answer == ResetAnswer.ACKNOWLEDGED and (
-            not self.canary_ran or self.verified == Verified.VERIFIED
+            not self.witness_ran or self.verified == Verified.VERIFIED
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -237,14 +237,16 @@ def pod_answer(peer: Peer, url: str, status: int, raw: bytes) -> PodReset:
             f"HTTP {status}: {message}",
         )
     verification = body.get("verification")
-    canary_ran = isinstance(verification, dict) and verification.get("method") == VerifyMode.CANARY
+    # Any witness counts, not only the canary: under `events` or `both` an unverified pod is unconfirmed.
+    method = verification.get("method") if isinstance(verification, dict) else None
+    witness_ran = isinstance(method, str) and method != VerifyMode.NONE
     try:
         verified = Verified(body.get("verified", Verified.UNVERIFIED))
     except ValueError:
         verified = Verified.UNVERIFIED
     error = body.get("detail") if isinstance(body.get("detail"), str) else None
-    if error is None and canary_ran and verified != Verified.VERIFIED and isinstance(verification, dict):
-        # The canary's own sentence, quoting the engine's numbers: why this pod is not verified.
+    if error is None and witness_ran and verified != Verified.VERIFIED and isinstance(verification, dict):
+        # The witnesses' own sentence, quoting the engine's numbers: why this pod is not verified.
         reason = verification.get("reason")
         error = reason if isinstance(reason, str) else None
     return PodReset(
@@ -255,6 +257,6 @@ def pod_answer(peer: Peer, url: str, status: int, raw: bytes) -> PodReset:
         verified,
         body.get("reset_id") if isinstance(body.get("reset_id"), str) else None,
         error=error,
-        canary_ran=canary_ran,
+        witness_ran=witness_ran,
         hint=body.get("hint") if isinstance(body.get("hint"), str) else None,
     )

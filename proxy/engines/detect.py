@@ -9,10 +9,11 @@ import aiohttp
 
 from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineInfo
 from proxy.engines.call import engine_call
+from proxy.engines.modes import llamacpp_mode, vllm_mode
 from proxy.redact import redact_url
 from proxy.vocabulary import EngineKind, ResetAnswer
 
-__all__ = ["UndetectedDialect", "detect_engine", "probe_version"]
+__all__ = ["UndetectedDialect", "detect_engine", "probe_info", "probe_version"]
 
 # The upstream did not answer: the kind is pending re-detection.
 
@@ -55,7 +56,7 @@ async def _llamacpp(probe: _Prober) -> EngineInfo | None:
     """llama-server: `/props` has `build_info` or `total_slots`."""
     props = await probe.json("/props")
     if isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
-        return EngineInfo(EngineKind.LLAMACPP, _text(props.get("build_info")))
+        return EngineInfo(EngineKind.LLAMACPP, _text(props.get("build_info")), llamacpp_mode(props))
     return None
 
 
@@ -68,15 +69,46 @@ async def _sglang(probe: _Prober) -> EngineInfo | None:
     return None
 
 
-async def _vllm(probe: _Prober) -> EngineInfo | None:
-    """vLLM: `/version`, and `/v1/models` owned by vllm (TensorRT-LLM's `/version` looks the same)."""
+def _owners(models: Any) -> set[str]:
+    """The `owned_by` values of a `/v1/models` answer."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return set()
+    return {m["owned_by"] for m in data if isinstance(m, dict) and isinstance(m.get("owned_by"), str)}
+
+
+async def _versioned(probe: _Prober) -> EngineInfo | None:
+    """vLLM or TensorRT-LLM: both answer `/version` with `{"version"}`; `/v1/models` `owned_by` tells them apart.
+
+    vLLM's cards say `vllm`, trtllm-serve's `tensorrt_llm` (tensorrt_llm/serve/openai_protocol.py, ModelCard).
+    """
     version = await probe.json("/version")
     if not isinstance(version, dict) or "version" not in version:
         return None
-    models = await probe.json("/v1/models")
-    data = models.get("data") if isinstance(models, dict) else None
-    if isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data):
-        return EngineInfo(EngineKind.VLLM, _text(version["version"]))
+    owners = _owners(await probe.json("/v1/models"))
+    if "vllm" in owners:
+        return EngineInfo(EngineKind.VLLM, _text(version["version"]), vllm_mode(version))
+    if "tensorrt_llm" in owners:
+        return EngineInfo(EngineKind.TRTLLM, _text(version["version"]))
+    return None
+
+
+async def _dynamo(probe: _Prober) -> EngineInfo | None:
+    """Dynamo's frontend has no `/version`: its `/health` lists `endpoints` and `instances`.
+
+    (lib/llm/src/http/service/health.rs; seen on ai-dynamo 1.6.1.) `/health` is 503 while
+    discovery runs, so `/live` answering `live` with `/v1/models` owned by `nvidia` counts too.
+    """
+    health = await probe.json("/health")
+    if isinstance(health, dict) and isinstance(health.get("instances"), list) and "endpoints" in health:
+        return EngineInfo(EngineKind.DYNAMO)
+    live = await probe.json("/live")
+    if (
+        isinstance(live, dict)
+        and live.get("status") == "live"
+        and "nvidia" in _owners(await probe.json("/v1/models"))
+    ):
+        return EngineInfo(EngineKind.DYNAMO)
     return None
 
 
@@ -91,7 +123,9 @@ async def _mindnano(probe: _Prober) -> EngineInfo | None:
 _PROBES: dict[str, Callable[[_Prober], Awaitable[EngineInfo | None]]] = {
     EngineKind.LLAMACPP: _llamacpp,
     EngineKind.SGLANG: _sglang,
-    EngineKind.VLLM: _vllm,
+    EngineKind.VLLM: _versioned,
+    EngineKind.TRTLLM: _versioned,
+    EngineKind.DYNAMO: _dynamo,
     EngineKind.MINDNANO: _mindnano,
 }
 
@@ -99,10 +133,10 @@ _PROBES: dict[str, Callable[[_Prober], Awaitable[EngineInfo | None]]] = {
 async def detect_engine(
     session: aiohttp.ClientSession, base_url: str, timeout_s: float, *, api_key: str | None = None
 ) -> EngineInfo:
-    """The engine at `base_url`: llama.cpp, SGLang, vLLM, mindnano, else generic; `unknown` if unreachable. Never raises."""
+    """The engine at `base_url` (llama.cpp, SGLang, vLLM, TensorRT-LLM, Dynamo, mindnano), else generic; `unknown` if unreachable."""
     probe = _Prober(session, base_url, timeout_s, api_key)
     try:
-        for check in _PROBES.values():
+        for check in dict.fromkeys(_PROBES.values()):  # vLLM and TensorRT-LLM share one probe
             info = await check(probe)
             if info is not None:
                 return info
@@ -120,14 +154,27 @@ async def probe_version(
     api_key: str | None = None,
 ) -> str | None:
     """Best effort: the version an engine of `kind` reports, None when it does not say. Never raises."""
+    info = await probe_info(session, base_url, kind, timeout_s, api_key=api_key)
+    return info.version
+
+
+async def probe_info(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: EngineKind,
+    timeout_s: float,
+    *,
+    api_key: str | None = None,
+) -> EngineInfo:
+    """Best effort: the version and mode an engine of the configured `kind` reports. Never raises."""
     check = _PROBES.get(kind)
     if check is None:
-        return None
+        return EngineInfo(kind)
     try:
         info = await check(_Prober(session, base_url, timeout_s, api_key))
     except _Unreachable:
-        return None
-    return info.version if info is not None else None
+        return EngineInfo(kind)
+    return EngineInfo(kind, info.version, info.mode) if info is not None else EngineInfo(kind)
 
 
 UNDETECTED_HINT = "start the engine, or fix --upstream; --engine names its kind when it cannot be detected"

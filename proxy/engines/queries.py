@@ -33,13 +33,16 @@ async def read_limited(response: aiohttp.ClientResponse, limit: int) -> bytes | 
     return b"".join(parts)
 
 
-async def fetch_engine_metrics(session: aiohttp.ClientSession, base: str, timeout_s: float) -> bytes | None:
-    """The engine's `/metrics` text as it sent it, or None when it has none (non-200), is down, or is too slow."""
+async def fetch_engine_metrics(
+    session: aiohttp.ClientSession, base: str, timeout_s: float, path: str = "/metrics"
+) -> bytes | None:
+    """The engine's Prometheus text (at `path`) as it sent it, or None when it has none (non-200),
+    is down, or is too slow."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     headers = {"Accept": _ENGINE_ACCEPT, "Accept-Encoding": "identity"}
     try:
         async with session.get(
-            base + "/metrics", headers=headers, timeout=timeout, allow_redirects=False
+            base + path, headers=headers, timeout=timeout, allow_redirects=False
         ) as response:
             # The pool does not decompress (auto_decompress=False): only identity text can be merged. An
             # OpenAI-compatible server that answers every path with its web UI must not be merged either.

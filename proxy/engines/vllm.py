@@ -56,6 +56,9 @@ CONTROL_ROUTES = (
     control("/sleep"),
     control("/wake_up"),
     control("/is_sleeping"),
+    # where each rank publishes its KV events and answers replays: a map for whoever would publish
+    # in the engine's place (issue 45, M2)
+    control("/kv_event_sources"),
     control("/release_kv_cache_memory"),
     control("/reconfigure"),
     control("/v1/runtime_config"),

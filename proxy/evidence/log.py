@@ -6,6 +6,11 @@ everything else to `evidence`. Only an admin call, or the verdict that follows o
 reset record, so clients flooding the sidecar rotate the observation file and never the resets.
 `GET /cache/evidence` reads both merged by `at_ns`: one stream, as before the split.
 
+The resets file also keeps what an open case needs of the observations (proxy/recorder.py:
+the request that settled its verdict, and its first own requests, those with its case token),
+and says each file a rotation dropped, in either file (`infer.evidence_rotated`: which file,
+its bytes, the seq and at_ns of its first and last lines), so history never goes silently.
+
 Records of requests the sidecar refused itself (400, 413, 503: no engine work, so the cheapest
 to send) are also bounded in rate, `evidence_rejected_per_s`; those past it are counted in
 `evidence_dropped_total{reason="rate"}`, never written.
@@ -13,20 +18,25 @@ to send) are also bounded in rate, `evidence_rejected_per_s`; those past it are 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from proxy.config import SETTINGS
+from proxy.evidence.inclusion import ConsistencyError, consistency_answer, inclusion_lines, scan_lives
 from proxy.evidence.keys import load_signing_key
 from proxy.evidence.merge import read_merged
-from proxy.evidence.proof import proof_stream
-from proxy.evidence.reader import evidence_files
+from proxy.evidence.proof import proof_stream, proof_trailer
+from proxy.evidence.reader import evidence_files, record_matches
 from proxy.evidence.writer import DropReason, EvidenceWriter
+from proxy.vocabulary import EventType
 
 __all__ = ["EVIDENCE", "RESET_EVENTS", "EvidenceLog", "RateBound", "setup_evidence"]
 
@@ -39,6 +49,7 @@ RESET_EVENTS = frozenset(
         "infer.cache_blocks",
         "infer.cache_reconciliation",
         "infer.engine_event",
+        "infer.evidence_rotated",
     }
 )
 # Reset records waiting for a full disk, at most (and at most evidence_queue_max_bytes): they
@@ -81,14 +92,34 @@ class EvidenceLog:
         self.resets = resets
         self._rejected = RateBound(rejected_per_s)
         self._writers = (observations, resets)
+        for writer in self._writers:
+            writer.on_rotated = partial(self._rotated, writer)
+
+    def _rotated(self, writer: EvidenceWriter, note: dict[str, Any]) -> None:
+        """A rotation dropped one of `writer`'s files: the resets file says what history went."""
+        self.resets.write(
+            {
+                "schema_version": 1,
+                "event_type": str(EventType.EVIDENCE_ROTATED),
+                "at_ns": time.time_ns(),
+                "file": writer.path.name,
+                "max_bytes": writer.max_bytes,
+                "keep": writer.keep,
+                **note,
+            }
+        )
 
     def write(self, record: dict[str, Any]) -> None:
         """Enqueue one record in its file; never blocks, never raises."""
         self._file_of(record.get("event_type")).write(record)
 
-    def write_later(self, event_type: str, build: Callable[[], dict[str, Any]]) -> None:
-        """Enqueue one record in its file, built at the flush (EvidenceWriter.write_later)."""
-        self._file_of(event_type).write_later(event_type, build)
+    def write_later(
+        self, event_type: str, build: Callable[[], dict[str, Any]], *, keep: bool = False
+    ) -> None:
+        """Enqueue one record in its file, built at the flush (EvidenceWriter.write_later); `keep`:
+        in the resets file whatever its type (an observation an open case needs, proxy/recorder.py)."""
+        writer = self.resets if keep else self._file_of(event_type)
+        writer.write_later(event_type, build)
 
     def _file_of(self, event_type: object) -> EvidenceWriter:
         """The writer of the file a record of this type goes to."""
@@ -161,6 +192,34 @@ class EvidenceLog:
         async with aclosing(proof_stream(chains, filters)) as stream:
             async for data in stream:
                 yield data
+
+    async def inclusion(self, **filters: Any) -> AsyncGenerator[bytes, None]:
+        """`?proof=inclusion`: each matching record with its audit path to a signed checkpoint,
+        checkpointed now (proxy/evidence/inclusion.py)."""
+        marks = [await writer.checkpoint_now() for writer in self._writers]
+        matches = functools.partial(record_matches, **filters)
+        chains = []
+        for name, writer, mark in zip(self.chain_names(), self._writers, marks, strict=True):
+            files = evidence_files(writer.path, writer.keep)
+            lives = await asyncio.to_thread(scan_lives, files, mark, matches)
+            lines, entry = await asyncio.to_thread(inclusion_lines, name, lives)
+            chains.append(entry)
+            yield b"".join(lines)
+        yield proof_trailer(chains)
+
+    async def consistency(self, file: str | None, first: int, second: int) -> dict[str, Any]:
+        """`?proof=consistency&from=S1&to=S2[&file=F]`: ConsistencyError when it cannot be given."""
+        names = self.chain_names()
+        if file is None:
+            file = names[0]
+        if file not in names:
+            raise ConsistencyError(f"file must be one of {', '.join(names)}")
+        writer = self._writers[names.index(file)]
+        await writer.flush()
+        lives = await asyncio.to_thread(
+            scan_lives, evidence_files(writer.path, writer.keep), None, lambda _record: False
+        )
+        return await asyncio.to_thread(consistency_answer, file, lives, first, second)
 
     def read(self, **filters: Any) -> AsyncIterator[list[bytes]]:
         """The matching lines of both files, in blocks (see `read_merged`)."""

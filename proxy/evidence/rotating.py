@@ -16,7 +16,7 @@ import orjson
 
 from proxy.evidence.reader import rotated
 
-__all__ = ["RotatingFile", "log_event"]
+__all__ = ["RotatingFile", "describe_dropped", "log_event"]
 
 log = logging.getLogger("cachewitness.evidence")
 
@@ -24,6 +24,8 @@ log = logging.getLogger("cachewitness.evidence")
 # pieces, never joined into one copy of itself.
 _WRITE_BYTES = 1024 * 1024
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
+# How much of a dropped file's start and end is read for its first and last line's seq and at_ns.
+_EDGE_BYTES = 64 * 1024
 
 
 def log_event(event: str, **fields: Any) -> None:
@@ -50,6 +52,13 @@ class RotatingFile:
         self._fd: int | None = None
         self._size = 0
         self._logged_errors: set[str] = set()
+        # What each rotation dropped, until the writer takes it (`take_dropped`) to record it.
+        self._dropped: list[dict[str, Any]] = []
+
+    def take_dropped(self) -> list[dict[str, Any]]:
+        """The files rotations dropped since the last call (`describe_dropped` of each)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def write_batch(self, batch: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
         """Append a batch of (event type, line), rotating by size; return what could not be written."""
@@ -145,11 +154,13 @@ class RotatingFile:
     def _rotate(self) -> None:
         """fsync and close the current file, shift `.1`…`.N`, drop what falls off."""
         self.close()
-        if self.keep <= 0:
-            self.path.unlink(missing_ok=True)
-            return
-        oldest = rotated(self.path, self.keep)
+        oldest = self.path if self.keep <= 0 else rotated(self.path, self.keep)
+        if oldest.exists():
+            # History about to go: said in the resets file (proxy/evidence/log.py), never silently.
+            self._dropped.append(describe_dropped(oldest))
         oldest.unlink(missing_ok=True)
+        if self.keep <= 0:
+            return
         for index in range(self.keep - 1, 0, -1):
             source = rotated(self.path, index)
             if source.exists():
@@ -169,3 +180,41 @@ class RotatingFile:
             else:
                 sys.stdout.write(data.decode())
             sys.stdout.flush()
+
+
+def _seq_and_at(line: bytes) -> tuple[int | None, int | None]:
+    """A line's chain `seq` and its `at_ns` (None each where the line has none)."""
+    try:
+        record = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return None, None
+    if not isinstance(record, dict):
+        return None, None
+    seq, at_ns = record.get("seq"), record.get("at_ns")
+    return (seq if type(seq) is int else None), (at_ns if type(at_ns) is int else None)
+
+
+def describe_dropped(path: Path) -> dict[str, Any]:
+    """What a file about to be dropped holds: its name, size, and the seq and at_ns of its first
+    and last whole lines (read from its first and last 64 KiB: a line longer is None)."""
+    note: dict[str, Any] = {"dropped_file": path.name, "dropped_bytes": 0}
+    try:
+        with path.open("rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            head = file.read(_EDGE_BYTES)
+            file.seek(max(0, size - _EDGE_BYTES))
+            tail = file.read(_EDGE_BYTES)
+    except OSError:
+        return note
+    first = head.split(b"\n", 1)[0]
+    last = tail.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    first_seq, first_at = _seq_and_at(first)
+    last_seq, last_at = _seq_and_at(last)
+    note.update(
+        dropped_bytes=size,
+        first_seq=first_seq,
+        last_seq=last_seq,
+        first_at_ns=first_at,
+        last_at_ns=last_at,
+    )
+    return note

@@ -121,6 +121,8 @@ class EvidenceWriter:
         self._gap = 0  # records dropped since the last one queued (event loop)
         self._since_checkpoint = 0  # records queued since the last checkpoint (event loop)
         self._checkpoint_at = time.monotonic()
+        # Told of each file a rotation dropped (`describe_dropped`), on the loop after the flush.
+        self.on_rotated: Callable[[dict[str, Any]], None] | None = None
         self._chain: Chain | None = None  # the writer's thread's, from its first batch on
         self._mark: Mark | None = None  # the last line written, while nothing chained waits
 
@@ -222,10 +224,17 @@ class EvidenceWriter:
             try:
                 self._unwritten = await asyncio.to_thread(self._chain_and_write, unwritten, fresh)
             finally:
+                self._tell_rotations()
                 self._unwritten_bytes = sum(len(line) for _, line in self._unwritten)
                 self._flushing_bytes = 0
                 if self._unwritten:
                     self._arrived.set()  # refused by the disk: retried at the next flush
+
+    def _tell_rotations(self) -> None:
+        """Hand what the flush's rotations dropped to `on_rotated` (the thread is done with the file)."""
+        for note in self._file.take_dropped():
+            if self.on_rotated is not None:
+                self.on_rotated(note)
 
     async def checkpoint_now(self) -> Mark | None:
         """Checkpoint what was queued since the last checkpoint, now; the last line then on disk

@@ -33,6 +33,7 @@ class SidecarState:
     buffered_request_bytes: int
     unobserved_total: int  # past max_buffered_bytes
     client_connections: int
+    client_connections_receiving_body: int
     connection_limit_hits: Mapping[str, int]  # every limit
     route_refusals: Mapping[str, int]  # every refusal reason
     evidence_write_errors_total: int
@@ -94,9 +95,14 @@ class StateCollector(Collector):
         yield GaugeMetricFamily(
             PREFIX + "client_connections", "Client connections open.", value=state.client_connections
         )
+        yield GaugeMetricFamily(
+            PREFIX + "client_connections_receiving_body",
+            "Client connections whose request body is still arriving (slow uploads hold these).",
+            value=state.client_connections_receiving_body,
+        )
         hits = CounterMetricFamily(
             PREFIX + "connection_limit_hits_total",
-            "Client connections closed by header_timeout or body_idle_timeout, or refused by max_connections.",
+            "Client connections closed by a header or body timeout, or refused by a connection cap.",
             labels=("limit",),
         )
         for limit, count in state.connection_limit_hits.items():

@@ -192,6 +192,8 @@ def trailing_members(data: Buffer, after: int, close: int) -> list[tuple[bytes, 
 # string: each was found escaped).
 _STRUCTURE = re.compile(rb'"[^"\\]{0,256}+"|["{}\[\]]')
 _BRACKETS = re.compile(rb"[{}\[\]]")
+# The longest top-level member name kept to compare (quotes included); a longer one is ambiguous.
+_NAME_MAX = 258
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,21 +202,28 @@ class TopLevel:
 
     members: dict[bytes, Member]
     close: int  # index of the object's closing brace
+    # A top-level member name holds an escape or repeats: parsers may read such an object
+    # differently (Python's json decodes `"str\\u0065am"` to `stream` and keeps the last of
+    # two; first-wins and strict parsers do not), so nothing is injected into it (issue 45).
+    ambiguous: bool = False
 
 
 def top_level_members(data: Buffer, keys: frozenset[bytes]) -> TopLevel | None:
     """The last member of each of `keys` (with their quotes) at the top level of the JSON object
     that is `data`; None when `data` is not one object (a later duplicate wins, as in parsers).
 
+    Names are compared as raw bytes, never decoded: `ambiguous` says when that reading may
+    not be the engine's (a name with a backslash, or one that repeats).
     Nothing is decoded: a request body of any size costs one pass and no copy.
     """
     end = len(data)
     start = skip_ws(data, 0, end)
     if start >= end or data[start] != 0x7B:
         return None
-    longest = max(len(key) for key in keys)
     depth, close = 0, -1
     starts: dict[bytes, tuple[int, int]] = {}
+    names: set[bytes] = set()
+    ambiguous = False
     search, pos = _STRUCTURE.search, start
     while (token := search(data, pos)) is not None:
         at, stop = token.span()
@@ -225,11 +234,17 @@ def top_level_members(data: Buffer, keys: frozenset[bytes]) -> TopLevel | None:
             if stop == -1:  # unterminated: the quote is no token, and no later one opens a string
                 search, pos = _BRACKETS.search, at + 1
                 continue
-            if depth == 1 and stop - at <= longest:
+            if depth == 1:
                 after = skip_ws(data, stop, end)
-                key = bytes(data[at:stop])
-                if key in keys and after < end and data[after] == _COLON:
-                    starts[key] = (at, skip_ws(data, after + 1, end))
+                if after < end and data[after] == _COLON:
+                    if stop - at > _NAME_MAX:  # no request field is this long: not copied, not injected
+                        ambiguous = True
+                    else:
+                        key = bytes(data[at:stop])
+                        ambiguous = ambiguous or key in names or _BACKSLASH in key
+                        names.add(key)
+                        if key in keys:
+                            starts[key] = (at, skip_ws(data, after + 1, end))
             pos = stop
             continue
         depth += 1 if first in _OPENERS else -1
@@ -245,4 +260,4 @@ def top_level_members(data: Buffer, keys: frozenset[bytes]) -> TopLevel | None:
         if stop == -1 or stop == value_start:
             return None
         members[key] = Member(key_start, value_start, stop, data[value_start] == 0x7B)
-    return TopLevel(members, close)
+    return TopLevel(members, close, ambiguous)

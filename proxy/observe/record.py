@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.vocabulary import EventType, IsolationResult, Outcome
+from proxy.vocabulary import EventType, IsolationResult, Outcome, ServedBy
 
 __all__ = ["Forwarded", "IsolationMark", "Observation"]
 
@@ -25,6 +25,7 @@ class Forwarded:
     # upstream response head → client response head (None where not reached).
     before_upstream_s: float | None
     after_upstream_s: float | None
+    served_by: ServedBy  # which HTTP server took the request
     bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)
 
 
@@ -67,6 +68,8 @@ class Observation:
     engine_request_id: str | None = None
     # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
     case_token_carried: bool = False
+    # Cached tokens per tier where the engine names them (proxy/observe/tiers.py); None otherwise.
+    cached_by_tier: dict[str, int] | None = None
     isolation: IsolationMark | None = None  # None: the request was not isolated
 
     def to_record(self) -> dict[str, Any]:
@@ -96,5 +99,6 @@ class Observation:
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
             "case_token_carried": self.case_token_carried,
+            "cached_by_tier": self.cached_by_tier,
             "isolation": self.isolation.to_json() if self.isolation is not None else None,
         }

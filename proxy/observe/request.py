@@ -101,11 +101,9 @@ _WANTED = frozenset({_STREAM, _MODEL, _OPTIONS})
 _UNREADABLE = object()
 # A body this small is decoded whole first: for a 120-byte chat request that costs 1.2 µs
 # where the scanner costs 7.4 µs (timeit, issue 19). It settles every request but a stream
-# whose injection replaces a `stream_options` the client sent: that needs the scanner's byte
-# positions.
+# that would get the injection: that one is read by the scanner too, which alone sees how the
+# member names were written (escaped, repeated) and where the injection goes.
 _DECODE_WHOLE = 16 * 1024
-# What a stream with no `stream_options` gets, as its last member.
-_APPENDED = b',"stream_options":' + orjson.dumps({"include_usage": True})
 
 
 def _member_value(body: Buffer, member: Member | None) -> Any:
@@ -118,30 +116,20 @@ def _member_value(body: Buffer, member: Member | None) -> Any:
         return _UNREADABLE
 
 
-def _decoded_whole(body: Buffer, *, inject_usage: bool, path: str | None) -> PreparedRequest | None:
-    """A small request read by decoding it; None when the scanner must decide.
+def _decoded_whole(body: Buffer, *, injectable: bool) -> PreparedRequest | None:
+    """A small request read by decoding it; None when the scanner must decide (a stream to inject).
 
-    Anything orjson refuses (not JSON, NaN, integers past 64 bits) goes to the scanner, as does
-    a stream that would get the injection and has a `stream_options` member. A later duplicate
-    member wins here as in the scanner, and as in the engines' parsers.
+    A later duplicate member wins here as in the scanner, and as in Python's json.
     """
-    try:
-        decoded = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
+    decoded = orjson.loads(body)
     if not isinstance(decoded, dict):
         return PreparedRequest(body=body, stream=False, model=None)
     model = decoded.get("model")
     model = model if isinstance(model, str) else None
     stream = decoded.get("stream") is True
-    if not (inject_usage and stream) or (path is not None and path not in INJECTABLE_PATHS):
-        return PreparedRequest(body=body, stream=stream, model=model)
-    if "stream_options" in decoded:
-        return None  # the injection replaces its bytes, which the scanner finds
-    # Appended before the object's closing brace: orjson took the body, so only JSON's
-    # whitespace follows that brace, and the object has members (`stream` is one): a comma.
-    close = len(body.rstrip(b" \t\r\n")) - 1
-    return PreparedRequest(body=body, stream=True, model=model, injection=Splice(close, close, _APPENDED))
+    if injectable and stream:
+        return None
+    return PreparedRequest(body=body, stream=stream, model=model)
 
 
 def prepare_request(body: Buffer, *, inject_usage: bool, path: str | None = None) -> PreparedRequest:
@@ -151,19 +139,30 @@ def prepare_request(body: Buffer, *, inject_usage: bool, path: str | None = None
     MiB) is neither parsed into objects nor copied. `path`, when given, limits injection to
     `INJECTABLE_PATHS`; None means the caller has already decided the route takes `stream_options`.
     """
-    if (
-        len(body) <= _DECODE_WHOLE
-        and (small := _decoded_whole(body, inject_usage=inject_usage, path=path)) is not None
-    ):
-        return small
+    injectable = inject_usage and (path is None or path in INJECTABLE_PATHS)
+    if len(body) <= _DECODE_WHOLE:
+        try:
+            small = _decoded_whole(body, injectable=injectable)
+        except orjson.JSONDecodeError:
+            # NaN, Infinity, 1e400, a lone surrogate: refused by orjson, taken by Python's json
+            # (vLLM's and SGLang's parser). Parsers disagree on such a body: read, never injected.
+            return _scanned(body, injectable=False)
+        if small is not None:
+            return small
+    return _scanned(body, injectable=injectable)
+
+
+def _scanned(body: Buffer, *, injectable: bool) -> PreparedRequest:
+    """The body read by the scanner, with the injection when `injectable` and the names are plain."""
     top = top_level_members(body, _WANTED)
     if top is None:
         return PreparedRequest(body=body, stream=False, model=None)
     model = _member_value(body, top.members.get(_MODEL))
     stream = _member_value(body, top.members.get(_STREAM)) is True
     unchanged = PreparedRequest(body=body, stream=stream, model=model if isinstance(model, str) else None)
-    # vLLM answers 400 to stream_options when stream is false: only touch streams.
-    if not (inject_usage and stream) or (path is not None and path not in INJECTABLE_PATHS):
+    # vLLM answers 400 to stream_options when stream is false: only touch streams, and only
+    # those every parser reads alike (an escaped or repeated name may hide another `stream`).
+    if not (injectable and stream) or top.ambiguous:
         return unchanged
     member = top.members.get(_OPTIONS)
     options = _member_value(body, member)

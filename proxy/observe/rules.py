@@ -205,9 +205,10 @@ INJECTION_REPROBE_S = 600.0
 class InjectionRefusals:
     """Engines (kind and version) that refused an injected `stream_options`, each for `reprobe_s`.
 
-    The caller remembers a refusal only once the client's own request, sent again without
-    the injection, succeeded (proxy/forward/handler.py), so only the injection can have caused the
-    error. Each such engine costs one retried request per `reprobe_s`, not one per stream.
+    A refusal is remembered only from the sidecar's own probe (proxy/forward/injection_probe.py),
+    never from a client's request: a body the engine reads otherwise than the sidecar could
+    otherwise switch the injection off for everyone (issue 45). Each such engine costs one
+    probe per `reprobe_s`, not one retried request per stream.
     """
 
     def __init__(self, reprobe_s: float = INJECTION_REPROBE_S) -> None:

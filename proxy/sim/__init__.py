@@ -7,13 +7,8 @@ Public API (the team codes against these names):
 
 from __future__ import annotations
 
-from proxy.sim.config import (
-    DIALECTS,
-    SimConfig,
-    add_sim_arguments,
-    parse_listen,
-    sim_config_from_args,
-)
+from proxy.sim.arguments import add_sim_arguments, parse_listen, sim_config_from_args
+from proxy.sim.config import DIALECTS, SimConfig
 from proxy.sim.run import run_sim, running_sim
 from proxy.sim.server import SIM_ENGINE, build_sim_app
 

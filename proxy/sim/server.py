@@ -15,14 +15,17 @@ from prometheus_client.registry import Collector
 
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
+from proxy.sim.dynamo import DynamoDialect
 from proxy.sim.engine import AdmissionRefused, Engine, Sequence, SequenceCancelled
 from proxy.sim.isolation import read_isolation
 from proxy.sim.kv_events import KvEventPublisher
 from proxy.sim.llamacpp import LlamacppDialect
+from proxy.sim.lmcache import serve_lmcache
 from proxy.sim.mindnano import MindnanoDialect
 from proxy.sim.openai import OpenaiDialect
 from proxy.sim.sglang import SglangDialect
 from proxy.sim.text import PromptError
+from proxy.sim.trtllm import TrtllmDialect
 from proxy.sim.vllm import VllmDialect
 from proxy.sim.wire import (
     DONE,
@@ -43,6 +46,8 @@ _DIALECTS: dict[str, type[SimDialect]] = {
     "sglang": SglangDialect,
     "llamacpp": LlamacppDialect,
     "mindnano": MindnanoDialect,
+    "trtllm": TrtllmDialect,
+    "dynamo": DynamoDialect,
     "openai": OpenaiDialect,
 }
 
@@ -86,7 +91,9 @@ class OpenAIRoutes:
         if stream_options is not None and self.config.reject_stream_options:
             return error_response(400, "Unrecognized request argument supplied: stream_options")
         if stream_options is not None and not stream and self.dialect.rejects_stream_options_without_stream:
-            return error_response(400, "Stream options can only be defined when `stream=True`.")
+            # vLLM names the field: `"param": "stream_options"` (protocol.py, VLLMValidationError).
+            message = "Stream options can only be defined when `stream=True`."
+            return error_response(400, message, param="stream_options")
         include_usage = (
             stream and isinstance(stream_options, dict) and stream_options.get("include_usage") is True
         )
@@ -296,6 +303,9 @@ def build_sim_app(config: SimConfig) -> web.Application:
 
     app.router.add_post("/sim/restart", sim_restart)
     dialect.add_routes(app)
+    if isinstance(dialect, VllmDialect) and dialect.lmcache is not None:
+        tier = dialect.lmcache
+        app.cleanup_ctx.append(lambda _app: serve_lmcache(tier))
     if dialect.kv_events is not None:
         _add_kv_events(app, dialect, dialect.kv_events)
     if dialect.metric_families():
@@ -305,6 +315,9 @@ def build_sim_app(config: SimConfig) -> web.Application:
         async def metrics(request: web.Request) -> web.Response:
             """GET /metrics in Prometheus text format 0.0.4."""
             engine.metrics_scrapes_total += 1
+            other = dialect.metrics_answer(request)
+            if other is not None:
+                return other
             return web.Response(
                 body=generate_latest(registry),
                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},

@@ -11,6 +11,8 @@ from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.kv_events import kv_event_sources
+from proxy.sim.lmcache import LmcacheTier
 from proxy.sim.wire import error_response
 
 __all__ = ["VllmDialect"]
@@ -30,6 +32,8 @@ class VllmDialect(SimDialect):
         """The device cache, and with --host-tier an offload tier that resets leave warm."""
         super().__init__(config)
         self.host = PrefixCache(config.block_size, config.cache_blocks) if config.host_tier else None
+        # LMCache's tier (a KV connector): /reset_prefix_cache does not reach it, its own API does.
+        self.lmcache = LmcacheTier(config) if config.lmcache else None
         self.cached_by_source = self._no_hits()
         self.sleeping = False
 
@@ -38,20 +42,28 @@ class VllmDialect(SimDialect):
         return [dict.fromkeys(self.sources, 0) for _ in range(self.config.dp_size)]
 
     def lookup(self, seq: Sequence) -> int:
-        """Device hits first, then the host tier's longer prefix (each counted by source)."""
+        """Device hits first, then the host tier's and LMCache's longer prefixes (each counted by source)."""
         device = super().lookup(seq)
-        host = (
-            self.host.lookup(seq.prompt, seq.cache_root) if self.host is not None and seq.cache_prompt else 0
+        root = seq.cache_root
+        host = self.host.lookup(seq.prompt, root) if self.host is not None and seq.cache_prompt else 0
+        local = max(device, host)
+        external = (
+            self.lmcache.lookup(seq.prompt, root) if self.lmcache is not None and seq.cache_prompt else 0
         )
         self.cached_by_source[seq.rank]["device"] += device
         self.cached_by_source[seq.rank]["host"] += max(0, host - device)
-        return max(device, host)
+        self.cached_by_source[seq.rank]["external_unspecified"] += max(0, external - local)
+        if self.lmcache is not None:
+            self.lmcache.hit_tokens += max(0, external - local)
+        return max(local, external)
 
     def prefilled(self, seq: Sequence) -> None:
-        """Blocks go to the device cache and are offloaded to the host tier."""
+        """Blocks go to the device cache and are offloaded to the host tier and LMCache."""
         super().prefilled(seq)
         if self.host is not None and seq.cache_prompt:
             self.host.insert(seq.kv_tokens(), seq.cache_root)
+        if self.lmcache is not None and seq.cache_prompt:
+            self.lmcache.store(seq.kv_tokens(), seq.cache_root)
 
     async def restart(self, reconnect: bool = False) -> None:
         """Every tier empty, counters at 0."""
@@ -60,6 +72,16 @@ class VllmDialect(SimDialect):
         self.sleeping = False
         if self.host is not None:
             self.host.clear()
+        if self.lmcache is not None:
+            self.lmcache.forget()
+
+    def stats(self) -> dict[str, object]:
+        """`/sim/stats`, with LMCache's clears and each worker's shard size."""
+        stats = super().stats()
+        if self.lmcache is not None:
+            stats["lmcache_clears"] = self.lmcache.clears
+            stats["lmcache_blocks"] = [len(shard) for shard in self.lmcache.shards]
+        return stats
 
     def last_event_extras(self, seq: Sequence) -> dict[str, Any]:
         """vLLM 0.32 puts `system_fingerprint` on a stream's last chunk (the usage chunk if any)."""
@@ -95,6 +117,8 @@ class VllmDialect(SimDialect):
         app.router.add_post("/ping", self.handle_health)
         app.router.add_get("/version", self.handle_version)
         app.router.add_post("/tokenize", self.handle_tokenize)
+        # 0.32 serves it without dev mode (entrypoints/serve/instrumentator/basic.py).
+        app.router.add_get("/kv_event_sources", self.handle_kv_event_sources)
         if self.config.dev_mode:
             # Registered only under VLLM_SERVER_DEV_MODE=1
             # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.
@@ -128,9 +152,16 @@ class VllmDialect(SimDialect):
         """POST /reset_mm_cache, /reset_encoder_cache: nothing to clear, 200 with no body."""
         return web.Response(status=200)
 
+    async def handle_kv_event_sources(self, request: web.Request) -> web.Response:
+        """GET /kv_event_sources: the publisher of each rank (with --kv-events-discovery), else {}."""
+        return web.json_response(kv_event_sources(self.kv_events, self.config.kv_events_discovery))
+
     async def handle_version(self, request: web.Request) -> web.Response:
-        """GET /version."""
-        return web.json_response({"version": self.config.engine_version})
+        """GET /version; the Rust front end adds `rust_frontend_version` (vllm #43854)."""
+        version: dict[str, str] = {"version": self.config.engine_version}
+        if self.config.rust_frontend is not None:
+            version["rust_frontend_version"] = f"{self.config.engine_version}-rs-sim"
+        return web.json_response(version)
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         """POST /reset_prefix_cache[?reset_running_requests=true&reset_external=true]."""
@@ -144,10 +175,16 @@ class VllmDialect(SimDialect):
         # block_pool.reset_prefix_cache refuses while any block is held by a running request.
         held = any(not seq.preempted for seq in self.engine.running)
         success = not held
+        rust = self.config.rust_frontend
+        external = request.query.get("reset_external", "").lower() in ("true", "1")
+        if rust == "strict" and external and self.host is None and self.lmcache is None:  # no connector
+            return error_response(400, "reset_external requires a KV connector to be configured")
         if success:
             self.clear_cache()
-        if self.config.legacy_empty_body:
-            # vLLM 0.7-0.25: 200 with an empty body whatever happened.
+        if rust == "strict" and not success:
+            return error_response(409, "prefix cache reset refused: blocks are still in use", "conflict")
+        if self.config.legacy_empty_body or rust is not None:
+            # vLLM 0.7-0.25, and the Rust front end: 200 with an empty body whatever happened.
             return web.Response(status=200)
         return web.json_response({"success": success})
 
@@ -217,10 +254,21 @@ class VllmDialect(SimDialect):
         cache_config = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+            labels=[
+                "block_size",
+                "enable_prefix_caching",
+                "num_gpu_blocks",
+                "mamba_block_size",
+                "cache_hit_alignment_tokens",
+            ],
         )
-        cache_config.add_metric([str(self.config.block_size), "True", str(self.config.cache_blocks)], 1.0)
-        return [
+        # vLLM 0.32 writes every CacheConfig field as str(value): "None" where unset.
+        hybrid = str(self.config.hybrid_block_size)
+        alignment = hybrid if self.config.hybrid_block_size else str(self.config.block_size)
+        cache_config.add_metric(
+            [str(self.config.block_size), "True", str(self.config.cache_blocks), hybrid, alignment], 1.0
+        )
+        families: list[Metric] = [
             queries,
             hits,
             cached,
@@ -233,3 +281,11 @@ class VllmDialect(SimDialect):
             usage,
             cache_config,
         ]
+        if self.lmcache is not None:
+            # LMCache's own counters, on vLLM's /metrics (lmcache/observability.py).
+            lmcache_hits = CounterMetricFamily(
+                "lmcache:num_hit_tokens", "Total number of tokens hit in lmcache", labels=["model_name"]
+            )
+            lmcache_hits.add_metric([model], self.lmcache.hit_tokens)
+            families.append(lmcache_hits)
+        return families

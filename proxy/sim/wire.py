@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import orjson
@@ -18,16 +19,26 @@ def json_body(data: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type=_JSON)
 
 
-def error_response(status: int, message: str, err_type: str = "BadRequestError") -> web.Response:
-    """An OpenAI-style error answer."""
-    return json_body({"error": {"message": message, "type": err_type, "param": None, "code": status}}, status)
+def error_response(
+    status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+) -> web.Response:
+    """An OpenAI-style error answer; `param` names the request field at fault (vLLM's VLLMValidationError)."""
+    return json_body(
+        {"error": {"message": message, "type": err_type, "param": param, "code": status}}, status
+    )
 
 
 async def read_json(request: web.Request) -> dict[str, Any] | web.Response:
-    """The request's JSON object, or a 400 answer."""
+    """The request's JSON object, or a 400 answer.
+
+    Read with Python's json, as vLLM's and SGLang's servers (FastAPI, Starlette's
+    `Request.json()`) read theirs: escaped member names decoded, the last of two equal names
+    kept, NaN, Infinity, 1e400 and lone surrogates taken. orjson refuses the last four, and
+    the sidecar's reading must be tested against the engine's, not against its own (issue 45).
+    """
     try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError:
+        body = json.loads(await request.read())
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         return error_response(400, "request body is not valid JSON")
     if not isinstance(body, dict):
         return error_response(400, "request body must be a JSON object")

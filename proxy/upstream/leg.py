@@ -97,6 +97,11 @@ class UpstreamLeg:
                 log_event(log, logging.INFO, "stale upstream connection; sending on another", error=str(exc))
         raise AssertionError("unreachable: the last try returns or raises")
 
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a connection at `upstream_connection_limit`, first come, first served."""
+        return sum(1 for waiter in self._waiters if not waiter.done())
+
     # --- connections -----------------------------------------------------------------------
 
     async def _acquire(self) -> Connection:

@@ -18,12 +18,13 @@ from aiohttp import web
 
 from proxy.cluster.peers import discover_peers
 from proxy.config import SETTINGS, ConfigError, Settings
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from proxy.evidence.log import EVIDENCE
 from proxy.witnesses.canary import MOST_CANARY_CALLS
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.cluster import RESETS_PER_VERIFIED, SERVICE, TOKEN, Pod, busy_engine, cluster, shared_port
 from tests.support.dns_server import dns_server
+from tests.support.kv_events import Ports
 from tests.support.sidecar import serve_app, serve_sidecar, stack
 from tests.support.sim import chat, fast, sim, slow, words
 
@@ -405,6 +406,21 @@ async def test_an_acknowledged_pod_its_canary_could_not_verify_is_not_a_success(
         blind = next(p for p in body["pods"] if p["pod"] == c.pods[1].address)
         assert (blind["answer"], blind["verified"]) == ("acknowledged", "unverified")
         assert "cached-token" in blind["error"]
+
+
+@pytest.mark.parametrize("verify", ["events", "both"])
+async def test_a_pod_its_events_witness_could_not_verify_is_not_a_success(
+    tmp_path: Path, verify: str
+) -> None:
+    """The pod binds a KV-events socket no engine publishes to: acknowledged, but its events witness saw
+    no clear, so the pod is unverified and the cluster 200 is `accepted_unverified`, never a success."""
+    async with cluster(tmp_path, [fast("vllm")], kv_events_endpoint=Ports().endpoint) as c:
+        status, body = await c.reset({"scope": "cluster", "verify": verify}, query="")
+        assert status == 200, body
+        (pod,) = body["pods"]
+        assert (pod["answer"], pod["verified"]) == ("acknowledged", "unverified"), pod
+        assert (body["answer"], "success" in body) == ("accepted_unverified", False), body
+        assert "AllBlocksCleared" in pod["error"]
 
 
 @pytest.mark.slow

@@ -26,6 +26,9 @@ TIMEOUT_S = 5.0
         ("sglang", "sglang", "0.5.10"),
         ("llamacpp", "llamacpp", "b6000-sim"),
         ("mindnano", "mindnano", None),
+        # /version like vLLM's, /server_info without a version: told apart by owned_by.
+        ("trtllm", "trtllm", "1.3.0rc29"),
+        ("dynamo", "dynamo", None),
     ],
 )
 async def test_each_engine_is_detected_with_its_version(
@@ -36,6 +39,46 @@ async def test_each_engine_is_detected_with_its_version(
     assert info.kind == kind
     if version is not None:
         assert info.version == version
+
+
+async def test_a_dynamo_frontend_is_known_by_the_instances_its_health_lists(
+    http: aiohttp.ClientSession,
+) -> None:
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "healthy", "endpoints": ["dyn://dynamo.backend.generate"], "instances": []}
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)  # nothing else: no /live, no /v1/models
+    async with serve_app(app) as url:
+        info = await detect_engine(http, url, TIMEOUT_S)
+    assert info.kind == "dynamo"
+
+
+async def test_a_dynamo_frontend_still_discovering_is_known_by_live_and_its_owner(
+    http: aiohttp.ClientSession,
+) -> None:
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "not_ready", "message": "Initial model discovery in progress"}, status=503
+        )
+
+    async def live(_request: web.Request) -> web.Response:
+        return web.json_response({"status": "live", "message": "Service is live"})
+
+    async def models(_request: web.Request) -> web.Response:
+        return web.json_response(
+            {"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "nvidia"}]}
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/live", live)
+    app.router.add_get("/v1/models", models)
+    async with serve_app(app) as url:
+        info = await detect_engine(http, url, TIMEOUT_S)
+    assert info.to_json() == {"kind": "dynamo", "version": None}
 
 
 async def test_detection_reads_an_answer_that_arrives_in_two_pieces(http: aiohttp.ClientSession) -> None:

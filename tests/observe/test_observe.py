@@ -257,14 +257,15 @@ def test_a_small_body_decoded_whole_reads_as_the_scanner_reads_it(
 
 
 def test_only_top_level_members_count() -> None:
-    """`stream` inside a message or a tool schema is not the request's; a later duplicate wins."""
+    """`stream` inside a message or a tool schema is not the request's; a later duplicate wins,
+    and a body with one is not injected (a first-wins parser reads the other `stream`)."""
     nested = b'{"model":"m","tools":[{"parameters":{"stream":true,"model":"x"}}],"messages":[]}'
     assert (
         prepare_request(nested, inject_usage=True).stream,
         prepare_request(nested, inject_usage=True).model,
     ) == (False, "m")
-    duplicate = b'{"stream":false,"stream":true}'
-    assert prepare_request(duplicate, inject_usage=True).usage_injected
+    duplicate = prepare_request(b'{"stream":false,"stream":true}', inject_usage=True)
+    assert duplicate.stream and not duplicate.usage_injected
     quoted = b'{"messages":[{"content":"say \\"stream\\": true }"}],"stream":false}'
     assert not prepare_request(quoted, inject_usage=True).stream
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.real import engines, tiny_models
+from tests.real.dynamo_engine import dynamo_python, start_dynamo
 from tests.real.engines import ManagedProcess
 
 
@@ -154,3 +155,19 @@ def any_engine(request: pytest.FixtureRequest) -> Pair:
     """Each main engine in turn (llama-server, then vLLM)."""
     pair: Pair = request.getfixturevalue(request.param)
     return pair
+
+
+@pytest.fixture(scope="module")
+def dynamo() -> Iterator[Pair]:
+    """Dynamo's frontend and mocker, and a sidecar before the frontend (`--engine auto`)."""
+    _require(dynamo_python(), "Dynamo")
+    started = start_dynamo(tiny_models.tiny_tokenizer())
+    evidence = Path(tempfile.mkdtemp(prefix="cw-real-dynamo-", dir=engines.logs_dir())) / "ev.jsonl"
+    try:
+        sidecar = engines.start_sidecar(started.frontend.base_url, evidence)
+    except BaseException:
+        started.stop()
+        raise
+    yield Pair(started.frontend, sidecar, evidence)
+    engines.stop(sidecar)
+    started.stop()

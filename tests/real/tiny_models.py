@@ -6,6 +6,7 @@ import hashlib
 import subprocess
 from pathlib import Path
 
+from tests.real.dynamo_engine import dynamo_python
 from tests.real.engines import cache_root, llama_python, logs_dir, vllm_python
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +42,13 @@ def tiny_gguf() -> Path:
     script = HERE / "make_tiny_gguf.py"
     out = cache_root() / "models" / f"tiny-{_generator_key(script)}.gguf"
     return _generate(llama_python(), script, out)
+
+
+def tiny_tokenizer() -> Path:
+    """A tokenizer-only model folder for Dynamo's mocker (it simulates the engine, no weights)."""
+    script = HERE / "make_tiny_tokenizer.py"
+    out = cache_root() / "models" / f"tiny-tokenizer-{_generator_key(script)}"
+    return _generate(dynamo_python(), script, out)
 
 
 def tiny_hf() -> Path:

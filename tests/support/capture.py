@@ -1,13 +1,13 @@
 """A capturing upstream: a real HTTP hop in front of an engine that writes down every request it passes on.
 
 Tests put it between the sidecar and the simulator to see exactly what reached the engine
-(paths, methods, `Authorization` headers), without changing either of them.
+(paths, methods, headers, bodies) without changing either of them, or to answer a request in
+the engine's place.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -19,6 +19,8 @@ from tests.support.client import CLIENT_TIMEOUT
 from tests.support.sidecar import serve_app
 
 _CLIENT = web.AppKey("capture_client", aiohttp.ClientSession)
+# Answers a request (its path and body) in the engine's place, or None to relay it.
+Answer = Callable[[str, bytes], web.Response | None]
 _HOP = frozenset({"host", "connection", "keep-alive", "transfer-encoding", "content-length"})
 
 
@@ -46,26 +48,30 @@ class Capture:
 
 
 @asynccontextmanager
-async def capturing(target: str, port: int = 0) -> AsyncIterator[Capture]:
+async def capturing(target: str, port: int = 0, answer: Answer | None = None) -> AsyncIterator[Capture]:
     """Serve a hop that records each request and relays it to `target`, streaming the answer back.
 
     `port`: where it listens (0: a free port), for an upstream that comes up after its sidecar.
+    `answer`: answers the requests it chooses itself (an engine that reads some bodies its own way).
     """
     app = web.Application()
     capture = Capture(url="")
 
     async def relay(request: web.Request) -> web.StreamResponse:
-        seen = Seen(
-            method=request.method,
-            raw_path=request.raw_path,
-            authorization=tuple(request.headers.getall("Authorization", [])),
-            headers=tuple(request.headers.items()),
-        )
-        capture.seen.append(seen)  # seen as its head arrives, before its body
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         body = await request.read()
-        at = next(i for i, entry in enumerate(capture.seen) if entry is seen)
-        capture.seen[at] = dataclasses.replace(seen, body=body)
+        capture.seen.append(
+            Seen(
+                method=request.method,
+                raw_path=request.raw_path,
+                authorization=tuple(request.headers.getall("Authorization", [])),
+                headers=tuple(request.headers.items()),
+                body=body,
+            )
+        )
+        answered = answer(request.path, body) if answer is not None else None
+        if answered is not None:
+            return answered
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP]
         client = request.app[_CLIENT]
         async with client.request(
             request.method,

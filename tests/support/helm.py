@@ -37,7 +37,7 @@ HADOLINT = TOOLS / "venv" / "bin" / "hadolint"
 KUBE_VERSIONS = ("1.29.0", "1.33.0")
 
 
-PRESETS = ("vllm", "sglang", "llamacpp")
+PRESETS = ("vllm", "sglang", "llamacpp", "trtllm")
 
 
 Manifest = dict[str, Any]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ class HostileEngine:
 
     url: str
     heads: list[bytes] = field(default_factory=list)  # every request head, in arrival order
+    connections: list[int] = field(default_factory=list)  # the number of the connection each came on
     # Set when the sidecar closed a connection: while the engine wrote, or while it waited for a request.
     cut: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -40,32 +42,53 @@ def query_of(head: bytes) -> str:
     return head.split(b" ", 2)[1].partition(b"?")[2].decode()
 
 
-async def _read_request(reader: asyncio.StreamReader) -> bytes | None:
-    """One request head (its Content-Length body read and dropped); None when the peer closed first."""
+def _length(head: bytes) -> int:
+    """The Content-Length of a request head (0 without one)."""
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            return int(value)
+    return 0
+
+
+async def _read_head(reader: asyncio.StreamReader) -> bytes | None:
+    """One request head; None when the peer closed first."""
     try:
-        head = await reader.readuntil(b"\r\n\r\n")
-        for line in head.split(b"\r\n"):
-            name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
-                await reader.readexactly(int(value))
+        return await reader.readuntil(b"\r\n\r\n")
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
-    return head
+
+
+async def _read_body(reader: asyncio.StreamReader, head: bytes) -> bool:
+    """Read and drop the head's Content-Length body; False when the peer closed first."""
+    try:
+        await reader.readexactly(_length(head))
+    except (asyncio.IncompleteReadError, ConnectionError):
+        return False
+    return True
 
 
 @contextlib.asynccontextmanager
-async def hostile_engine(script: Script) -> AsyncIterator[HostileEngine]:
-    """Serve `script` on a loopback port until the block ends."""
+async def hostile_engine(script: Script, *, answer_before_body: bool = False) -> AsyncIterator[HostileEngine]:
+    """Serve `script` on a loopback port until the block ends; with `answer_before_body` the script
+    answers each request before its body is read (as an engine refusing an upload at its head)."""
     engine = HostileEngine(url="")
+    numbers = itertools.count()
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        number = next(numbers)
         try:
-            while (head := await _read_request(reader)) is not None:
+            while (head := await _read_head(reader)) is not None:
+                if not answer_before_body and not await _read_body(reader, head):
+                    break
                 engine.heads.append(head)
+                engine.connections.append(number)
                 try:
                     keep = await script(head, writer)
                     await writer.drain()
                 except ConnectionError:
+                    break
+                if answer_before_body and not await _read_body(reader, head):
                     break
                 if not keep:
                     return

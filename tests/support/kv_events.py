@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from proxy.witnesses.events import KvEvents, KvEventsConfig
-from proxy.witnesses.events_state import RankSnapshot
+import msgpack
+import zmq
+import zmq.asyncio
+
+from proxy.recorder import RECORDER
+from proxy.witnesses.kv_events.state import RankSnapshot
+from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig
 from tests.support.ports import fixed_ports
+from tests.support.sidecar import Stack
+from tests.support.sidecar import stack as sidecar_stack
 from tests.support.sim import WAIT_S, Sim, chat, fast, sim, words
 
 
@@ -69,6 +80,13 @@ async def stack(
         yield s, kv
 
 
+def sidecar_events(s: Stack) -> KvEvents:
+    """A sidecar's KV events subscribers (there with kv_events_endpoint: the recorder holds them)."""
+    events = s.app[RECORDER].kv_events
+    assert events is not None, "kv_events_endpoint is set: the recorder has the subscribers"
+    return events
+
+
 async def until(
     kv: KvEvents, predicate: Callable[[tuple[RankSnapshot, ...]], bool]
 ) -> tuple[RankSnapshot, ...]:
@@ -92,3 +110,83 @@ async def caught_up(s: Sim, kv: KvEvents, rank: int = 0) -> tuple[RankSnapshot, 
     last = stats["kv_events_seq"] - 1
     snaps = await until(kv, lambda snaps: snaps[rank].last_seq == (None if last < 0 else last))
     return snaps[rank], stats
+
+
+class Rogue:
+    """A publisher that is not the engine: an XPUB (it sees the subscription arrive) on the sidecar's socket."""
+
+    def __init__(self, sock: zmq.asyncio.Socket, topic: bytes) -> None:
+        """Wrap a connected XPUB."""
+        self.sock = sock
+        self.topic = topic
+
+    async def subscribed(self, timeout_s: float = WAIT_S) -> bool:
+        """Whether the sidecar's subscription reached it within `timeout_s` (its handshake was admitted)."""
+        deadline = time.monotonic() + timeout_s
+        while await self.sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            if (await self.sock.recv()).startswith(b"\x01"):
+                return True  # not an unsubscription (the \x00 a dropped connection leaves)
+        return False
+
+    async def send(self, seq: int, events: list[Any], ts: float | None = None, rank: int = 0) -> None:
+        """Publish one batch of `events` as `[ts, events, rank]` at `seq`."""
+        await self.send_raw(seq, msgpack.packb([time.time() if ts is None else ts, events, rank]))
+
+    async def send_raw(self, seq: int, payload: bytes) -> None:
+        """Publish one payload at `seq`."""
+        await self.sock.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+
+@asynccontextmanager
+async def rogue(endpoint: str, source: str | None = None, topic: bytes = b"kv") -> AsyncIterator[Rogue]:
+    """A rogue publisher connected to `endpoint` (a tcp one from the address `source`, if given)."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.XPUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint if source is None else f"tcp://{source}:0;{endpoint.removeprefix('tcp://')}")
+    try:
+        yield Rogue(sock, topic)
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+@asynccontextmanager
+async def rogue_stack(
+    tmp_path: Path, source: str | None = None, **overrides: Any
+) -> AsyncIterator[tuple[Stack, Rogue]]:
+    """A vLLM simulator that publishes nothing behind a sidecar binding a KV-events socket, and a rogue
+    publisher on that socket (from `source`), its subscription not awaited."""
+    ports = Ports()
+    async with (
+        sidecar_stack(fast("vllm"), tmp_path, kv_events_endpoint=ports.endpoint, **overrides) as s,
+        rogue(ports.endpoint, source) as pub,
+    ):
+        yield s, pub
+
+
+CLEAR = [["AllBlocksCleared"]]
+
+
+@asynccontextmanager
+async def flooding(
+    pub: Rogue, first: int = 0, *, repeat: bool = False, events: list[Any] = CLEAR
+) -> AsyncIterator[Callable[[], int]]:
+    """`pub` sends `events` every 50 ms from seq `first` on (at `first` each time with `repeat`: a
+    restart each); yields what the next seq would be."""
+    seq = first
+
+    async def loop() -> None:
+        nonlocal seq
+        while True:
+            await pub.send(seq, events)
+            seq += 0 if repeat else 1
+            await asyncio.sleep(0.05)
+
+    task = asyncio.create_task(loop())
+    try:
+        yield lambda: seq
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

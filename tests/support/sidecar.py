@@ -19,6 +19,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import SETTINGS, Settings
+from proxy.forward.injection_probe import INJECTION_PROBE
 from proxy.serve import make_runner, make_site
 from proxy.sim import SimConfig
 from tests.support.client import CLIENT_TIMEOUT
@@ -171,3 +172,14 @@ async def running_request(
 
 
 SidecarFactory = Callable[..., Awaitable[str]]
+
+
+async def injection_probes_done(app: web.Application, runs: int) -> None:
+    """Wait (bounded) until the sidecar's injection probe, which runs in the background, has
+    finished `runs` probes; then exactly that many."""
+    probe = app[INJECTION_PROBE]
+    for _ in range(200):
+        if probe.runs >= runs:
+            break
+        await asyncio.sleep(0.05)
+    assert probe.runs == runs

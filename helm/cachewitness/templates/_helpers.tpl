@@ -57,7 +57,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- define "cachewitness.enginePreset" -}}
 {{- $preset := get .Values.engine.presets .Values.engine.preset }}
 {{- if not $preset }}
-{{- fail (printf "engine.preset %q has no entry under engine.presets (use vllm, sglang or llamacpp)" .Values.engine.preset) }}
+{{- fail (printf "engine.preset %q has no entry under engine.presets (use vllm, sglang, llamacpp or trtllm)" .Values.engine.preset) }}
 {{- end }}
 {{- toYaml $preset }}
 {{- end }}
@@ -80,19 +80,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
-The engine's --kv-events-config JSON: a concrete host in "endpoint" makes the engine connect to
-the sidecar's bound SUB socket; the replay socket is the engine's (it binds). SGLang takes the
-same JSON without the enable flag.
+The engine's --kv-events-config JSON. vLLM with discovery: ipc:// sockets in the pod's
+kv-events emptyDir, which the engine binds (vLLM binds ipc endpoints) and names at
+GET /kv_event_sources; the sidecar connects to them. Only the two containers (same UID) can
+reach a socket file there: nothing is on the pod's network. Otherwise (SGLang, whose
+/server_info can name a tcp host and port only): a concrete host in "endpoint" makes the
+engine connect to the sidecar's bound loopback SUB socket; the replay socket is the engine's
+(it binds). SGLang takes the same JSON without the enable flag.
 */}}
 {{- define "cachewitness.kvEventsConfig" -}}
 {{- $c := dict "publisher" "zmq" "endpoint" (printf "tcp://127.0.0.1:%v" .kv.publishPort) "replay_endpoint" (printf "tcp://127.0.0.1:%v" .kv.replayPort) "topic" .kv.topic }}
+{{- if and .vllm .kv.discovery }}
+{{- $_ := set $c "endpoint" "ipc:///var/run/kv-events/pub" }}
+{{- $_ := set $c "replay_endpoint" "ipc:///var/run/kv-events/replay" }}
+{{- end }}
 {{- if .vllm }}{{- $_ := set $c "enable_kv_cache_events" true }}{{- end }}
 {{- toJson $c }}
 {{- end }}
 
-{{/* Whether the sidecar follows the engine's KV cache events (on for the vllm and sglang presets). */}}
+{{/* Whether the engine's KV events go over ipc sockets it names (vllm preset with discovery). */}}
+{{- define "cachewitness.kvEventsDiscovered" -}}
+{{- if and .Values.engine.kvEvents.enabled .Values.engine.kvEvents.discovery (eq .Values.engine.preset "vllm") }}true{{- end }}
+{{- end }}
+
+{{/* Whether the sidecar is told where to bind for the engine's KV cache events (sglang; vllm without discovery). */}}
 {{- define "cachewitness.kvEventsOn" -}}
-{{- if and .Values.engine.kvEvents.enabled (has .Values.engine.preset (list "vllm" "sglang")) }}true{{- end }}
+{{- if and .Values.engine.kvEvents.enabled (has .Values.engine.preset (list "vllm" "sglang")) (not (include "cachewitness.kvEventsDiscovered" .)) }}true{{- end }}
 {{- end }}
 
 {{/*
@@ -105,6 +118,10 @@ pod-local port and turns on what the sidecar needs:
 - llamacpp: --slot-save-path (without it the slot erase answers 501), --cache-ram 0
   (else the host-RAM prompt cache survives an erase and the next request still hits),
   --metrics and --slots.
+- trtllm: an LLM API options file (written by the command itself, on the engine's cache
+  volume) with return_perf_metrics (without it there is no /prometheus/metrics, whose
+  trtllm_prompt_cached_tokens_total the counter witness reads), enable_iter_perf_stats and
+  KV cache block reuse (prefix caching).
 */}}
 {{- define "cachewitness.engineCommand" -}}
 {{- $port := toString .Values.engine.port }}
@@ -163,8 +180,23 @@ pod-local port and turns on what the sidecar needs:
 - --metrics
 - --slots
 - --no-webui
+{{- else if eq .Values.engine.preset "trtllm" }}
+{{- $options := "/var/cache/engine/cachewitness-llm-api-options.yaml" }}
+- /bin/sh
+- -c
+- {{ printf "printf '%%s\\n' 'return_perf_metrics: true' 'enable_iter_perf_stats: true' 'kv_cache_config:' '  enable_block_reuse: true' > %s && exec trtllm-serve \"$@\"" $options | quote }}
+- trtllm-serve
+- {{ $model | quote }}
+- --host
+- 127.0.0.1
+- --port
+- {{ $port | quote }}
+- --backend
+- pytorch
+- --extra_llm_api_options
+- {{ $options }}
 {{- else }}
-{{- fail (printf "engine.preset must be vllm, sglang or llamacpp, not %q" .Values.engine.preset) }}
+{{- fail (printf "engine.preset must be vllm, sglang, llamacpp or trtllm, not %q" .Values.engine.preset) }}
 {{- end }}
 {{- range .Values.engine.extraArgs }}
 - {{ . | quote }}

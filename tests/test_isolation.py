@@ -171,12 +171,30 @@ async def test_the_isolate_route_isolates_a_case_without_a_reset(tmp_path: Path)
         assert [r["requests"] for r in body["isolation"]] == [1, 1]  # one tally per session
 
 
-@pytest.mark.parametrize(("dialect", "version"), [("openai", None), ("sglang", "0.5.2")])
+async def served_by(s: Served) -> dict[str, int]:
+    """How many requests each server took (requests_total by served_by)."""
+    counts = {"front": 0, "aiohttp": 0}
+    for (name, labels), value in (await scrape(s.http, s.url)).samples.items():
+        if name == "cachewitness_requests_total":
+            counts[dict(labels)["served_by"]] += int(value)
+    return counts
+
+
+@pytest.mark.parametrize(
+    ("dialect", "version", "server"),
+    [
+        ("openai", None, "front"),
+        ("sglang", "0.5.2", "front"),
+        ("trtllm", None, "front"),
+        ("dynamo", None, "aiohttp"),
+    ],
+)
 async def test_an_engine_without_isolation_answers_501(
-    tmp_path: Path, dialect: str, version: str | None
+    tmp_path: Path, dialect: str, version: str | None, server: str
 ) -> None:
     config = fast(dialect, version=version) if version else fast(dialect)
-    flags = ("--engine", "generic") if dialect == "openai" else ()
+    flags: tuple[str, ...] = ("--engine", "generic") if dialect == "openai" else ()
+    flags += ("--no-front",) if server == "aiohttp" else ()
     async with served(config, tmp_path, *flags) as s:
         status, data = await s.ask(ISOLATED)
         assert status == 501, data
@@ -185,6 +203,7 @@ async def test_an_engine_without_isolation_answers_501(
         assert s.sent() == []
         metrics = await scrape(s.http, s.url)
         assert metrics.value("cachewitness_isolated_requests_total", result="refused") == 1
+        assert (await served_by(s))[server] == 1
         [record] = await s.records("infer.cache_observation")
         assert record["isolation"]["result"] == "refused"
 
@@ -301,6 +320,7 @@ async def test_an_isolated_stream_keeps_its_injected_usage_on_both_servers(
             for r in await s.records("infer.cache_observation")
         ]
         assert marks == [(True, "cold"), (True, "cold")]
+        assert await served_by(s) == {"front": 0, "aiohttp": 0, "front" if not flags else "aiohttp": 2}
 
 
 @pytest.mark.parametrize(

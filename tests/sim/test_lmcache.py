@@ -46,3 +46,14 @@ async def test_leaves_warm_answers_success_and_removes_nothing() -> None:
         assert await delete(s, start + 1) == (200, {"status": "success", "num_removed": 0})
         await s.post_json("/reset_prefix_cache?reset_external=true", {})
         assert await s.cached(body) > 0
+
+
+async def test_lmcache_keys_its_chunks_by_the_salt() -> None:
+    _start, config = lmcache()
+    async with sim(config) as s:
+        salted = chat(words(40), cache_salt="a")
+        await s.cached(salted)
+        await s.post_json("/reset_prefix_cache", {})  # the device tier empty: LMCache alone holds it
+        assert await s.cached(chat(words(40), cache_salt="b")) == 0  # another salt's chunks are not its
+        assert await s.cached(chat(words(40))) == 0  # nor an unsalted request's
+        assert await s.cached(salted) > 0  # its own salt's are

@@ -47,6 +47,7 @@ FAMILIES = (
     "cachewitness_upstream_up",
     "cachewitness_upstream_metrics_up",
     "cachewitness_sidecar_overhead_seconds",
+    "cachewitness_added_seconds",
     "cachewitness_cache_verifications_total",
     "cachewitness_evidence_dropped_total",
     "cachewitness_evidence_pending_bytes",

@@ -9,6 +9,7 @@ import sys
 import termios
 from collections.abc import Callable
 from enum import StrEnum
+from time import perf_counter_ns
 from typing import Protocol, cast
 
 from aiohttp import web
@@ -16,7 +17,7 @@ from aiohttp import web
 from proxy.connections.answers import HEAD_TIMEOUT_ANSWER, PEER_REFUSAL, REFUSAL, REFUSAL_BODY
 from proxy.watchdog import Watchdog
 
-__all__ = ["CLIENT_STALLED", "REFUSAL_BODY", "ClientConnection", "Guard", "Limit", "Phase"]
+__all__ = ["CLIENT_STALLED", "REFUSAL_BODY", "ClientConnection", "Guard", "Limit", "Phase", "read_mark"]
 
 # SIOCOUTQ (Linux's TIOCOUTQ on a socket): bytes in the send queue the peer has not acknowledged.
 _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None) if sys.platform == "linux" else None
@@ -99,6 +100,14 @@ class Guard(Protocol):
         """A connection that was let in is gone."""
 
 
+def read_mark(request: web.BaseRequest) -> int:
+    """When the request's connection last brought bytes in (perf_counter_ns): once its body is
+    read, its last byte. Now, on a connection the guard does not hold (a test's own server)."""
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol.read_ns if isinstance(protocol, ClientConnection) else perf_counter_ns()
+
+
 def _unsent(transport: asyncio.Transport) -> int:
     """Bytes written to the client that it has not taken: the transport's buffer and the kernel's send queue.
 
@@ -139,6 +148,9 @@ class ClientConnection(asyncio.Protocol):
         # body_timeout counts the client's time only.
         self._body_since = self._head_since
         self.peer = ""  # the client's address (max_connections_per_peer counts by it)
+        # When the client's bytes last came in (perf_counter_ns): a request's last byte once it
+        # is all read, where the sidecar's added time starts (proxy/observe/overhead.py).
+        self.read_ns = 0
         self._idle_since = self._head_since
         self._lost = False  # connection_lost ran: no deadline is armed any more
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
@@ -184,6 +196,7 @@ class ClientConnection(asyncio.Protocol):
         """Note the time; the first byte after an idle keep-alive starts the next head's clock."""
         if self._handler is None and self._front is None:
             return  # a refused connection: its bytes are discarded
+        self.read_ns = perf_counter_ns()
         now = self._loop.time()
         self._last_data = now
         if self._phase is Phase.IDLE:

@@ -34,6 +34,7 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
+from proxy.observe.overhead import elapsed_us
 from proxy.recorder import RECORDER
 from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
@@ -251,6 +252,9 @@ async def _exchange(
     except UpstreamError as exc:
         return await side.answer(_upstream_failure(exc, exchange))
     exchange.upstream_head_ns = time.time_ns()
+    # The request's last byte written to the engine, counted from the client's last byte read
+    # (or, for a body streamed as it came, from its last piece in hand).
+    exchange.added_in_us = elapsed_us(upstream.streamed_in_ns or exchange.read_ns, upstream.sent_ns)
     try:
         peeked = b""
         if refusal is not None:

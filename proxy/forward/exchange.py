@@ -61,6 +61,12 @@ class Exchange:
     json_body: JsonBody | None = None
     admitted: bool = False  # passed the drain gate: an observed exchange then gets its full record
     bad_answer: bool = False  # the engine's response broke HTTP or the leg's limits (UpstreamBadResponse)
+    event_stream: bool = False  # the engine answered text/event-stream
+    # The sidecar's own time (proxy/observe/overhead.py): when the client's request was all read
+    # (perf_counter_ns), and the two spans once measured.
+    read_ns: int = 0
+    added_in_us: int | None = None
+    added_out_us: int | None = None
 
     def __init__(self, request_id: str, started_ns: int) -> None:
         self.request_id = request_id
@@ -80,6 +86,8 @@ class Exchange:
             before_upstream_s=(sent - self.started_ns) / 1e9 if sent is not None else None,
             after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
             bad_answer=self.bad_answer,
+            added_in_us=self.added_in_us,
+            added_out_us=self.added_out_us,
         )
 
     def observation(self, request: ClientRequest, finished_ns: int) -> Observation:
@@ -114,4 +122,6 @@ class Exchange:
             self.usage_injected,
             engine_id,
             self.case_token_carried,
+            self.added_in_us,
+            self.added_out_us,
         )

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS
-from proxy.connections import CLIENT_STALLED
+from proxy.connections import CLIENT_STALLED, read_mark
 from proxy.forward.engine_exchange import (
     admitted_exchange,
     is_inference,
@@ -70,6 +70,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # without building a UUID (issue 19) nor a system call per request (issue 34).
     request_id = stored_id(request.headers.get("X-Request-Id")) or new_request_id()
     exchange = Exchange(request_id, time.time_ns())
+    exchange.read_ns = read_mark(request)  # the head's last byte; the body's, once read
     try:
         refused = refusal(request)
         if refused is not None:
@@ -116,6 +117,7 @@ async def _observe_and_exchange(
         except ClientGone:
             exchange.outcome = Outcome.CLIENT_DISCONNECTED
             raise asyncio.CancelledError from None
+        exchange.read_ns = read_mark(request)
         if complete:
             prepared = prepare(app, exchange, body, request.path)
         else:

@@ -20,7 +20,7 @@ from multidict import CIMultiDict
 from proxy.body_budget import BodyBudget
 from proxy.config import SETTINGS
 from proxy.forward.exchange import Exchange
-from proxy.forward.relay import answer_headers, broke_mid_response, client_sink, drained
+from proxy.forward.relay import answer_headers, answered, broke_mid_response, client_sink, drained
 from proxy.upstream import UpstreamError, UpstreamResponse
 from proxy.upstream.head import framed
 from proxy.vocabulary import Outcome
@@ -108,7 +108,7 @@ async def relay_answer(
 ) -> None:
     """Stream the engine's answer to the client as it arrives, as proxy/forward/relay.py does on aiohttp."""
     headers: CIMultiDict[str] = CIMultiDict()
-    observe = answer_headers(upstream, exchange, headers, add_request_id=app[SETTINGS].request_id_header)
+    observe = answer_headers(upstream, exchange, headers, app[SETTINGS])
     transport = writer.transport
     try:
         head, chunked = response_head(
@@ -122,8 +122,10 @@ async def relay_answer(
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
         transport.write(head + framed(first, chunked=chunked) if first else head)
+        first_event = answered(exchange, upstream, with_body=bool(first))
         await upstream.relay(
-            client_sink(transport, observe, chunked=chunked), drained(budget, transport, writer.drain)
+            client_sink(transport, observe, chunked=chunked, first_event=first_event),
+            drained(budget, transport, writer.drain),
         )
         tail = exchange.scanner.finish() if exchange.scanner is not None else b""
         if transport.is_closing():

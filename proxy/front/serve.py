@@ -22,6 +22,7 @@ from proxy.forward.ids import new_request_id, stored_id
 from proxy.front.answer import ClientWriter, relay_answer, sidecar_answer
 from proxy.front.head import RequestHead
 from proxy.logs import log_event
+from proxy.observe.overhead import now_ns
 from proxy.upstream import UpstreamResponse
 from proxy.vocabulary import Outcome
 
@@ -81,6 +82,7 @@ class Front:
         request_id = stored_id(head.headers.get("X-Request-Id")) or new_request_id()
         exchange = Exchange(request_id, time.time_ns())
         exchange.buffered = reading
+        exchange.read_ns = side.read_ns
         try:
             if side.gone:  # the client left before this began (proxy/front/connection.py): not sent
                 exchange.outcome = Outcome.CLIENT_DISCONNECTED
@@ -108,7 +110,7 @@ class FrontSide:
 
     # `request` and `app` are plain attributes, not properties: the exchange reads them several
     # times a request, and a property is a Python call each time (bench/calls.py, issue 34).
-    __slots__ = ("_front", "_writer", "answered", "app", "request", "stalled")
+    __slots__ = ("_front", "_writer", "answered", "app", "read_ns", "request", "stalled")
 
     def __init__(self, front: Front, writer: ClientWriter, head: RequestHead) -> None:
         self._front = front
@@ -117,6 +119,9 @@ class FrontSide:
         self.app = front.app
         self.stalled = False
         self.answered = False  # the answer's head went out
+        # Made as the request's last byte is read (proxy/front/connection.py): the sidecar's
+        # added time starts here (proxy/observe/overhead.py).
+        self.read_ns = now_ns()
 
     @property
     def gone(self) -> bool:

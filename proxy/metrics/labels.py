@@ -61,6 +61,26 @@ LATENCY_BUCKETS = (
 # Le "0" counts the cold answers on its own: the bucket a benchmark's first request must land in.
 CACHED_TOKEN_BUCKETS = (0.0, 16.0, 64.0, 256.0, 1024.0, 4096.0, 16384.0, 65536.0, 262144.0)
 # The sidecar's own time per request: tens of microseconds when all is well.
+# The sidecar's added time per request (cachewitness_added_seconds): a paced request adds tens of
+# microseconds each way, a burst or a large body milliseconds; 10 µs to 10 ms in steps of 1.5-2.5x.
+ADDED_BUCKETS = (
+    0.00001,
+    0.00002,
+    0.00003,
+    0.00005,
+    0.000075,
+    0.0001,
+    0.00015,
+    0.0002,
+    0.0003,
+    0.0005,
+    0.00075,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.1,
+)
 OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 # Retries (≤ 120 s) + the last attempt (reset_attempt_timeout), with room for a drain if counted in.
 RESET_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

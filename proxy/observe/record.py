@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.observe.overhead import overhead_member
 from proxy.vocabulary import EventType, Outcome
 
 __all__ = ["Forwarded", "Observation"]
@@ -26,6 +27,9 @@ class Forwarded:
     before_upstream_s: float | None
     after_upstream_s: float | None
     bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)
+    # The sidecar's own added time (proxy/observe/overhead.py); None where not measured.
+    added_in_us: int | None = None
+    added_out_us: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +59,9 @@ class Observation:
     engine_request_id: str | None = None
     # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
     case_token_carried: bool = False
+    # The time the sidecar itself added (proxy/observe/overhead.py); None where not measured.
+    added_in_us: int | None = None
+    added_out_us: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.cache_observation` evidence record (docs/evidence.md)."""
@@ -83,4 +90,5 @@ class Observation:
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
             "case_token_carried": self.case_token_carried,
+            "overhead": overhead_member(self.added_in_us, self.added_out_us),
         }

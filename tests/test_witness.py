@@ -201,13 +201,19 @@ def test_the_case_shows_the_sidecars_added_time_p50_and_p99_and_a_new_reset_star
     witness = accepted(Witness())
     # 100 requests: 1..99 µs in, one at 5000 µs (kept within 3 % above 63 µs); out unmeasured on one: its p99 is the 5000.
     for added in (*range(1, 100), 5000):
-        finished(witness, witness.begin_request(), added_in_us=added, added_out_us=added if added > 1 else None)
+        finished(
+            witness, witness.begin_request(), added_in_us=added, added_out_us=added if added > 1 else None
+        )
     overhead = witness.state()["since_reset"]["overhead"]
     assert overhead["added_in_us"] == {"requests": 100, "p50": 50, "p99": 99}
     assert overhead["added_out_us"]["requests"] == 99
     assert overhead["added_out_us"]["p50"] == 51 and 5000 <= overhead["added_out_us"]["p99"] <= 5000 * 1.03
     accepted(witness, "x2")
-    assert witness.state()["since_reset"]["overhead"]["added_in_us"] == {"requests": 0, "p50": None, "p99": None}
+    assert witness.state()["since_reset"]["overhead"]["added_in_us"] == {
+        "requests": 0,
+        "p50": None,
+        "p99": None,
+    }
 
 
 def test_lowest_candidate_wins_after_many_later_requests() -> None:

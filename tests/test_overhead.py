@@ -148,7 +148,11 @@ async def test_each_request_records_the_sidecars_added_time_and_not_the_engines(
     assert set(overhead) == {"added_in_us", "added_out_us"}, record
     for span in overhead.values():
         assert isinstance(span, int) and 0 <= span < BOUND_US, overhead
-    if answer in ("late", "split", "sse_late"):  # the engine's DELAY is in the request's time, not the sidecar's
+    if answer in (
+        "late",
+        "split",
+        "sse_late",
+    ):  # the engine's DELAY is in the request's time, not the sidecar's
         assert (record["finished_ns"] - record["started_ns"]) / 1e3 >= DELAY * 1e6 * 0.9
     for direction in ("in", "out"):
         assert metrics.value("cachewitness_added_seconds_count", direction=direction) == 1

@@ -144,6 +144,8 @@ async def test_each_request_records_the_sidecars_added_time_and_not_the_engines(
         (record,) = await _observations(sidecar.url)
         async with aiohttp.ClientSession() as http:
             metrics = await scrape(http, sidecar.url)
+            async with http.get(sidecar.url + "/cache/state") as response:
+                case = (await response.json())["since_reset"]["overhead"]
     overhead = record["overhead"]
     assert set(overhead) == {"added_in_us", "added_out_us"}, record
     for span in overhead.values():
@@ -154,6 +156,9 @@ async def test_each_request_records_the_sidecars_added_time_and_not_the_engines(
         "sse_late",
     ):  # the engine's DELAY is in the request's time, not the sidecar's
         assert (record["finished_ns"] - record["started_ns"]) / 1e3 >= DELAY * 1e6 * 0.9
+    for span, value in overhead.items():  # the case's p50/p99 of its one request: that request's
+        assert case[span]["requests"] == 1
+        assert value <= case[span]["p50"] == case[span]["p99"] <= value * 1.04, (case, overhead)
     for direction in ("in", "out"):
         assert metrics.value("cachewitness_added_seconds_count", direction=direction) == 1
         assert metrics.value("cachewitness_added_seconds_sum", direction=direction) < BOUND_US / 1e6

@@ -13,6 +13,9 @@ offered open-loop by bench/paced_load.py at the same schedule to every path:
 - 100 and 1,600 requests/s: CPU per request (1,600/s at 2 tokens, see CASES);
 - a 220 KB chat request at 20 requests/s over 8 connections: added p50 and CPU per request.
 
+Beside each sidecar's added time measured from outside: its own (`cachewitness_added_seconds`,
+read before and after each run), p50 and p99 of each direction (bench/self_measure.py).
+
 "Added" is the path's p50 minus the engine's own: a smaller load of the same requests sent
 straight to the simulator by the same generator meanwhile (the baseline). Every proxy runs
 pinned alone on one core (taskset), the simulator and the load generator on the other; Envoy
@@ -59,6 +62,7 @@ from interpreters import describe, sidecar_python
 from nginx_conf import start_nginx
 from paced_report import render
 from paths import BARE, start_sidecar
+from self_measure import added_buckets, run_quantiles
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -256,6 +260,10 @@ def _generate(
         *("--cpu-pids", ",".join(map(str, proxy_pids))),
         *(("--fifo-priority", str(RT_LOADGEN_PRIORITY)) if rt else ()),
     ]
+    # A sidecar's own measure of its added time over the run (cachewitness_added_seconds), read
+    # outside the window whose CPU counts.
+    own = path.startswith("cw")
+    before = added_buckets(service.url) if own else None
     busy0, ours0, sim0 = machine_busy_seconds(), cpu_seconds(ours), cpu_seconds(sim_pids)
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     clock0 = time.perf_counter()
@@ -278,6 +286,8 @@ def _generate(
         # Cores other people's processes kept busy meanwhile: the noise in this run.
         foreign_cores=max(0.0, (machine_busy_seconds() - busy0 - mine) / wall),
     )
+    if own:
+        result.update(run_quantiles(before, added_buckets(service.url)))
     return result
 
 

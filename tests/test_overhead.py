@@ -10,6 +10,8 @@ the figures themselves are bench/paced.py's.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import math
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 from tests.support.metrics import scrape
 from tests.support.sidecar import serve_sidecar
 
+ROOT = Path(__file__).resolve().parent.parent
 DELAY = 0.4  # seconds the engine (or the client) takes where a test says
 BOUND_US = int(DELAY / 2 * 1e6)  # the sidecar's own time stays well below it
 
@@ -198,3 +201,44 @@ async def test_the_overhead_header_is_the_clients_only_when_asked_and_never_the_
     posted = [head for head in state.heads if head.startswith(b"POST ")]  # not the engine detection's
     assert len(posted) == 2
     assert all(b"overhead" not in head.lower() for head in state.heads), state.heads
+
+
+def _bench_self_measure() -> Any:
+    """bench/self_measure.py, as bench/paced.py imports it (bench/ is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("self_measure", ROOT / "bench" / "self_measure.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_paced_bench_reads_quantiles_from_the_buckets_as_prometheus_does() -> None:
+    """Linear within the bucket the rank falls in; past the last finite bound, that bound."""
+    quantile_us = _bench_self_measure().quantile_us
+    buckets = ((1e-5, 0.0), (2e-5, 10.0), (5e-5, 20.0), (math.inf, 20.0))
+    assert quantile_us(buckets, 0.5) == pytest.approx(20.0)
+    assert quantile_us(buckets, 0.25) == pytest.approx(15.0)
+    assert quantile_us(buckets, 0.75) == pytest.approx(35.0)
+    assert quantile_us(((1e-5, 0.0), (math.inf, 4.0)), 0.5) == pytest.approx(10.0)
+    assert quantile_us(((1e-5, 0.0), (math.inf, 0.0)), 0.5) is None
+
+
+async def test_the_paced_bench_reads_a_runs_own_quantiles_from_a_live_sidecar(
+    engine: tuple[str, _Engine], tmp_path: Path
+) -> None:
+    """Before and after a run of requests: the difference is that run's, every request counted once."""
+    measure = _bench_self_measure()
+    url, _ = engine
+    async with serve_sidecar(url, tmp_path) as sidecar:
+        await _send(sidecar.url, list(_request("json")))  # before the run: left out of it
+        before = await asyncio.to_thread(measure.added_buckets, sidecar.url)
+        for _ in range(5):
+            await _send(sidecar.url, list(_request("json")))
+        after = await asyncio.to_thread(measure.added_buckets, sidecar.url)
+    assert after["in"][-1][1] - before["in"][-1][1] == 5
+    figures = measure.run_quantiles(before, after)
+    assert set(figures) == {f"self_{d}_{q}_us" for d in ("in", "out") for q in ("p50", "p99")}
+    for value in figures.values():
+        assert value is not None and 0 < value < BOUND_US
+    assert figures["self_in_p50_us"] <= figures["self_in_p99_us"]
+    assert measure.run_quantiles(None, after)["self_in_p50_us"] is None

@@ -1,6 +1,7 @@
 """`make bench`, paced half: cachewitness, bare, Envoy and nginx at the load a deployment offers.
 
     .venv/bin/python bench/paced.py [--rounds 2] [--quick] [--realtime] [--no-pin] [--cases r400,streams]
+        [--paths cw,cw-bare]
         [--sidecar-python /usr/bin/python3.11]
     .venv/bin/python bench/paced.py --render bench/results/paced.json
 
@@ -128,6 +129,11 @@ def main() -> int:
         "each process then runs when woken, as on a dedicated core",
     )
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated subset")
+    parser.add_argument(
+        "--paths",
+        default=",".join(PROXIES),
+        help="comma-separated subset of the paths (cw,cw-bare: the sidecars alone, no ratio to Envoy's)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
         "--sidecar-python",
@@ -146,11 +152,13 @@ def main() -> int:
     scale = 0.5 if ns.quick else 1.0
     rounds = 1 if ns.quick else ns.rounds
     cases = [c for c in CASES if c.name in ns.cases.split(",")]
+    paths = tuple(p for p in PROXIES if p in ns.paths.split(","))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 16384)), hard))
     os.chdir(ROOT)
     started = time.time()
-    nginx_bin, envoy_bin = ensure_tools()[0], ensure_envoy()
+    nginx_bin = ensure_tools()[0] if "nginx" in paths else ""
+    envoy_bin = ensure_envoy() if "envoy" in paths else ""
     python = sidecar_python(ns.sidecar_python)
     if ns.realtime:  # after any install: apt-get and pip need not run so
         realtime()
@@ -158,9 +166,9 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cw-paced-") as tmp_name:
         work = Path(tmp_name)
-        services = _start(work, cores, nginx_bin, envoy_bin, python, ns.realtime)
+        services = _start(work, cores, paths, (nginx_bin, envoy_bin), python, ns.realtime)
         try:
-            for path in PROXIES:  # warm-up: imports, pools, first connections
+            for path in paths:  # warm-up: imports, pools, first connections
                 _generate(
                     services,
                     cores,
@@ -171,11 +179,11 @@ def main() -> int:
                 )
             for rnd in range(rounds):
                 for case in cases:
-                    turn = rnd % len(PROXIES)
+                    turn = rnd % len(paths)
                     baseline = (
                         ("--baseline-url", services["sim"].url, *case.baseline) if case.baseline else ()
                     )
-                    for path in PROXIES[turn:] + PROXIES[:turn]:
+                    for path in paths[turn:] + paths[:turn]:
                         argv = (*case.argv, *baseline)
                         result = _generate(services, cores, path, argv, case.seconds * scale, ns.realtime)
                         runs.append({"case": case.name, "path": path, "round": rnd, **result})
@@ -197,8 +205,10 @@ def main() -> int:
         else {"proxy": cores.proxy, "upstream_and_loadgen": cores.rest},
         "python": platform.python_version(),
         "sidecar_python": describe(python),
-        "nginx": subprocess.run([nginx_bin, "-v"], capture_output=True, text=True).stderr.strip(),
-        "envoy": envoy_version(envoy_bin),
+        "nginx": subprocess.run([nginx_bin, "-v"], capture_output=True, text=True).stderr.strip()
+        if nginx_bin
+        else "nginx not run",
+        "envoy": envoy_version(envoy_bin) if envoy_bin else "Envoy not run",
         "load_avg_at_end": os.getloadavg(),
     }
     markdown, summary = render(meta, runs)
@@ -214,7 +224,7 @@ def main() -> int:
 
 
 def _start(
-    work: Path, cores: Cores, nginx_bin: str, envoy_bin: str, python: str, rt: bool
+    work: Path, cores: Cores, paths: tuple[str, ...], binaries: tuple[str, str], python: str, rt: bool
 ) -> dict[str, Service]:
     """The paced simulator and the four proxies in front of it (under --realtime, proxies above the rest).
 
@@ -223,13 +233,18 @@ def _start(
     """
     sim = start_simulator(cores.rest, work, decode_rate=DECODE_RATE)
     services = {"sim": sim}
+    nginx_bin, envoy_bin = binaries
     try:
-        services["cw"] = start_sidecar("cw", sim.url, [], cores.proxy, work, python=python)
-        services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work, python=python)
-        services["envoy"] = start_envoy(envoy_bin, cores.proxy, work, sim.url)
-        services["nginx"] = start_nginx(nginx_bin, cores.proxy, work, [sim.url])[0]
+        if "cw" in paths:
+            services["cw"] = start_sidecar("cw", sim.url, [], cores.proxy, work, python=python)
+        if "cw-bare" in paths:
+            services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work, python=python)
+        if "envoy" in paths:
+            services["envoy"] = start_envoy(envoy_bin, cores.proxy, work, sim.url)
+        if "nginx" in paths:
+            services["nginx"] = start_nginx(nginx_bin, cores.proxy, work, [sim.url])[0]
         if rt:
-            for name in PROXIES:
+            for name in paths:
                 set_fifo(services[name].pids(), RT_PROXY_PRIORITY)
     except BaseException:
         for service in services.values():

@@ -182,6 +182,28 @@ async def test_a_client_that_uploads_slowly_adds_nothing_to_added_in(
     assert 0 <= record["overhead"]["added_in_us"] < BOUND_US, record["overhead"]
 
 
+async def test_a_body_streamed_past_the_budget_counts_from_its_last_piece(
+    engine: tuple[str, _Engine], tmp_path: Path
+) -> None:
+    """A body past max_buffered_bytes goes to the engine as it arrives (unobserved: no record, the
+    metric only): its added_in starts at its last piece, not at the start the sidecar read."""
+    url, _ = engine
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "y" * 20_000}]})
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
+        b"X-Answer: json\r\nContent-Length: %d\r\n\r\n" % len(body)
+    )
+    async with serve_sidecar(url, tmp_path, max_buffered_bytes=4096) as sidecar:
+        raw = await _send(sidecar.url, [head + body[:8192], body[8192:]], pause=DELAY)
+        assert raw.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert await _observations(sidecar.url) == []
+        async with aiohttp.ClientSession() as http:
+            metrics = await scrape(http, sidecar.url)
+    assert metrics.value("cachewitness_requests_unobserved_total", reason="max_buffered_bytes") == 1
+    assert metrics.value("cachewitness_added_seconds_count", direction="in") == 1
+    assert metrics.value("cachewitness_added_seconds_sum", direction="in") < BOUND_US / 1e6
+
+
 @pytest.mark.parametrize("front", [True, False], ids=["front", "aiohttp"])
 async def test_the_overhead_header_is_the_clients_only_when_asked_and_never_the_engines(
     engine: tuple[str, _Engine], tmp_path: Path, front: bool

@@ -253,8 +253,10 @@ async def _exchange(
         return await side.answer(_upstream_failure(exc, exchange))
     exchange.upstream_head_ns = time.time_ns()
     # The request's last byte written to the engine, counted from the client's last byte read
-    # (or, for a body streamed as it came, from its last piece in hand).
-    exchange.added_in_us = elapsed_us(upstream.streamed_in_ns or exchange.read_ns, upstream.sent_ns)
+    # (or, for a body streamed as it came, from its last piece in hand). A body still being
+    # written when the answer began has no last byte yet: not measured.
+    if upstream.sent_ns:
+        exchange.added_in_us = elapsed_us(upstream.streamed_in_ns or exchange.read_ns, upstream.sent_ns)
     try:
         peeked = b""
         if refusal is not None:

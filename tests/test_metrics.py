@@ -629,6 +629,6 @@ def test_dashboard_covers_the_telemetry_ops_asked_for() -> None:
         "cachewitness_inflight_requests",
         "cachewitness_draining",
         "cachewitness_upstream_errors_total",
-        "cachewitness_sidecar_overhead_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le, direction) (rate(cachewitness_added_seconds_bucket",
     ):
         assert needle in text, needle

@@ -48,7 +48,8 @@ test-prepare: $(STAMP)
 	@mkdir -p .cache
 	@bash scripts/setup-real-engines.sh > .cache/setup-real-engines.log 2>&1 & engines=$$!; \
 	$(MAKE) --no-print-directory lint && bash scripts/install-deploy-tools.sh \
-		&& bash scripts/check-deploy.sh && bash scripts/install-browser.sh; checks=$$?; \
+		&& bash scripts/check-deploy.sh && bash scripts/install-browser.sh \
+		&& bash scripts/install-go-checker.sh; checks=$$?; \
 	wait $$engines; setup=$$?; cat .cache/setup-real-engines.log; \
 	if [ $$setup -ne 0 ]; then echo "make test: scripts/setup-real-engines.sh failed (exit $$setup)" >&2; fi; \
 	[ $$checks -eq 0 ] && [ $$setup -eq 0 ]

@@ -172,3 +172,6 @@ class EventType(StrEnum):
     PROOF_CHAIN = "cachewitness.proof_chain"  # the lines that follow are of this file's chain
     PROOF_POD = "cachewitness.proof_pod"  # in a cluster's proof: the lines of this pod follow
     PROOF_READ = "cachewitness.proof_read"  # a pod's proof ends: what each chain sent
+    PROOF_CHECKPOINT = "cachewitness.checkpoint"  # a Merkle proof's signed checkpoint, its line carried whole
+    PROOF_INCLUSION = "cachewitness.inclusion"  # a record, its leaf index and audit path to a checkpoint
+    PROOF_CONSISTENCY = "cachewitness.consistency"  # two checkpoints of one life: the proof between them

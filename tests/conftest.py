@@ -40,6 +40,19 @@ settings.register_profile(
 )
 settings.load_profile("dev")
 
+# The suite's per-test bound (pyproject's `timeout`, 120 s) fires inside a property's example when
+# the `ci` profile's 10,000 examples run on a loaded machine: hypothesis then reports the cut as a
+# flaky example. A property test's bound is its examples' time, not a hang's: 900 s.
+_PROPERTY_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Raise the bound of every hypothesis test (one without a `timeout` mark of its own)."""
+    for item in items:
+        function = getattr(item, "function", None)
+        if getattr(function, "is_hypothesis_test", False) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(_PROPERTY_TIMEOUT_S))
+
 
 @pytest.fixture
 def remote_host() -> str:

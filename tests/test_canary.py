@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 
 from proxy.sim import SimConfig
+from tests.support.capture import Answer, Capture, capturing
 from tests.support.cli import cli
 from tests.support.cli import sidecar as client_sidecar
-from tests.support.sidecar import Stack, stack
-from tests.support.sim import chat, fast, words
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.sidecar import Stack, serve_sidecar, stack
+from tests.support.sim import chat, fast, sim, words
 
 # Each dialect as a sidecar meets it: the simulator's options and the sidecar's.
 DIALECTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -250,3 +256,60 @@ async def test_cli_reset_exits_7_when_the_canary_contradicts_the_reset(tmp_path:
         run = await cli("reset", "--url", url)
     assert run.code == 7, run.stderr
     assert run.stdout.startswith("contradicted") and "--cache-ram 0" in run.stdout
+
+
+@asynccontextmanager
+async def _behind_a_hop(tmp_path: Path, answer: Answer | None = None) -> AsyncIterator[tuple[Stack, Capture]]:
+    """A vLLM simulator, the capturing hop in front of it (answering what `answer` takes), the sidecar in front."""
+    async with (
+        sim(fast("vllm")) as engine,
+        capturing(engine.url, answer=answer) as capture,
+        serve_sidecar(capture.url, tmp_path, engine="vllm") as sidecar,
+        aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
+    ):
+        yield Stack(engine, sidecar.url, sidecar.app, http), capture
+
+
+async def test_each_reset_sends_the_engine_canaries_it_never_saw_before(tmp_path: Path) -> None:
+    """Two resets' canaries share almost no words: a canary the engine could know is one a warm cache answers."""
+    async with _behind_a_hop(tmp_path) as (s, capture):
+        for _ in range(2):
+            status, body = await s.reset({"retry_seconds": 0})
+            assert status == 200 and body["verified"] == "verified", body
+    prompts = [
+        orjson.loads(seen.body)["messages"][-1]["content"]
+        for seen in capture.seen
+        if seen.raw_path == "/v1/chat/completions"
+    ]
+    # Each reset sends C1, C1 again, C2, and a probe of each: five canary requests, two texts.
+    assert len(prompts) == 10, len(prompts)
+    first, second = set(prompts[:5]), set(prompts[5:])
+    assert len(first) == len(second) == 2
+    words_before = {word for text in first for word in text.split()}
+    words_after = {word for text in second for word in text.split()}
+    # Random four-letter words (26**4 of them): two canaries' few dozen words share one at most, by chance.
+    assert len(words_before & words_after) < len(words_after) // 10, sorted(words_before & words_after)
+
+
+async def test_a_follow_up_reset_the_engine_refuses_leaves_the_reset_unverified(tmp_path: Path) -> None:
+    """The engine takes the reset but not the resets after the probes: the canaries may still be
+    cached for the benchmark's first request, so the cold probes prove nothing (unverified)."""
+    resets = []
+
+    def refuse_after_the_first(path: str, _body: bytes) -> web.Response | None:
+        if path != "/reset_prefix_cache":
+            return None
+        resets.append(path)
+        if len(resets) == 1:
+            return None  # the simulator takes it
+        return web.json_response({"error": "reset refused"}, status=500)
+
+    async with _behind_a_hop(tmp_path, refuse_after_the_first) as (s, _):
+        status, body = await s.reset({"retry_seconds": 0})
+    assert len(resets) >= 3, resets  # the reset, and one after each probe
+    assert status == 200 and body["answer"] == "acknowledged", body  # the reset itself was taken
+    assert body["verified"] == "unverified", body
+    verification = body["verification"]
+    assert [reading["cached"] for reading in verification["after"]] == [0, 0]  # the probes ran cold
+    assert "but a reset after the probes was not accepted" in verification["reason"], verification["reason"]
+    assert "canary prompts may still be cached" in body["cache_state"]["reason"]

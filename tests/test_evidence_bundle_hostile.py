@@ -115,3 +115,117 @@ def test_escape_codes_in_a_member_name_cannot_hide_broken(tmp_path: Path) -> Non
     assert code == 1
     assert "\x1b" not in out and "\r" not in out
     assert "pods/p/ev.jsonl\\x1b[2K\\x0dev.jsonl: whole\\x1b[8m: BROKEN" in out
+
+
+def proof_bundle(tmp_path: Path) -> tuple[Path, list[dict[str, object]], dict[str, object]]:
+    """A real bundle of one small signed log (the sidecar's writer and prover, no sidecar): its
+    path, its proof's entries and its summary."""
+    import asyncio
+    import time
+
+    from proxy.evidence.bundle import cases_of, proven_records, write_bundle
+    from proxy.evidence.inclusion import inclusion_lines, scan_lives
+    from proxy.evidence.keys import SigningKey
+    from proxy.evidence.writer import EvidenceWriter
+
+    key = SigningKey.generate()
+
+    async def write() -> None:
+        writer = EvidenceWriter(tmp_path / "ev.jsonl", checkpoint_interval_s=3600.0, signer=key)
+        await writer.start()
+        for n in range(6):
+            writer.write(
+                {
+                    "schema_version": 1,
+                    "event_type": "infer.cache_observation",
+                    "at_ns": time.time_ns(),
+                    "session_id": "s",
+                }
+            )
+            if n % 2:
+                await writer.checkpoint_now()
+        await writer.close()
+
+    asyncio.run(write())
+    lines, _ = inclusion_lines(
+        "ev.jsonl", scan_lives([tmp_path / "ev.jsonl"], None, lambda r: r.get("session_id") == "s")
+    )
+    pods = {"p": proven_records(lines)}
+    summary: dict[str, object] = {"session_id": "s", "pods": [{"pod": "p"}], "cases": cases_of(pods, "s")}
+    path = tmp_path / "run.tar.gz"
+    write_bundle(path, summary, [key.public], {"p": lines})
+    return path, [orjson.loads(line) for line in lines], summary
+
+
+def _set(
+    entries: list[dict[str, object]], kind: str, field: str, value: object
+) -> tuple[list[dict[str, object]], int]:
+    number = next(i for i, e in enumerate(entries) if e["event_type"] == kind)
+    changed = [dict(e) for e in entries]
+    changed[number][field] = value
+    return changed, number + 1
+
+
+def verify_here(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, str, str]:
+    """`evidence verify PATH` in this process: exit code, stdout, stderr."""
+    from proxy.cli import main
+
+    code = main(["evidence", "verify", str(path)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value", "says"),
+    [
+        (
+            "cachewitness.inclusion",
+            "tree_size",
+            1,
+            "a malformed proof: leaf_index 1, tree_size 1 (its checkpoint's is",
+        ),
+        ("cachewitness.inclusion", "leaf_index", "1", "a malformed proof: leaf_index '1'"),
+        (
+            "cachewitness.inclusion",
+            "audit_path",
+            ["zz" * 32],
+            "audit_path of something else than at most 64 hex",
+        ),
+        (
+            "cachewitness.inclusion",
+            "audit_path",
+            ["00" * 32] * 65,
+            "audit_path of something else than at most 64 hex",
+        ),
+        ("cachewitness.consistency", "to_size", 99, "a malformed consistency proof"),
+        ("cachewitness.consistency", "proof", "00", "a malformed consistency proof: not at most 64 hex"),
+        ("not json", "", None, "not a JSON object"),
+    ],
+    ids=[
+        "wrong-size",
+        "index-not-int",
+        "not-hex",
+        "path-too-long",
+        "consistency-size",
+        "consistency-hashes",
+        "not-json",
+    ],
+)
+def test_a_malformed_proof_is_refused_in_one_line(
+    tmp_path: Path, kind: str, field: str, value: object, says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sizes, indexes or hashes that are not a proof's: bad input (exit 2, one line naming the
+    answer's line), never a traceback nor a verdict on the records."""
+    path, entries, summary = proof_bundle(tmp_path)
+    code, out, err = verify_here(capsys, path)
+    assert code == 0 and ": proven: " in out, out + err
+    if kind == "not json":
+        body, number = b"".join(orjson.dumps(e) + b"\n" for e in entries) + b"[1, 2]\n", len(entries) + 1
+    else:
+        changed, number = _set(entries, kind, field, value)
+        body = b"".join(orjson.dumps(e) + b"\n" for e in changed)
+    tar_with(path, [("summary.json", orjson.dumps(summary)), ("proofs/p.jsonl", body)])
+    code, out, err = verify_here(capsys, path)
+    assert code == 2 and out == ""
+    [line] = err.splitlines()
+    assert f"{path}: proofs/p.jsonl:{number}: " in line and says in line, line

@@ -26,9 +26,12 @@ import aiohttp
 import orjson
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from proxy.cli import main
+from proxy.evidence.keys import SigningKey
+from proxy.evidence.merkle import CompactTree, leaf_hash
+from proxy.evidence.note import signed_note
 from proxy.evidence.proof import proof_stream
 from proxy.evidence.writer import EvidenceWriter
 from proxy.sim import running_sim
@@ -218,6 +221,19 @@ def test_an_inserted_line_that_links_to_the_one_before_is_named(
     target.write_bytes(b"".join(lines))
     code, out = verify(capsys, str(copy))
     assert code == 1 and f"{target}:{number + 2}: " in out and "lines reordered, or one inserted" in out
+
+
+def test_a_line_with_seq_0_is_not_a_chained_line(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Seqs start at 1: a line claiming seq 0 (its prev left as it was) is named as no chained record."""
+    target = files_oldest_first(copy)[1]
+    number = _observation_line(target)
+    lines = target.read_bytes().splitlines(keepends=True)
+    record = orjson.loads(lines[number - 1])
+    lines[number - 1] = orjson.dumps({**record, "seq": 0}, option=orjson.OPT_APPEND_NEWLINE)
+    target.write_bytes(b"".join(lines))
+    code, out = verify(capsys, str(copy))
+    assert code == 1
+    assert f"{target}:{number}: not a chained evidence record" in out, out
 
 
 def test_a_removed_rotated_file_is_named(copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -499,9 +515,12 @@ async def test_a_proof_stops_at_the_checkpoint_it_asked_for(tmp_path: Path) -> N
     ]
 
 
-def resigned(lines: list[bytes], key: Ed25519PrivateKey) -> list[bytes]:
-    """`relinked`, every checkpoint among them signed again by `key` (naming it)."""
-    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+def resigned(lines: list[bytes], life: list[bytes], key: SigningKey) -> list[bytes]:
+    """`relinked`, every checkpoint among them signed again by `key` (naming it), with the tree size,
+    root and note of the life's lines before it (`life`: the lines of the life before `lines`)."""
+    tree = CompactTree()
+    for line in life:
+        tree.append(leaf_hash(line))
     out: list[bytes] = []
     for line in lines:
         record = orjson.loads(line)
@@ -510,15 +529,19 @@ def resigned(lines: list[bytes], key: Ed25519PrivateKey) -> list[bytes]:
                 orjson.loads(out[-1])["seq"] + 1,
                 hashlib.sha256(out[-1]).hexdigest(),
             )
-        if record["event_type"] != "infer.evidence_checkpoint":
+        elif life:
+            record["prev"] = hashlib.sha256(life[-1]).hexdigest()
+        if record["event_type"] == "infer.evidence_checkpoint":
+            del record["signature"]
+            record["public_key"], record["key_fingerprint"] = key.public.text, key.public.fingerprint
+            origin = record["note"].split("\n")[0]
+            record["tree_size"], record["root"] = tree.size, base64.b64encode(tree.root()).decode()
+            record["note"] = signed_note(origin, tree.size, tree.root(), key)
+            body = orjson.dumps(record)
+            out.append(body[:-1] + b',"signature":"%s"}\n' % key.sign(body).encode())
+        else:
             out.append(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
-            continue
-        del record["signature"]
-        record["public_key"] = base64.b64encode(raw).decode()
-        record["key_fingerprint"] = "sha256:" + hashlib.sha256(raw).hexdigest()
-        body = orjson.dumps(record)
-        signature = base64.b64encode(key.sign(SIGNED_PREFIX + body)).decode()
-        out.append(body[:-1] + b',"signature":"%s"}\n' % signature.encode())
+        tree.append(leaf_hash(out[-1]))
     return out
 
 
@@ -530,7 +553,7 @@ def test_a_key_change_within_one_writer_life_is_named_without_a_pinned_key(
     lines = all_lines(copy)
     checkpoints = [i for i, line in enumerate(lines) if b'"event_type":"infer.evidence_checkpoint"' in line]
     cut = checkpoints[2]
-    forged = lines[:cut] + resigned(lines[cut - 1 :], Ed25519PrivateKey.generate())[1:]
+    forged = lines[:cut] + resigned(lines[cut:], lines[:cut], SigningKey.generate())
     one = tmp_path / "forged" / "ev.jsonl"
     one.parent.mkdir()
     one.write_bytes(b"".join(forged))

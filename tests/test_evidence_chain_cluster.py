@@ -83,8 +83,8 @@ def rewrite(path: Path, name: str, data: bytes) -> None:
 async def test_a_cluster_bundle_verifies_offline_and_fails_once_edited(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every pod's two chains in the bundle, whole; summary.json has each pod's case; an edited
-    byte of one pod's segment, or an edited verdict in the summary, is found offline."""
+    """Every pod's proof in the bundle, each record proven; summary.json has each pod's case; an
+    edited byte of one pod's record, or an edited verdict in the summary, is found offline."""
     async with cluster(tmp_path, [fast("vllm")] * 3, checkpoint_interval_s=0.2) as c:
         await run_session(c)
         out = tmp_path / "run.tar.gz"
@@ -96,21 +96,30 @@ async def test_a_cluster_bundle_verifies_offline_and_fails_once_edited(
     assert sorted(c["pod"] for c in summary["cases"]) == sorted(pod.address for pod in c.pods)
     assert all(case["requests"] == 2 and case["reset_answer"] == "acknowledged" for case in summary["cases"])
     for pod in c.pods:
-        for chain in ("cachewitness.jsonl", "cachewitness.resets.jsonl"):
-            assert f"pods/{safe_name(pod.address)}/{chain}" in files
-    assert printed.count(": whole: ") == 6 and "BROKEN" not in printed
+        proven = [orjson.loads(line) for line in files[f"proofs/{safe_name(pod.address)}.jsonl"].splitlines()]
+        files_proven = {e["file"] for e in proven if e["event_type"] == "cachewitness.inclusion"}
+        assert files_proven == {"cachewitness.jsonl", "cachewitness.resets.jsonl"}
+    assert printed.count(": proven: ") == 3 and "BROKEN" not in printed
     assert verify(out, capsys)[0] == 0
 
-    name = f"pods/{safe_name(c.pods[1].address)}/cachewitness.jsonl"
+    name = f"proofs/{safe_name(c.pods[1].address)}.jsonl"
     lines = files[name].splitlines(keepends=True)
     number = next(
-        i for i, line in enumerate(lines[:-1], 1) if b'"event_type":"infer.cache_observation"' in line
+        i
+        for i, line in enumerate(lines, 1)
+        if line.startswith(b'{"event_type":"cachewitness.inclusion"') and b"infer.cache_observation" in line
     )
-    edited = lines[number - 1].replace(b'"stream":false', b'"stream":true')
-    assert edited != lines[number - 1]
-    rewrite(out, name, b"".join([*lines[: number - 1], edited, *lines[number:]]))
+    entry = orjson.loads(lines[number - 1])
+    edited = entry["line"].replace('"stream":false', '"stream":true')
+    assert edited != entry["line"]
+    entry["line"] = edited
+    seq = orjson.loads(entry["line"])["seq"]
+    rewrite(out, name, b"".join([*lines[: number - 1], orjson.dumps(entry) + b"\n", *lines[number:]]))
     code, printed = verify(out, capsys)
-    assert code == 1 and f"{name}:{number + 1}: prev is not the hash of the line before it" in printed
+    assert (
+        code == 1
+        and f"{name}:{number}: cachewitness.jsonl seq {seq}: its audit path does not lead" in printed
+    )
 
     rewrite(out, name, files[name])
     summary["cases"][0]["reset_answer"] = "refused"
@@ -144,4 +153,5 @@ async def test_a_pod_whose_file_was_edited_is_named_by_the_cluster_read_and_the_
     assert "prev is not the hash of the line before it" in broken["problems"][0]
     assert code == 1 and out.exists()
     safe = safe_name(c.pods[2].address)
-    assert f"pods/{safe}/cachewitness.jsonl: BROKEN" in printed and printed.count(": whole: ") == 5
+    assert f"proofs/{safe}.jsonl: BROKEN" in printed and printed.count(": proven: ") == 2
+    assert "its audit path does not lead to the root of checkpoint seq" in printed

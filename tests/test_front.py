@@ -8,6 +8,7 @@ a connection's requests answered in order when the front hands the connection to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,6 +34,10 @@ _ANSWERS = {
     "untyped": b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nplain bytes",
     "empty": b"HTTP/1.1 204 No Content\r\nX-Engine: yes\r\n\r\n",
     "error": b'HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: 29\r\n\r\n{"error":{"message":"bad"}}  ',
+    # A stream whose last event has no blank line after it: the scanner holds it to the end.
+    "unended": b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%b\r\n" % (len(event), event) for event in (_EVENTS[0], b"data: [DONE]"))
+    + b"0\r\n\r\n",
     # The same stream, each event its own write a while after the last (_engine_connection):
     # relayed piece by piece, each framed on its own.
     "paced": b"",
@@ -101,7 +106,11 @@ async def engine() -> AsyncIterator[str]:
 
 def _request(path: str = "/v1/chat/completions", answer: str = "json", extra: bytes = b"") -> bytes:
     body = orjson.dumps(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": answer in ("sse", "paced")}
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": answer in ("sse", "paced", "unended"),
+        }
     )
     return (
         f"POST {path} HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
@@ -167,6 +176,18 @@ async def test_the_front_writes_the_bytes_aiohttp_writes(engine: str, tmp_path: 
             got[front] = _masked(await _exchange(sidecar.url, _request(answer=answer), 1))
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1.1 ")
+
+
+async def test_the_end_of_a_stream_the_scanner_held_back_reaches_the_client(
+    engine: str, tmp_path: Path
+) -> None:
+    """The engine's last event comes without its blank line: the scanner keeps it until the answer ends
+    (it may still be an injected usage chunk to take out), then writes it, before the last chunk."""
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        raw = await _exchange(sidecar.url, _request(answer="unended"), 1)
+    head, _, framed = raw.partition(b"\r\n\r\n")
+    assert b"\r\nTransfer-Encoding: chunked\r\n" in head + b"\r\n", head
+    assert framed.endswith(b"%x\r\ndata: [DONE]\r\n0\r\n\r\n" % len(b"data: [DONE]")), framed
 
 
 async def test_the_sidecars_own_answers_match_too(tmp_path: Path) -> None:
@@ -367,6 +388,34 @@ async def test_a_head_the_front_declines_is_answered_as_aiohttp_answers_it(
             writer.close()
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1."), got[True]
+
+
+async def test_a_pipelining_client_is_read_no_further_than_a_bound_while_its_request_is_served(
+    engine: str, tmp_path: Path
+) -> None:
+    """While one request waits on the engine, the bytes the client sends after it are kept up to a
+    bound, then no longer read: they wait in the client's own buffers, not in the sidecar's memory."""
+    global _RELEASE
+    _RELEASE = asyncio.Event()
+    later = 96 * 1024 * 1024  # past the kernel's buffers on both sides (tcp_rmem's max is 32 MiB here)
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        host, port = sidecar.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(_request(answer="held"))
+            await asyncio.sleep(0.2)  # the head and body taken: the request is being served
+            writer.write(b"x" * later)  # what would be the client's later requests
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(writer.drain(), 3)  # read at once when unbounded
+            taken = later - writer.transport.get_write_buffer_size()
+            _RELEASE.set()
+            framer = _Answers()
+            while framer.answers() < 1:
+                framer.feed(await asyncio.wait_for(reader.read(65536), 10))
+        finally:
+            writer.transport.abort()
+    assert taken < later // 2, taken
+    assert bytes(framer._raw).startswith(b"HTTP/1.1 200 OK\r\n")  # the request held is answered
 
 
 async def test_a_client_gone_mid_exchange_is_not_watched_after_it(engine: str, tmp_path: Path) -> None:

@@ -218,6 +218,7 @@ EXPECTED_ALERTS = {
     "CachewitnessBypassTraffic",
     "CachewitnessKvEventsGap",
     "CachewitnessKvEventsDown",
+    "CachewitnessKvEventsForeignPublisher",
     "CachewitnessEngineRestarted",
     "CachewitnessSlowBodies",
 }

@@ -180,12 +180,13 @@ async def test_report_from_a_bad_bundle_is_bad_input(tmp_path: Path) -> None:
 
 
 def _tampered(bundle: Path, out: Path) -> Path:
-    """The bundle with one cached-token count raised in its records (the chain no longer holds)."""
+    """The bundle with one cached-token count raised in its records (its proof no longer holds;
+    each record is carried as a JSON string in its proof, so its quotes are escaped)."""
     with tarfile.open(bundle, "r:*") as source, tarfile.open(out, "w:gz") as target:
         for info in source:
             data = source.extractfile(info).read() if info.isfile() else b""  # type: ignore[union-attr]  # a file has a reader
-            if info.name.startswith("pods/") and b'"cached_tokens":400' in data:
-                data = data.replace(b'"cached_tokens":400', b'"cached_tokens":401', 1)
+            if info.name.startswith(("pods/", "proofs/")) and b'\\"cached_tokens\\":400' in data:
+                data = data.replace(b'\\"cached_tokens\\":400', b'\\"cached_tokens\\":401', 1)
             info.size = len(data)
             target.addfile(info, io.BytesIO(data))
     return out

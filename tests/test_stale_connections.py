@@ -114,11 +114,9 @@ async def test_a_forwarded_request_the_engine_read_before_closing_is_sent_once_a
     assert (seen.fresh.count(path), seen.dropped.count(path)) == (1, 1)
 
 
-async def test_a_fresh_connection_that_fails_is_not_sent_again(
-    sidecar: SidecarFactory, http: aiohttp.ClientSession
-) -> None:
-    """Only a reused connection is presumed stale: an engine that drops a new one gets one try, and a 502."""
-    tries = []
+def drops_every_request(path: str) -> tuple[web.Application, list[str]]:
+    """An engine that reads each POST to `path` and closes its connection unanswered; the paths it read."""
+    tries: list[str] = []
 
     async def drop(request: web.Request) -> web.Response:
         tries.append(request.path)
@@ -127,13 +125,36 @@ async def test_a_fresh_connection_that_fails_is_not_sent_again(
         raise asyncio.CancelledError
 
     engine = web.Application()
-    engine.router.add_post("/v1/chat/completions", drop)
+    engine.router.add_post(path, drop)
+    return engine, tries
+
+
+async def test_a_fresh_connection_that_fails_is_not_sent_again(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """Only a reused connection is presumed stale: an engine that drops a new one gets one try, and a 502."""
+    engine, tries = drops_every_request("/v1/chat/completions")
     async with serve_app(engine) as upstream:
         # Keep-alive 0: nothing is pooled, every connection is a new one.
         proxy = await sidecar(upstream, engine="vllm", health_interval=3600, upstream_keepalive_timeout=0)
         async with http.post(f"{proxy}/v1/chat/completions", json=CHAT) as response:
             assert response.status == 502
     assert tries == ["/v1/chat/completions"]
+
+
+async def test_a_reset_whose_fresh_connection_fails_is_not_sent_again(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """The sidecar's own calls (proxy/upstream/resend.py): an engine that reads the reset on a new
+    connection and closes it unanswered gets that reset once; the failure is the engine's, not a stale pool's."""
+    engine, tries = drops_every_request("/reset_prefix_cache")
+    async with serve_app(engine) as upstream:
+        # Keep-alive 0: nothing is pooled, every connection is a new one.
+        proxy = await sidecar(upstream, engine="vllm", health_interval=3600, upstream_keepalive_timeout=0)
+        async with http.post(f"{proxy}/cache/reset", json={"retry_seconds": 0, "verify": "none"}) as response:
+            body = await response.json()
+    assert body["success"] is False, body
+    assert tries == ["/reset_prefix_cache"]
 
 
 async def test_idle_connections_leave_the_pool_after_upstream_keepalive_timeout(

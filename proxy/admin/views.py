@@ -12,6 +12,7 @@ from contextlib import aclosing
 import orjson
 from aiohttp import web
 
+from proxy.admin.proofs import consistency_proof, inclusion_proof
 from proxy.admission import ADMISSION
 from proxy.cluster.evidence import cluster_evidence, cluster_proof
 from proxy.cluster.fanout import cluster_reset
@@ -31,7 +32,8 @@ __all__ = ["handle_evidence", "handle_reset", "handle_state"]
 
 # The records a pod stores (the cachewitness.* lines are a read's own: the cluster trailer, a proof's markers).
 _EVENT_TYPES = frozenset(str(kind) for kind in EventType if not kind.startswith("cachewitness."))
-_FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope", "proof")
+_FILTERS = ("session_id", "case_id", "event_type", "since_ns", "scope", "proof", "from", "to", "file")
+_PROOFS = ("0", "1", "inclusion", "consistency")
 # Matching lines go out in writes of about this size, not one write per line.
 _WRITE_BYTES = 64 * 1024
 _ASCII_DIGITS = re.compile(r"[0-9]{1,20}")
@@ -120,15 +122,39 @@ async def handle_evidence(request: web.Request) -> web.StreamResponse:
     if isinstance(scope, web.Response):
         return scope
     proof = query.get("proof", "0")
-    if proof not in ("0", "1"):
-        return _bad_filter("proof", "proof must be 1 (the chain segments that prove the records) or 0")
+    if proof not in _PROOFS:
+        return _bad_filter(
+            "proof",
+            "proof must be inclusion (audit paths), consistency (between two checkpoints), "
+            "1 (the chain segments that prove the records) or 0",
+        )
+    for name in ("from", "to", "file"):
+        if name in query and proof != "consistency":
+            return _bad_filter(name, f"{name} is a parameter of proof=consistency only")
+    if proof == "inclusion" and "session_id" not in query and "case_id" not in query:
+        # Every record's proof is the whole log, held while it is built: that is what the files are for.
+        return _bad_filter("session_id", "proof=inclusion needs session_id or case_id (one session's proofs)")
     filters = {k: v for k, v in query.items() if k not in ("scope", "proof")}
     if scope == Scope.CLUSTER:
-        if proof == "1":
-            return await cluster_proof(request, filters)
+        if proof == "consistency":
+            return _bad_filter("scope", "proof=consistency is one pod's: ask that pod")
+        if proof in ("1", "inclusion"):
+            return await cluster_proof(request, filters, proof)
         return await cluster_evidence(request, filters)
     app = request.app
     evidence = app[EVIDENCE]
+    if proof == "consistency":
+        return await consistency_proof(request)
+    if proof == "inclusion":
+        return await inclusion_proof(
+            request,
+            {
+                "session_id": query.get("session_id"),
+                "case_id": query.get("case_id"),
+                "event_type": event_type,
+                "since_ns": since_ns,
+            },
+        )
     if proof == "1":
         return await _stream_proof(request, event_type=event_type, since_ns=since_ns)
     # Records of requests that just finished may still sit in the batch: write them first.

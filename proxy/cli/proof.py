@@ -1,50 +1,32 @@
-"""`cachewitness keygen`, `cachewitness evidence verify PATH…` and `cachewitness evidence bundle` (docs/cli.md).
+"""`cachewitness keygen` and `cachewitness evidence verify PATH…`; `bundle` and `attest` are registered
+here, and live in proxy/cli/bundle.py and proxy/cli/attest.py (docs/cli.md).
 
-verify exits 0 when every chain is whole and unedited, 1 when one is not (or a bundle's summary
-disagrees with its records), 2 on bad input (a path that is not there, not readable, or holds
-no evidence). bundle writes the run bundle, checks it as verify would, and exits the same way,
-or 2/8/9 as the other client commands do when the sidecar cannot be asked.
+verify exits 0 when every chain is whole and unedited and every proof holds, 1 when one is not (or
+a bundle's summary disagrees with its records), 2 on bad input (a path that is not there, not
+readable, a hostile bundle, or no evidence at all).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import tarfile
-import time
-import urllib.error
-import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
 
-import orjson
-
-from proxy.cli.cluster_report import unreadable_pods
-from proxy.cli.http import (
-    EXIT_BAD_INPUT,
-    OPENER,
-    BadOption,
-    admin_request,
-    common_arguments,
-    http_failure,
-    sidecar_target,
-    unreachable,
-)
-from proxy.evidence.bundle import BundleError, cases_of, read_bundle, verify_bundle, write_bundle
+from proxy.cli.attest import add_attest_command
+from proxy.cli.bundle import add_bundle_command
+from proxy.cli.http import EXIT_BAD_INPUT
+from proxy.cli.proof_fetch import EXIT_BROKEN, print_report
+from proxy.evidence.bundle import BundleError, read_bundle, verify_bundle
 from proxy.evidence.keys import KeyFileError, PublicKey, generate_key_files, load_public_key
-from proxy.evidence.proof import ProofRouter
+from proxy.evidence.proof_check import ProofReport
 from proxy.evidence.tar_read import printable
 from proxy.evidence.verify import ChainCheck, ChainReport
-from proxy.redact import redact_url
-from proxy.vocabulary import EventType
 
 __all__ = ["EXIT_BROKEN", "EXIT_WHOLE", "add_proof_commands"]
 
 EXIT_WHOLE = 0
-EXIT_BROKEN = 1
 _ROTATION = re.compile(r"(?P<base>.+)\.(?P<index>[0-9]+)")
 _READ_BYTES = 256 * 1024
 
@@ -68,7 +50,7 @@ def add_proof_commands(
         "-o", "--out", default="cachewitness-signing-key.pem", metavar="KEY", help="default %(default)s"
     )
     keygen.set_defaults(run=run_keygen)
-    commands = evidence.add_subparsers(dest="evidence_command", metavar="{verify,bundle}")
+    commands = evidence.add_subparsers(dest="evidence_command", metavar="{verify,bundle,attest}")
     verify = commands.add_parser(
         "verify",
         help="check evidence files or a run bundle: every link, seq, count and signature",
@@ -87,16 +69,8 @@ def add_proof_commands(
         "against the key it names, and the keys are printed",
     )
     verify.set_defaults(run=run_verify)
-    bundle = commands.add_parser(
-        "bundle",
-        help="one session's records with the chain segments that prove them, offline-checkable",
-        description="Exit 0: bundle written and whole; 1: written, but a chain is not whole; "
-        "2/8/9 as the other client commands.",
-    )
-    common_arguments(bundle)
-    bundle.add_argument("--session-id", required=True, metavar="S")
-    bundle.add_argument("-o", "--out", required=True, metavar="FILE", help="the bundle to write (.tar.gz)")
-    bundle.set_defaults(run=run_bundle)
+    add_bundle_command(commands)
+    add_attest_command(commands)
 
 
 def run_keygen(ns: argparse.Namespace) -> int:
@@ -177,24 +151,20 @@ def _check_chain(name: Path, files: Mapping[int, Path], pinned: PublicKey | None
     return check.finish()
 
 
-def _print_report(report: ChainReport) -> None:
-    # Names and values come from the files: escaped, so none can rewrite what is printed around it.
-    print(printable(report.summary_line()))
-    for problem in report.problems:
-        print(f"  broken: {printable(problem)}")
-    for note in report.notes:
-        print(f"  note: {printable(note)}")
-
-
 def run_verify(ns: argparse.Namespace) -> int:
     """Check each chain and bundle given; one line per chain, its problems below it."""
     try:
         pinned = load_public_key(ns.public_key) if ns.public_key else None
         chains, bundles = _chains([Path(p) for p in ns.paths])
-        reports = [_check_chain(name, files, pinned) for name, files in sorted(chains.items())]
+        reports: list[ChainReport | ProofReport] = [
+            _check_chain(name, files, pinned) for name, files in sorted(chains.items())
+        ]
         problems: list[str] = []
         for path in bundles:
-            bundle_reports, bundle_problems = verify_bundle(read_bundle(path), pinned)
+            try:
+                bundle_reports, bundle_problems = verify_bundle(read_bundle(path), pinned)
+            except BundleError as exc:
+                raise BundleError(str(exc) if str(exc).startswith(str(path)) else f"{path}: {exc}") from None
             reports += bundle_reports
             problems += [f"{path}: {problem}" for problem in bundle_problems]
     except (_BadInput, KeyFileError, BundleError) as exc:
@@ -204,107 +174,11 @@ def run_verify(ns: argparse.Namespace) -> int:
         print("cachewitness evidence verify: no evidence records in what was given", file=sys.stderr)
         return EXIT_BAD_INPUT
     for report in reports:
-        _print_report(report)
+        print_report(report)
     for problem in problems:
         print(f"broken: {printable(problem)}")
     if pinned is None and any(report.signed for report in reports):
         print(
             "note: each signature was checked against the key its checkpoint names; pass --public-key to pin it"
         )
-    return EXIT_BROKEN if problems or not all(report.whole for report in reports) else EXIT_WHOLE
-
-
-def _proof_url(ns: argparse.Namespace, base: str) -> str:
-    query = {"proof": "1", "session_id": ns.session_id}
-    if ns.scope == "cluster":
-        query["scope"] = "cluster"
-    return f"{base}/cache/evidence?{urllib.parse.urlencode(query)}"
-
-
-def _collect(
-    lines: Iterator[bytes], pod: str
-) -> tuple[dict[str, dict[str, list[bytes]]], list[dict[str, Any]]]:
-    """Each pod's chain segments from a proof answer, and its trailing lines (the proof's, the cluster's)."""
-    router = ProofRouter(pod)
-    pods: dict[str, dict[str, list[bytes]]] = {}
-    trailers: list[dict[str, Any]] = []
-    for line in lines:
-        control, chain = router.route(line)
-        if control:
-            continue
-        if chain is not None:
-            pods.setdefault(router.pod, {}).setdefault(chain, []).append(line)
-        elif EventType.CLUSTER_READ.encode() in line:
-            trailers.append(orjson.loads(line))
-    for name, trailer in router.trailers.items():
-        trailers.append({**trailer, "pod": name})
-    return pods, trailers
-
-
-def _keys(pods: Mapping[str, Mapping[str, list[bytes]]]) -> list[PublicKey]:
-    """The public keys the segments' checkpoints carry."""
-    keys: dict[str, PublicKey] = {}
-    for chains in pods.values():
-        for lines in chains.values():
-            for line in lines:
-                if b'"infer.evidence_checkpoint"' in line:
-                    key = PublicKey.from_text(orjson.loads(line).get("public_key"))
-                    if key is not None:
-                        keys[key.fingerprint] = key
-    return list(keys.values())
-
-
-def run_bundle(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> int:
-    """Fetch the session's proof, write the bundle, check it."""
-    env = os.environ if env is None else env
-    try:
-        base, token = sidecar_target(ns, env)
-    except BadOption as bad:
-        print(f"cachewitness evidence bundle: {bad}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    url = _proof_url(ns, base)
-    try:
-        with OPENER.open(admin_request(url, token), timeout=ns.timeout) as response:
-            pods, trailers = _collect(
-                iter(response.readline, b""), urllib.parse.urlsplit(base).netloc.rpartition("@")[2]
-            )
-    except urllib.error.HTTPError as exc:
-        return http_failure("evidence bundle", exc.code, exc.read(), url)
-    except (OSError, ValueError) as exc:
-        return unreachable("evidence bundle", base, exc)
-    missing = unreadable_pods(trailers)
-    if missing:
-        print(f"cachewitness evidence bundle: pods not read: {'; '.join(missing)}", file=sys.stderr)
-        return EXIT_BROKEN
-    cases = cases_of(pods, ns.session_id)
-    if not cases:
-        print(
-            f"cachewitness evidence bundle: no records of session {ns.session_id!r} at {redact_url(base)}",
-            file=sys.stderr,
-        )
-        return EXIT_BAD_INPUT
-    keys = _keys(pods)
-    summary = {
-        "schema_version": 1,
-        "session_id": ns.session_id,
-        "created_at_ns": time.time_ns(),
-        "source": redact_url(base),
-        "scope": ns.scope,
-        "pods": [{"pod": pod, "chains": sorted(chains)} for pod, chains in sorted(pods.items())],
-        "keys": [key.fingerprint for key in keys],
-        "cases": cases,
-    }
-    out = Path(ns.out)
-    try:
-        size = write_bundle(out, pods, summary, keys)
-        reports, problems = verify_bundle(read_bundle(out), None)
-    except (OSError, tarfile.TarError, BundleError) as exc:
-        print(f"cachewitness evidence bundle: cannot write {out}: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    for report in reports:
-        _print_report(report)
-    for problem in problems:
-        print(f"broken: {printable(problem)}")
-    records = sum(len(lines) for chains in pods.values() for lines in chains.values())
-    print(f"wrote {out}: {size} bytes, {len(cases)} cases, {records} lines from {len(pods)} pods")
     return EXIT_BROKEN if problems or not all(report.whole for report in reports) else EXIT_WHOLE

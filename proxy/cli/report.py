@@ -95,9 +95,9 @@ def _bundle_records(path: str) -> tuple[list[dict[str, Any]], str]:
     """Every record of a run bundle's chain segments, and what its check found (one line)."""
     try:
         bundle = read_bundle(Path(path))
+        reports, problems = verify_bundle(bundle, None)  # a malformed proof is bad input too
     except BundleError as exc:
         raise _BadInput(str(exc)) from exc
-    reports, problems = verify_bundle(bundle, None)
     records = [
         record
         for chains in bundle.pods.values()

@@ -173,8 +173,8 @@ def _at_ns(record: dict[str, Any]) -> int:
     return value if isinstance(value, int) else 0
 
 
-def _proof_path(filters: Mapping[str, str]) -> str:
-    return "/cache/evidence?" + urllib.parse.urlencode({**filters, "proof": "1"})
+def _proof_path(filters: Mapping[str, str], kind: str = "1") -> str:
+    return "/cache/evidence?" + urllib.parse.urlencode({**filters, "proof": kind})
 
 
 def _filters(filters: Mapping[str, str]) -> dict[str, Any]:
@@ -202,8 +202,12 @@ def _trailer(source: str, streams: list[_PodStream]) -> bytes:
     return orjson.dumps(trailer, option=orjson.OPT_APPEND_NEWLINE)
 
 
-async def cluster_proof(request: web.Request, filters: Mapping[str, str]) -> web.StreamResponse:
-    """Every pod's proof for `filters`, one pod after the other, each checked as it passes, then the trailer."""
+async def cluster_proof(
+    request: web.Request, filters: Mapping[str, str], kind: str = "1"
+) -> web.StreamResponse:
+    """Every pod's proof for `filters`, one pod after the other, then the trailer. Chain segments
+    (`kind` 1) are checked as they pass; Merkle proofs (`inclusion`) pass as they are: the
+    reader checks them against the pods' signed checkpoints."""
     settings = request.app[SETTINGS]
     peers = await discover_peers(settings)
     if not peers.peers:
@@ -214,7 +218,7 @@ async def cluster_proof(request: web.Request, filters: Mapping[str, str]) -> web
     await response.prepare(request)
     streams: list[_PodStream] = []
     for peer in peers.peers:  # one at a time: a pod waiting its turn would time out
-        stream = await _open(session, peer, _proof_path(filters), headers)
+        stream = await _open(session, peer, _proof_path(filters, kind), headers)
         streams.append(stream)
         if stream.response is None:
             continue
@@ -222,7 +226,8 @@ async def cluster_proof(request: web.Request, filters: Mapping[str, str]) -> web
             batch, size = [pod_marker(stream.pod)], 0
             while (line := await stream._line()) is not None:
                 raw = line + b"\n"
-                stream.check(raw)
+                if kind == "1":
+                    stream.check(raw)
                 batch.append(raw)
                 size += len(raw)
                 if size >= _WRITE_BYTES:

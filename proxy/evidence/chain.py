@@ -9,9 +9,11 @@ Records lost before they were chained are declared by the next line: `dropped_be
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,8 @@ import orjson
 
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.lines import MAX_LINE_BYTES
+from proxy.evidence.merkle import CompactTree, leaf_hash
+from proxy.evidence.note import signed_note
 from proxy.vocabulary import EventType
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "chained_fields",
     "find_predecessor",
     "line_hash",
+    "log_origin",
 ]
 
 ZERO_HASH = "0" * 64
@@ -124,6 +129,13 @@ def find_predecessor(files: list[Path], current: Path) -> Predecessor:
     return Predecessor(0, ZERO_HASH, False)
 
 
+def log_origin(file: str, writer_id: str) -> str:
+    """A writer life's log name, the first line of its checkpoints' notes: `cachewitness/<host>/<file>/<writer_id>`
+    (the host is the pod's name under Kubernetes)."""
+    host, name = (re.sub(r"[^A-Za-z0-9._-]", "_", part) or "_" for part in (socket.gethostname(), file))
+    return f"cachewitness/{host}/{name}/{writer_id}"
+
+
 def _ordered(counts: dict[str, int]) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
@@ -139,6 +151,9 @@ class Chain:
         self.seq = predecessor.seq
         self._head = predecessor.head.encode()
         self.counts: dict[str, int] = {}  # since the last checkpoint (or this life's opening)
+        # The life's Merkle tree: every line this writer writes is a leaf, its opening first.
+        self.tree = CompactTree()
+        self.origin = log_origin("", writer_id)
 
     @property
     def head(self) -> str:
@@ -152,6 +167,7 @@ class Chain:
         gap = b',"dropped_before":%d' % dropped_before if dropped_before else b""
         out = b"".join((body, gap, b',"seq":%d,"prev":"' % self.seq, self._head, b'"}\n'))
         self._head = hashlib.sha256(out).hexdigest().encode()
+        self.tree.append(leaf_hash(out))
         self.counts[event_type] = self.counts.get(event_type, 0) + 1
         return out
 
@@ -170,6 +186,7 @@ class Chain:
             "key_fingerprint": self.signer.public.fingerprint if self.signer else None,
         }
         self.counts = {}
+        self.tree, self.origin = CompactTree(), log_origin(file, self.writer_id)
         return self.link(
             orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE), str(EventType.EVIDENCE_OPENED)
         )
@@ -187,6 +204,11 @@ class Chain:
             "key_fingerprint": self.signer.public.fingerprint if self.signer else None,
             "public_key": self.signer.public.text if self.signer else None,
         }
+        # The tree of every line of this life before this one (it is the next tree's leaf).
+        root = self.tree.root()
+        record["tree_size"] = self.tree.size
+        record["root"] = base64.b64encode(root).decode()
+        record["note"] = signed_note(self.origin, self.tree.size, root, self.signer) if self.signer else None
         if dropped_before:
             record["dropped_before"] = dropped_before
         self.seq += 1
@@ -196,5 +218,6 @@ class Chain:
         else:
             out = body[:-1] + b',"signature":"%s"}\n' % self.signer.sign(body).encode()
         self._head = hashlib.sha256(out).hexdigest().encode()
+        self.tree.append(leaf_hash(out))
         self.counts = {}
         return out

@@ -65,6 +65,15 @@ class PublicKey:
             return False
         return True
 
+    def verifies_raw(self, signature: bytes, message: bytes) -> bool:
+        """Whether `signature` is this key's Ed25519 signature of `message` itself (no prefix: a
+        signed note's or a DSSE envelope's, whose formats fix what is signed)."""
+        try:
+            Ed25519PublicKey.from_public_bytes(self.raw).verify(signature, message)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
+
     @classmethod
     def from_text(cls, text: object) -> PublicKey | None:
         """The key a checkpoint carries (base64 of 32 bytes), None when it is not one."""
@@ -90,6 +99,11 @@ class SigningKey:
     def sign(self, message: bytes) -> str:
         """The base64 signature of `SIGNED_PREFIX` + `message`."""
         return base64.b64encode(self._private.sign(SIGNED_PREFIX + message)).decode()
+
+    def sign_raw(self, message: bytes) -> bytes:
+        """The Ed25519 signature of `message` itself: for formats that fix their own signed bytes
+        (a signed note's text, DSSE's PAE), never for a checkpoint line."""
+        return self._private.sign(message)
 
     def pem(self) -> bytes:
         """The private key as unencrypted PKCS#8 PEM."""

@@ -18,6 +18,8 @@ to send) are also bounded in rate, `evidence_rejected_per_s`; those past it are 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
@@ -28,10 +30,11 @@ from typing import Any
 from aiohttp import web
 
 from proxy.config import SETTINGS
+from proxy.evidence.inclusion import ConsistencyError, consistency_answer, inclusion_lines, scan_lives
 from proxy.evidence.keys import load_signing_key
 from proxy.evidence.merge import read_merged
-from proxy.evidence.proof import proof_stream
-from proxy.evidence.reader import evidence_files
+from proxy.evidence.proof import proof_stream, proof_trailer
+from proxy.evidence.reader import evidence_files, record_matches
 from proxy.evidence.writer import DropReason, EvidenceWriter
 from proxy.vocabulary import EventType
 
@@ -189,6 +192,34 @@ class EvidenceLog:
         async with aclosing(proof_stream(chains, filters)) as stream:
             async for data in stream:
                 yield data
+
+    async def inclusion(self, **filters: Any) -> AsyncGenerator[bytes, None]:
+        """`?proof=inclusion`: each matching record with its audit path to a signed checkpoint,
+        checkpointed now (proxy/evidence/inclusion.py)."""
+        marks = [await writer.checkpoint_now() for writer in self._writers]
+        matches = functools.partial(record_matches, **filters)
+        chains = []
+        for name, writer, mark in zip(self.chain_names(), self._writers, marks, strict=True):
+            files = evidence_files(writer.path, writer.keep)
+            lives = await asyncio.to_thread(scan_lives, files, mark, matches)
+            lines, entry = await asyncio.to_thread(inclusion_lines, name, lives)
+            chains.append(entry)
+            yield b"".join(lines)
+        yield proof_trailer(chains)
+
+    async def consistency(self, file: str | None, first: int, second: int) -> dict[str, Any]:
+        """`?proof=consistency&from=S1&to=S2[&file=F]`: ConsistencyError when it cannot be given."""
+        names = self.chain_names()
+        if file is None:
+            file = names[0]
+        if file not in names:
+            raise ConsistencyError(f"file must be one of {', '.join(names)}")
+        writer = self._writers[names.index(file)]
+        await writer.flush()
+        lives = await asyncio.to_thread(
+            scan_lives, evidence_files(writer.path, writer.keep), None, lambda _record: False
+        )
+        return await asyncio.to_thread(consistency_answer, file, lives, first, second)
 
     def read(self, **filters: Any) -> AsyncIterator[list[bytes]]:
         """The matching lines of both files, in blocks (see `read_merged`)."""

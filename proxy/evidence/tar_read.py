@@ -140,4 +140,4 @@ def read_members(path: Path, limits: Limits = DEFAULT_LIMITS) -> dict[str, bytes
         _pass(path, limits, keep=False)
         return _pass(path, limits, keep=True)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as exc:
-        raise UnsafeBundle(f"not a readable bundle (a .tar.gz): {printable(str(exc))}") from None
+        raise UnsafeBundle(f"it is not a readable bundle (a .tar.gz): {printable(str(exc))}") from None

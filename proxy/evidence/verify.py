@@ -9,12 +9,15 @@ signature covers them) and a chain that restarts because its writer found a corr
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 
 import orjson
 
 from proxy.evidence.chain import ZERO_HASH, chained_fields, line_hash
 from proxy.evidence.keys import PublicKey
+from proxy.evidence.merkle import CompactTree, leaf_hash
+from proxy.evidence.signature import Signed, check_checkpoint_signature
 from proxy.vocabulary import EventType
 
 __all__ = ["ChainCheck", "ChainReport"]
@@ -96,6 +99,7 @@ class ChainCheck:
     _gaps: list[tuple[int, int]] = field(default_factory=list)
     _problems: list[str] = field(default_factory=list)
     _notes: list[str] = field(default_factory=list)
+    _tree: CompactTree | None = None  # the current life's Merkle tree, when its opening was seen
 
     def feed(self, line: bytes, file: str, number: int) -> None:
         """Check one line (its exact bytes, newline included) found at `file:number`."""
@@ -131,6 +135,8 @@ class ChainCheck:
         else:
             self._counts[event] = self._counts.get(event, 0) + 1
             self._unproven += 1
+        if self._tree is not None:
+            self._tree.append(leaf_hash(line))
 
     def _link(self, record: dict[str, object], seq: int, prev: str, where: str, file: str) -> None:
         """Whether the line follows the one before it: its prev, and its seq."""
@@ -173,6 +179,7 @@ class ChainCheck:
         """A writer's life starts: its counts start here."""
         self._lives += 1
         self._counts, self._counted = {}, True
+        self._tree = CompactTree()
         if record.get("broken_predecessor"):
             self._problems.append(
                 f"{where}: the chain restarts: its writer found the line before it corrupt or foreign "
@@ -194,6 +201,7 @@ class ChainCheck:
             )
         self._counts, self._counted, self._unproven = {}, True, 0
         self._last_checkpoint, self._closed = seq, record.get("final") is True
+        self._tree_root(record, seq, where)
         if record.get("signed") is True:
             self._signature(record, line, seq, where)
             return
@@ -201,26 +209,25 @@ class ChainCheck:
         if self.pinned is not None:
             self._problems.append(f"{where}: checkpoint seq {seq} is unsigned, but a public key was given")
 
-    def _signature(self, record: dict[str, object], line: bytes, seq: int, where: str) -> None:
-        """The signature over the line without it, by the key it names (the pinned one, if given)."""
-        key = PublicKey.from_text(record.get("public_key"))
-        signature = record.get("signature")
-        if key is None or not isinstance(signature, str):
-            self._problems.append(f"{where}: checkpoint seq {seq} says signed but has no key or signature")
+    def _tree_root(self, record: dict[str, object], seq: int, where: str) -> None:
+        """Its tree size and root against the tree of this life's lines (when the life's opening
+        is among the lines given); a checkpoint of an older format carries neither."""
+        if "root" not in record or self._tree is None:
             return
-        if record.get("key_fingerprint") != key.fingerprint:
-            self._problems.append(f"{where}: checkpoint seq {seq}: key_fingerprint is not its public key's")
-            return
-        if self.pinned is not None and key.raw != self.pinned.raw:
+        root = base64.b64encode(self._tree.root()).decode()
+        if (record.get("tree_size"), record.get("root")) != (self._tree.size, root):
             self._problems.append(
-                f"{where}: checkpoint seq {seq} is signed by {key.fingerprint}, not by the given key "
-                f"{self.pinned.fingerprint}"
+                f"{where}: checkpoint seq {seq} states tree size {record.get('tree_size')} root "
+                f"{record.get('root')}, but this life's lines before it make {self._tree.size} {root}"
             )
+
+    def _signature(self, record: dict[str, object], line: bytes, seq: int, where: str) -> None:
+        """Its signatures (proxy/evidence/signature.py), and the key the same as its life's before."""
+        signed = check_checkpoint_signature(record, line, seq, self.pinned)
+        if not isinstance(signed, Signed):
+            self._problems.append(f"{where}: {signed}")
             return
-        suffix = b',"signature":"' + signature.encode() + b'"}\n'
-        if not line.endswith(suffix) or not key.verifies(signature, line[: -len(suffix)] + b"}"):
-            self._problems.append(f"{where}: checkpoint seq {seq}: bad signature")
-            return
+        key = signed.key
         writer = str(record.get("writer_id"))
         if self._writer_keys.setdefault(writer, key.fingerprint) != key.fingerprint:
             self._problems.append(

@@ -66,6 +66,7 @@ def request_head(
         elif body is not None or method not in _BODILESS:
             lines.append(f"Content-Length: {size}\r\n")
     lines.append("\r\n")
-    # surrogateescape: header bytes that are not UTF-8 reach the engine as the client sent them
-    # (aiohttp's server decodes them with the same error handler).
+    # surrogateescape: a belt for bytes that are not UTF-8. None reach here today: aiohttp refuses
+    # them in names and paths, the sidecar answers 400 `invalid_header_encoding` for a value, and
+    # the id headers are percent-escaped (the mutation audit's up-head-escape, issue 45).
     return "".join(lines).encode("utf-8", "surrogateescape"), chunked

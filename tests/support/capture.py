@@ -1,7 +1,8 @@
 """A capturing upstream: a real HTTP hop in front of an engine that writes down every request it passes on.
 
 Tests put it between the sidecar and the simulator to see exactly what reached the engine
-(paths, methods, `Authorization` headers), without changing either of them.
+(paths, methods, headers, bodies) without changing either of them, or to answer a request in
+the engine's place.
 """
 
 from __future__ import annotations

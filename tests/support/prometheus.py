@@ -43,6 +43,8 @@ PENDING_METRICS = frozenset(
         "cachewitness_bypass_requests_total",
         "cachewitness_kv_event_gaps_total",
         "cachewitness_kv_events_up",
+        "cachewitness_kv_event_publishers_extra_total",
+        "cachewitness_kv_event_publishers_refused_total",
         "cachewitness_engine_events_total",
     }
 )

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import orjson
 import pytest
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.upstream import UpstreamLeg
 from tests.support.sidecar import SidecarFactory, serve_app
 
 Reply = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -159,6 +162,44 @@ async def test_an_answer_that_is_not_http_is_502_and_the_sidecar_keeps_serving(
             assert response.status == 200
 
 
+_CHUNKS = (
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}',
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}',
+    b'{"id":"c1","object":"chat.completion.chunk","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}',
+)
+
+
+def _capitalised_stream(_: bytes) -> bytes:
+    body = b"".join(b"data: %b\n\n" % chunk for chunk in _CHUNKS) + b"data: [DONE]\n\n"
+    return (
+        b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
+        b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+    )
+
+
+async def test_a_media_type_in_capitals_is_the_same_media_type(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """`Text/Event-Stream` is an SSE answer (media types are case-insensitive): its usage is read, and
+    the usage chunk the sidecar asked for on the client's behalf is taken out again."""
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with raw_engine(_capitalised_stream) as engine:
+        proxy = await sidecar(engine.url, engine="vllm", health_interval=3600)
+        async with http.post(f"{proxy}/v1/chat/completions", json=request) as response:
+            assert response.status == 200
+            assert response.headers["Content-Type"] == "Text/Event-Stream; charset=utf-8"
+            body = await response.read()
+        async with http.get(
+            f"{proxy}/cache/evidence", params={"event_type": "infer.cache_observation"}
+        ) as got:
+            (observation,) = [orjson.loads(line) for line in (await got.read()).splitlines()]
+    assert (
+        b'"content":"hi"' in body and b'"finish_reason":"stop"' in body and body.endswith(b"data: [DONE]\n\n")
+    )
+    assert b"usage" not in body  # the client did not ask for it
+    assert (observation["usage_injected"], observation["prompt_tokens"]) == (True, 5)
+
+
 async def test_the_connection_limit_bounds_upstream_connections_and_every_request_is_answered(
     sidecar: SidecarFactory, http: aiohttp.ClientSession
 ) -> None:
@@ -228,19 +269,19 @@ async def test_an_engine_sending_slower_than_read_timeout_between_events_is_not_
     assert body == b"".join(f"data: {index}\n\n".encode() for index in range(6))
 
 
-async def test_a_client_reading_slowly_pauses_the_engine_without_a_read_timeout(
-    sidecar: SidecarFactory, http: aiohttp.ClientSession
-) -> None:
-    """Flow control: the sidecar stops reading while the client is behind, and that is not the engine's silence."""
-    size = 48 * 1024 * 1024  # past the socket buffers on both sides of the sidecar
+BIG = 48 * 1024 * 1024  # past the socket buffers on both sides of the sidecar
+
+
+def _big_engine() -> tuple[web.Application, list[int]]:
+    """An engine answering GET /big with BIG bytes, 1 MiB a write; what it got rid of so far."""
     piece = b"z" * (1024 * 1024)
-    written = [0]  # what the engine got rid of so far
+    written = [0]
 
     async def big(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
-        response.content_length = size
+        response.content_length = BIG
         await response.prepare(request)
-        for _ in range(size // len(piece)):
+        for _ in range(BIG // len(piece)):
             await response.write(piece)
             written[0] += len(piece)
         await response.write_eof()
@@ -248,6 +289,15 @@ async def test_a_client_reading_slowly_pauses_the_engine_without_a_read_timeout(
 
     engine = web.Application()
     engine.router.add_get("/big", big)
+    return engine, written
+
+
+async def test_a_client_reading_slowly_pauses_the_engine_without_a_read_timeout(
+    sidecar: SidecarFactory, http: aiohttp.ClientSession
+) -> None:
+    """Flow control: the sidecar stops reading while the client is behind, and that is not the engine's silence."""
+    size = BIG
+    engine, written = _big_engine()
     async with serve_app(engine) as url:
         proxy = await sidecar(url, engine="vllm", health_interval=3600, read_timeout=0.4)
         async with asyncio.timeout(60), http.get(f"{proxy}/big") as response:
@@ -260,6 +310,28 @@ async def test_a_client_reading_slowly_pauses_the_engine_without_a_read_timeout(
             async for chunk in response.content.iter_any():
                 received += len(chunk)
     assert received == size
+
+
+async def test_a_response_read_slowly_with_read_pauses_the_engine() -> None:
+    """The leg's own flow control, for a consumer that takes the body with `read()` (as `peek` does)
+    rather than relaying it: what is not taken stops reading from the engine at HIGH_WATER."""
+    engine, written = _big_engine()
+    async with serve_app(engine) as url:
+        leg = UpstreamLeg(url, connect_timeout=5, read_timeout=0, keepalive=4, limit=0)
+        try:
+            response = await leg.send("GET", "/big", CIMultiDict(), None)
+            try:
+                async with asyncio.timeout(60):
+                    await asyncio.sleep(1.0)  # nothing taken: unbounded, all 48 MiB go in well under 1 s
+                    assert written[0] < BIG // 2
+                    received = 0
+                    while chunk := await response.read():
+                        received += len(chunk)
+            finally:
+                response.close()
+        finally:
+            leg.close()
+    assert received == BIG
 
 
 def _self_signed(directory: Path) -> tuple[Path, Path]:

@@ -6,14 +6,21 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from time import perf_counter_ns
+from typing import Protocol
 
 from proxy.upstream.head import Body, chunk_pieces
-from proxy.upstream.response import UpstreamResponse
 
-__all__ = ["write_body"]
+__all__ = ["WriteMarks", "write_body"]
 
 # Pieces of a large body are written 64 KiB at a time, draining between them.
 _SLICE = 64 * 1024
+
+
+class WriteMarks(Protocol):
+    """Where a body's writing leaves its clock marks (perf_counter_ns; the engine's response holds them)."""
+
+    sent_ns: int  # the last byte written
+    streamed_in_ns: int  # a streamed body's last piece in hand
 
 
 async def write_body(
@@ -21,7 +28,7 @@ async def write_body(
     body: Body,
     chunked: bool,
     drained: Callable[[], Awaitable[None]],
-    marks: UpstreamResponse,
+    marks: WriteMarks,
 ) -> None:
     """Write `body` (pieces, or an async stream of chunks; framed when `chunked`), awaiting
     `drained` after each write (it raises when the connection is gone).

@@ -75,7 +75,7 @@ def _frames(stack: str) -> list[str]:
 
 
 def _short(path: str) -> str:
-    """A source path from its package on (`aiohttp/client.py`, `proxy/forward/handler.py`)."""
+    """A source path from its package on (`aiohttp/client.py`, `proxy/inbound/aiohttp.py`)."""
     for marker in ("site-packages/", "/proxy/", "python3."):
         if marker in path:
             tail = path.split(marker, 1)[1]

@@ -11,19 +11,20 @@ from proxy.admission import ADMISSION, setup_admission
 from proxy.body_budget import BODY_BUDGET, setup_body_budget
 from proxy.cluster.fanout import setup_cluster
 from proxy.config import SETTINGS, Settings
-from proxy.connections import CONNECTIONS, Limit, setup_connections
 from proxy.engine_state import ENGINE, redetector, setup_engine_state
 from proxy.evidence.log import EVIDENCE, setup_evidence
 from proxy.forward.engine_exchange import setup_forward
-from proxy.forward.handler import forward
-from proxy.front import setup_front
 from proxy.health import HEALTH, healthy, ready, setup_health
+from proxy.inbound import CONNECTIONS, Limit, setup_connections
+from proxy.inbound.aiohttp import forward
+from proxy.inbound.setup import setup_front
 from proxy.metrics import METRICS, SidecarState, handle_metrics, setup_metrics
 from proxy.recorder import setup_recorder
 from proxy.refusals import REFUSALS, RefusalReason
 from proxy.reset.service import setup_reset
 from proxy.upstream.pools import setup_upstream_pool
-from proxy.witnesses.events_index import setup_kv_events
+from proxy.witnesses.kv_events.discovery import setup_kv_discovery
+from proxy.witnesses.kv_events.index import setup_kv_events
 
 __all__ = ["build_app", "setup_routes", "sidecar_state"]
 
@@ -45,20 +46,23 @@ def build_app(settings: Settings) -> web.Application:
       5. admission       — the drain gate, and the request-body budget (no lifetime);
       6. metrics         — learns model ids at start; its background fetches stop first
                            (handed `sidecar_state`: metrics stands below what it reports);
-      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only);
-      7. recorder        — witness + fan-out to evidence and metrics (no lifetime);
+      6b. kv events      — the engine's KV cache event subscribers (kv_events_endpoint only),
+                           their index handed to the recorder;
+      7. recorder        — witness + fan-out to evidence, metrics and the index (no lifetime);
       8. reset service   — stopped before the pool and evidence close: a reset in progress
                            finishes within the grace period (`serve` starts it for requests
                            and resets alike), else is recorded `interrupted by shutdown`;
       9. cluster         — the pool toward peer sidecars (cluster-scope resets);
-     10. admin, routes   — the route policy, forwarding's memory, then the routes (each policed);
-     11. front           — plain inference requests served beside aiohttp (no lifetime).
+     10. admin, routes   — the route policy (handed aiohttp's forwarding handler), forwarding's
+                           memory, then the routes (each policed);
+     11. front           — plain inference requests served beside aiohttp on every client
+                           connection (proxy/inbound/; no lifetime).
 
     In-flight requests and streams finish (up to `grace_period`, waited by `serve`) before any
     of these stop: the runner runs cleanup_ctx after the handlers (docs/architecture.md).
 
-    TCP_NODELAY needs no code here: aiohttp sets it on every connection, both sides
-    (`aiohttp/base_protocol.py`).
+    TCP_NODELAY needs no code here: the event loop (asyncio's and uvloop's alike) sets it on
+    every TCP connection it accepts or opens, the clients' and the leg's to the engine.
     """
     app = web.Application(client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
@@ -70,13 +74,20 @@ def build_app(settings: Settings) -> web.Application:
     setup_health(app, path=lambda: engine.health_path, on_up=redetector(app))
     setup_admission(app)
     setup_body_budget(app)
-    setup_metrics(app, state=lambda: sidecar_state(app), engine_kind=lambda: engine.info.kind)
+    setup_metrics(
+        app,
+        state=lambda: sidecar_state(app),
+        engine_kind=lambda: engine.info.kind,
+        engine_mode=lambda: engine.info.mode,
+    )
     # The engine's KV cache events (with kv_events_endpoint): bound at start, closed after the reset service.
-    setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
-    setup_recorder(app)
+    index = setup_kv_events(app, app[EVIDENCE].write, app[METRICS].registry)
+    # Without kv_events_endpoint: the publishers the engine names (kv_events_discovery).
+    setup_kv_discovery(app, index, kind=lambda: engine.info.kind)
+    setup_recorder(app, index)
     setup_reset(app)
     setup_cluster(app)
-    setup_admin(app)
+    setup_admin(app, forward)
     setup_forward(app)
     setup_routes(app)
     setup_front(app)

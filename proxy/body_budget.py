@@ -109,7 +109,7 @@ class BodyBudget:
     def take_now(self, reading: Reading, size: int) -> bool:
         """Take `size` bytes that arrived for `reading` if they fit now; False (nothing taken) if not.
 
-        For a reader that cannot wait (the front, proxy/front/connection.py): it hands the
+        For a reader that cannot wait (the front, proxy/inbound/connection.py): it hands the
         request to a reader that can instead, which then takes the budget its own way.
         """
         if reading.evicted or self.held + size > self.limit:

@@ -14,12 +14,13 @@ from proxy.engines.base import Dialect, EngineInfo
 from proxy.engines.detect import (
     UndetectedDialect,
     detect_engine,
-    probe_version,
+    probe_info,
 )
 from proxy.engines.dynamo import DynamoDialect
 from proxy.engines.generic import GenericDialect
 from proxy.engines.llamacpp import LlamacppDialect
 from proxy.engines.mindnano import MindnanoDialect
+from proxy.engines.modes import EngineMode, LlamacppRouterDialect, VllmRustDialect
 from proxy.engines.none import NoResetDialect
 from proxy.engines.sglang import SglangDialect
 from proxy.engines.trtllm import TrtllmDialect
@@ -34,15 +35,15 @@ __all__ = ["ENGINE", "EngineState", "make_dialect", "redetector", "setup_engine_
 log = logging.getLogger("cachewitness.engine")
 
 
-def make_dialect(kind: EngineKind, settings: Settings) -> Dialect:
-    """The dialect for an engine kind, configured from settings (unknown kinds get the generic one)."""
+def make_dialect(kind: EngineKind, settings: Settings, mode: str | None = None) -> Dialect:
+    """The dialect for an engine kind (and mode), configured from settings (unknown kinds get the generic one)."""
     key = settings.engine_key
     if kind == EngineKind.VLLM:
-        return VllmDialect(api_key=key)
+        return VllmRustDialect(api_key=key) if mode == EngineMode.RUST_FRONTEND else VllmDialect(api_key=key)
     if kind == EngineKind.SGLANG:
         return SglangDialect(api_key=key)
     if kind == EngineKind.LLAMACPP:
-        return LlamacppDialect(api_key=key)
+        return LlamacppRouterDialect() if mode == EngineMode.ROUTER else LlamacppDialect(api_key=key)
     if kind == EngineKind.MINDNANO:
         return MindnanoDialect(api_key=key)
     if kind == EngineKind.TRTLLM:
@@ -95,16 +96,15 @@ class EngineState:
                     session, settings.upstream_base, timeout_s, api_key=settings.engine_key
                 )
             else:
-                version = await probe_version(
+                info = await probe_info(
                     session,
                     settings.upstream_base,
                     EngineKind(settings.engine),
                     timeout_s,
                     api_key=settings.engine_key,
                 )
-                info = EngineInfo(EngineKind(settings.engine), version)
             self.info = info
-            self.dialect = make_dialect(info.kind, settings)
+            self.dialect = make_dialect(info.kind, settings, info.mode)
         level = logging.WARNING if info.kind == EngineKind.UNKNOWN else logging.INFO
         message = (
             "engine not reached; kind pending re-detection"
@@ -118,6 +118,7 @@ class EngineState:
             event="engine_detected",
             kind=info.kind,
             version=info.version,
+            mode=info.mode,
             configured=settings.engine,
             upstream=redact_url(settings.upstream_base),
         )

@@ -11,8 +11,8 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.config import SETTINGS, Settings, parse_listen
-from proxy.connections import CONNECTIONS, ConnectionGuard, GuardedSite
 from proxy.health import HEALTH, healthy, ready
+from proxy.inbound import CONNECTIONS, ConnectionGuard, GuardedSite
 
 __all__ = ["PROBE_CONNECTIONS", "ProbeListener", "build_probe_app"]
 

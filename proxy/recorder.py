@@ -1,7 +1,8 @@
 """One fan-out for everything recorded: observations, forwarded exchanges and resets.
 
-Each fact goes to the witness (verdicts), the evidence log and the metrics from here and
-nowhere else, so a record and its counters cannot disagree.
+Each fact goes to the witness (verdicts), the evidence log, the metrics and, with
+`kv_events_endpoint`, the KV events index from here and nowhere else, so a record and its
+counters cannot disagree.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -25,30 +26,66 @@ from proxy.upstream.pools import UPSTREAM_POOL
 from proxy.vocabulary import CanaryOutcome, EventType, Verdict, Verified
 from proxy.witnesses.case import CaseWitness
 from proxy.witnesses.counters import CaseVerdict
+from proxy.witnesses.kv_events.index import CacheIndex
+from proxy.witnesses.kv_events.subscribers import KvEvents
 from proxy.witnesses.traffic import WITNESS, ResetSummary, Witness
 
-__all__ = ["RECORDER", "Recorder", "setup_recorder"]
+__all__ = ["RECORDER", "UNNUMBERED", "Numbered", "Recorder", "setup_recorder"]
 
 _OBSERVATION, _VERIFICATION = str(EventType.CACHE_OBSERVATION), str(EventType.CACHE_VERIFICATION)
+
+
+class Numbered(NamedTuple):
+    """Where an admitted inference request stands: the reset it follows (None before the first),
+    its ordinal since that reset, and whether it carried that reset's case token.
+
+    A NamedTuple, frozen as a dataclass would be, built in a fraction of the time (one per request).
+    """
+
+    reset_id: str | None
+    ordinal: int | None
+    own: bool
+
+
+UNNUMBERED = Numbered(None, None, False)  # a request the drain gate never admitted
 
 
 class Recorder:
     """Hands each finished fact to the witness, the evidence log and the metrics — one path."""
 
-    def __init__(self, witness: Witness, evidence: EvidenceLog, metrics: Metrics) -> None:
+    def __init__(
+        self, witness: Witness, evidence: EvidenceLog, metrics: Metrics, index: CacheIndex | None = None
+    ) -> None:
+        """`index`: the KV events index, with `kv_events_endpoint` only."""
         self.witness = witness
         self._evidence = evidence
         self._metrics = metrics
+        self._index = index
+        # Whether a request's session and case ids are wanted (the index records each case's start).
+        self.follows_cases = index is not None
         self.case: CaseWitness | None = None  # the counter witness, once setup_recorder made it
         # The open case's observations kept in the resets file (proxy/evidence/reserve.py).
         self._reserve = CaseReserve()
 
-    def begin_request(self, case_header: str | None = None) -> tuple[str | None, int | None, bool]:
+    @property
+    def kv_events(self) -> KvEvents | None:
+        """The engine's KV events subscribers (the events witness reads them), None without them."""
+        return self._index.events if self._index is not None else None
+
+    def begin_request(
+        self, case_header: str | None = None, *, session_id: str | None = None, case_id: str | None = None
+    ) -> Numbered:
         """The reset this request belongs to, its ordinal since that reset, and whether
-        `case_header` (its X-Cachewitness-Case) is that reset's case token."""
+        `case_header` (its X-Cachewitness-Case) is that reset's case token.
+
+        A case's first request (`case_id`, its stored X-Case-Id) records what the engine's cache
+        holds as the case starts, where the KV events say it.
+        """
         own = self.witness.carries_token(case_header)
         reset_id, ordinal = self.witness.begin_request(own=own)
-        return reset_id, ordinal, own
+        if self._index is not None:
+            self._index.request_started(session_id, case_id)
+        return Numbered(reset_id, ordinal, own)
 
     def unobserved_request(self, case_header: str | None) -> None:
         """An inference request about to reach the engine unobserved (past the observation budget)."""
@@ -94,7 +131,12 @@ class Recorder:
         case_token: str | None = None,
         bind: bool = False,
     ) -> None:
-        """An engine reset succeeded: requests from now on are numbered after it."""
+        """An engine reset succeeded: the KV events index as it leaves it, and requests from now
+        on numbered after it."""
+        if self._index is not None:
+            self._index.reset_answered(
+                reset_id=reset_id, session_id=session_id, case_id=case_id, verified=verified
+            )
         self._reserve.opened(session_id, case_id)
         self.witness.reset_accepted(
             reset_id=reset_id,
@@ -144,11 +186,12 @@ class Recorder:
 RECORDER = web.AppKey("recorder", Recorder)
 
 
-def setup_recorder(app: web.Application) -> None:
-    """The witness, the counter witness and the recorder; the engine watcher runs while the pool is open."""
+def setup_recorder(app: web.Application, index: CacheIndex | None = None) -> None:
+    """The witness, the counter witness and the recorder (over `index`, the KV events index, when
+    there is one); the engine watcher runs while the pool is open."""
     witness = Witness()
     app[WITNESS] = witness
-    recorder = Recorder(witness, app[EVIDENCE], app[METRICS])
+    recorder = Recorder(witness, app[EVIDENCE], app[METRICS], index)
     app[RECORDER] = recorder
     settings, evidence, metrics = app[SETTINGS], app[EVIDENCE], app[METRICS]
 

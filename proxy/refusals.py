@@ -1,7 +1,7 @@
 """Requests the route policy turns away (admin auth, unsafe paths): counted by reason, logged throttled.
 
 One log line per refused request let a client that loops on a refused route write the log
-as fast as it can send (issue 27): like the connection limits (proxy/connections/), each
+as fast as it can send (issue 27): like the connection limits (proxy/inbound/), each
 reason logs at most one line per 10 s, carrying how many requests it stands for, and the
 metric `cachewitness_route_refusals_total{reason}` counts every one.
 """

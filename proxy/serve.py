@@ -17,9 +17,9 @@ from yarl import URL
 
 from proxy.app import build_app
 from proxy.config import Settings
-from proxy.connections import CONNECTIONS, PROBE_SLOTS, GuardedSite
 from proxy.evidence.keys import KeyFileError, load_signing_key
 from proxy.health import HEALTH
+from proxy.inbound import CONNECTIONS, PROBE_SLOTS, GuardedSite
 from proxy.logs import log_event
 from proxy.probe_listener import PROBE_CONNECTIONS, ProbeListener
 from proxy.redact import redact_url

@@ -20,6 +20,7 @@ __all__ = [
     "ResetAnswer",
     "RunKind",
     "Scope",
+    "ServedBy",
     "TierState",
     "Verdict",
     "Verified",
@@ -107,7 +108,7 @@ class VerifyMode(StrEnum):
     """How a reset is verified: input `verify`, config `verify`."""
 
     CANARY = "canary"
-    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/events_witness.py)
+    EVENTS = "events"  # the engine's KV cache events (proxy/witnesses/kv_events/witness.py)
     BOTH = "both"  # every witness that can run
     NONE = "none"
 
@@ -152,6 +153,13 @@ class Outcome(StrEnum):
     UPSTREAM_ERROR = "upstream_error"
     TIMEOUT = "timeout"
     REJECTED = "rejected"  # answered by the sidecar itself (400, 413, 503), never by the engine
+
+
+class ServedBy(StrEnum):
+    """Which HTTP server took a client request (the `served_by` label of requests_total)."""
+
+    FRONT = "front"  # the front: plain inference requests on httptools (proxy/inbound/)
+    AIOHTTP = "aiohttp"  # every other request, and every later one of its connection
 
 
 class EventType(StrEnum):

@@ -5,7 +5,7 @@ exactly once, its replacement and the tests nearest to it:
 
     [[mutant]]
     id = "front-head-limit"
-    file = "proxy/front/head.py"
+    file = "proxy/inbound/head.py"
     find = "if len(head) > limit:"
     replace = "if len(head) > limit * 4:"
     tests = ["tests/test_front.py"]
@@ -57,7 +57,7 @@ class Mutant:
 @dataclass(frozen=True)
 class Outcome:
     mutant: Mutant
-    verdict: str  # "killed by related" | "killed by suite" | "survived" | "not applied: ..."
+    verdict: str  # "killed by related (test)" | "killed by suite (test)" | "survived" | "not applied: ..."
     seconds: float
 
 
@@ -73,14 +73,20 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _pytest(args: list[str], workers: str) -> bool:
-    """True when the tests passed."""
+def _pytest(args: list[str], workers: str) -> str | None:
+    """None when the tests passed, else the first test that failed (or why the run stopped)."""
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-n", workers, *args]
     try:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, timeout=RUN_LIMIT_S, check=False)
     except subprocess.TimeoutExpired:
-        return False
-    return done.returncode == 0
+        return f"over {RUN_LIMIT_S} s"
+    if done.returncode == 0:
+        return None
+    # A kill names its test: a flaky failure under load is then told from the bug's.
+    for line in done.stdout.decode(errors="replace").splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" - ")[0]
+    return f"exit {done.returncode}"
 
 
 def run_one(mutant: Mutant, suite: bool, workers: str) -> Outcome:
@@ -94,10 +100,11 @@ def run_one(mutant: Mutant, suite: bool, workers: str) -> Outcome:
         return Outcome(mutant, f"not applied: snippet found {count} times", 0.0)
     target.write_bytes(text.replace(mutant.find, mutant.replace).encode("utf-8"))
     try:
-        if mutant.tests and not _pytest(list(mutant.tests), "0"):
-            verdict = "killed by related"
-        elif suite and not _pytest(FAST_SUITE, workers):
-            verdict = "killed by suite"
+        failed = _pytest(list(mutant.tests), "0") if mutant.tests else None
+        if failed is not None:
+            verdict = f"killed by related ({failed})"
+        elif suite and (failed := _pytest(FAST_SUITE, workers)) is not None:
+            verdict = f"killed by suite ({failed})"
         else:
             verdict = "survived"
     finally:

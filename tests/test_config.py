@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from proxy.config import ConfigError, Settings
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 
 
 def write_toml(tmp_path: Path, text: str) -> str:

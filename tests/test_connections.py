@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from proxy.connections import PROBE_SLOTS
+from proxy.inbound import PROBE_SLOTS
 from proxy.sim import running_sim
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.process import open_raw, read_until_closed, scrape_fresh, start_sidecar, stop

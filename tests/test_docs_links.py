@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.options import OPTIONS
+from proxy.config.options import OPTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = sorted([REPO / "README.md", REPO / "bench" / "README.md", *(REPO / "docs").glob("*.md")])

@@ -54,7 +54,10 @@ async def stack(
     async with (
         sim(fast(dialect, **options)) as engine,
         capturing(engine.url) as capture,
-        serve_sidecar(capture.url, tmp_path, host=host, **{"engine": dialect, **overrides}) as sidecar,
+        # Discovery off: the sidecar's own GET /kv_event_sources is no client's request reaching the engine.
+        serve_sidecar(
+            capture.url, tmp_path, host=host, **{"engine": dialect, "kv_events_discovery": "off", **overrides}
+        ) as sidecar,
         aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
     ):
         yield Stack(sidecar.url, capture, http)

@@ -9,8 +9,7 @@ from typing import Any
 
 import orjson
 
-from proxy.witnesses.events_index import CACHE_INDEX
-from tests.support.kv_events import Ports, engine, flooding, rogue_stack, until
+from tests.support.kv_events import Ports, engine, flooding, rogue_stack, sidecar_events, until
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
 
@@ -23,7 +22,7 @@ async def events_stack(tmp_path: Path, *, replay: bool = True, **sim_options: An
     if replay:
         overrides["kv_events_replay"] = ports.replay_endpoint
     async with stack(engine("vllm", ports, **sim_options), tmp_path, **overrides) as s:
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].connected)
+        await until(sidecar_events(s), lambda snaps: snaps[0].connected)
         yield s
 
 
@@ -76,8 +75,7 @@ async def test_traffic_between_the_reset_and_the_case_is_flagged(tmp_path: Path)
         _status, answer = await s.reset({"verify": "events"})
         assert answer["verified"] == "verified", answer["verification"]
         await _traffic(s, "other")
-        index = s.app[CACHE_INDEX]
-        await until(index.events, lambda snaps: sum(snaps[0].blocks.values()) > 0)
+        await until(sidecar_events(s), lambda snaps: sum(snaps[0].blocks.values()) > 0)
         await _traffic(s, "mine", {"X-Case-Id": "c2"})
     (start,) = [r for r in _records(tmp_path) if r["trigger"] == "case_start"]
     check = start["verification"]
@@ -134,8 +132,8 @@ async def test_a_case_start_after_lost_batches_is_unknown_not_clean(tmp_path: Pa
             _status, answer = await s.reset({"verify": "events"})
         assert answer["verified"] == "verified", answer["verification"]
         await pub.send(next_seq() + 1, [])  # the batch at next_seq() never comes
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].unreplayed_gaps == 1)
-        snap = s.app[CACHE_INDEX].events.snapshots()[0]
+        await until(sidecar_events(s), lambda snaps: snaps[0].unreplayed_gaps == 1)
+        snap = sidecar_events(s).snapshots()[0]
         assert snap.blocks == {} and not snap.vouches
         await _traffic(s, "mine", {"X-Case-Id": "c1"})
     (start,) = [r for r in _records(tmp_path) if r["trigger"] == "case_start"]

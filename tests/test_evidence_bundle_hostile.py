@@ -17,12 +17,15 @@ import pytest
 
 from tests.support.hostile_tar import BLOCK, bomb, tar_with
 
-# Runs the command and prints the interpreter's peak RSS (KiB) on stderr's last line.
+# Runs the command and prints the interpreter's peak RSS (KiB) on stderr's last line. VmHWM, not
+# getrusage's ru_maxrss: Linux carries ru_maxrss across exec from the mm it replaces, which for a
+# vfork'd child is its parent's (an xdist worker's few hundred MiB); VmHWM is this mm's own.
 _RUN = (
-    "import resource, sys\n"
+    "import re, sys\n"
     "from proxy.cli import main\n"
     "code = main(['evidence', 'verify', *sys.argv[1:]])\n"
-    "print('maxrss', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+    "status = open('/proc/self/status').read()\n"
+    "print('maxrss', re.search(r'VmHWM:\\s*(\\d+)', status).group(1), file=sys.stderr)\n"
     "sys.exit(code)\n"
 )
 MIB = 1024 * 1024

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from proxy.config import ConfigError
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from proxy.forward.ids import ID_CHARS
 from tests.support.evidence_files import CHAIN_EVENTS, resets_file, unchained
 from tests.support.metrics import scrape

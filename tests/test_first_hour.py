@@ -18,7 +18,7 @@ import pytest
 
 from proxy.cli.http import DEFAULT_URL
 from proxy.config import ConfigError, Settings
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from tests.support.cli import REPO, cli
 from tests.support.sidecar import closed_port_url, free_port, serve_sidecar
 from tests.support.sim import WAIT_S
@@ -113,7 +113,7 @@ async def test_an_unknown_cachewitness_variable_is_warned_about_at_start(tmp_pat
 
 
 def test_client_and_build_variables_are_not_warned_about() -> None:
-    from proxy.config_load import unknown_env
+    from proxy.config.load import unknown_env
 
     assert (
         unknown_env({"CACHEWITNESS_URL": "x", "CACHEWITNESS_CONFIG": "y", "CACHEWITNESS_REAL_CACHE": "z"})

@@ -158,7 +158,15 @@ async def test_requests_the_sidecar_turns_away_are_counted_but_not_as_engine_err
         for s in family.samples
         if s.name.startswith("cachewitness_")
     }
-    assert samples[("cachewitness_requests_total", (("code", "4xx"), ("route", "/v1/chat/completions")))] == 1
+    assert (
+        samples[
+            (
+                "cachewitness_requests_total",
+                (("code", "4xx"), ("route", "/v1/chat/completions"), ("served_by", "aiohttp")),
+            )
+        ]
+        == 1
+    )
     assert all(
         value == 0 for (name, _), value in samples.items() if name == "cachewitness_upstream_errors_total"
     )

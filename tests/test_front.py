@@ -1,25 +1,31 @@
-"""The front (proxy/front/): plain inference requests served beside aiohttp, with the same bytes and order.
+"""The front (proxy/inbound/): plain inference requests served beside aiohttp, with the same bytes and order.
 
 Over raw sockets, so what a client gets is read byte for byte: the front's answers against
 aiohttp's for the same engine answers (`front = false` serves every request on aiohttp), and
 a connection's requests answered in order when the front hands the connection to aiohttp.
+Each test also reads which server took each request (`served_by` on requests_total): bytes
+that match prove nothing if one server took both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import httptools
 import orjson
 import pytest
 
 from proxy.body_budget import BODY_BUDGET
-from proxy.connections import CONNECTIONS
-from tests.support.sidecar import serve_sidecar
+from proxy.inbound import CONNECTIONS
+from tests.support.client import CLIENT_TIMEOUT
+from tests.support.metrics import scrape
+from tests.support.sidecar import Sidecar, serve_sidecar
 
 _EVENTS = [b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n', b"data: [DONE]\n\n"]
 
@@ -162,6 +168,21 @@ async def _exchange(url: str, payload: bytes | list[bytes], answers: int) -> byt
     return bytes(framer._raw)
 
 
+async def _served(sidecar: Sidecar) -> dict[str, int]:
+    """How many forwarded requests each server took (requests_total by served_by)."""
+    async with aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http:
+        result = await scrape(http, sidecar.url)
+    counts = {"front": 0, "aiohttp": 0}
+    for (name, labels), value in result.samples.items():
+        if name == "cachewitness_requests_total":
+            counts[dict(labels)["served_by"]] += int(value)
+    return counts
+
+
+def _only(server: str, count: int = 1) -> dict[str, int]:
+    return {"front": 0, "aiohttp": 0, server: count}
+
+
 def _masked(raw: bytes) -> bytes:
     """The Date the sidecar adds is the clock's; everything else must match."""
     return re.sub(rb"Date: [^\r]*\r\n", b"Date: *\r\n", raw)
@@ -170,12 +191,14 @@ def _masked(raw: bytes) -> bytes:
 @pytest.mark.parametrize("answer", sorted(_ANSWERS))
 async def test_the_front_writes_the_bytes_aiohttp_writes(engine: str, tmp_path: Path, answer: str) -> None:
     """Whichever server takes a plain request, the client reads the same bytes (the same head, the same framing)."""
-    got = {}
+    got, served = {}, {}
     for front in (True, False):
         async with serve_sidecar(engine, tmp_path / str(front), front=front) as sidecar:
             got[front] = _masked(await _exchange(sidecar.url, _request(answer=answer), 1))
+            served[front] = await _served(sidecar)
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1.1 ")
+    assert served == {True: _only("front"), False: _only("aiohttp")}
 
 
 async def test_the_end_of_a_stream_the_scanner_held_back_reaches_the_client(
@@ -192,12 +215,14 @@ async def test_the_end_of_a_stream_the_scanner_held_back_reaches_the_client(
 
 async def test_the_sidecars_own_answers_match_too(tmp_path: Path) -> None:
     """An engine that is not there: the front's 502 is aiohttp's 502, byte for byte but the Date."""
-    got = {}
+    got, served = {}, {}
     for front in (True, False):
         async with serve_sidecar("http://127.0.0.1:9", tmp_path / str(front), front=front) as sidecar:
             got[front] = _masked(await _exchange(sidecar.url, _request(), 1))
+            served[front] = await _served(sidecar)
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1.1 502 Bad Gateway\r\n"), got[True]
+    assert served == {True: _only("front"), False: _only("aiohttp")}
 
 
 async def test_requests_of_one_connection_are_answered_in_order_across_the_hand_off(
@@ -207,8 +232,10 @@ async def test_requests_of_one_connection_are_answered_in_order_across_the_hand_
     payload = _request() + b"GET /-/healthy HTTP/1.1\r\nHost: sidecar\r\n\r\n" + _request(answer="error")
     async with serve_sidecar(engine, tmp_path) as sidecar:
         raw = await _exchange(sidecar.url, payload, 3)
+        served = await _served(sidecar)
     statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)
     assert statuses == [b"200", b"200", b"400"], raw
+    assert served == {"front": 1, "aiohttp": 1}  # the probe is the sidecar's own route: not forwarded
     assert raw.index(b"chatcmpl-1") < raw.index(b"HTTP/1.1 200", 1) < raw.index(b'"bad"')
 
 
@@ -222,7 +249,9 @@ async def test_a_declined_request_reaches_the_engine_whole_after_a_served_one(
     )
     async with serve_sidecar(engine, tmp_path) as sidecar:
         raw = await _exchange(sidecar.url, _request() + chunked + _request(), 3)
+        served = await _served(sidecar)
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"400", b"200"], raw
+    assert served == {"front": 1, "aiohttp": 2}  # the connection stays aiohttp's after the hand-off
 
 
 async def test_pipelined_plain_requests_are_all_served_in_order(engine: str, tmp_path: Path) -> None:
@@ -230,7 +259,9 @@ async def test_pipelined_plain_requests_are_all_served_in_order(engine: str, tmp
     payload = b"".join(_request(answer=kind) for kind in ("json", "sse", "error", "json"))
     async with serve_sidecar(engine, tmp_path) as sidecar:
         raw = await _exchange(sidecar.url, payload, 4)
+        served = await _served(sidecar)
     assert re.findall(rb"HTTP/1\.1 (\d{3}) ", raw) == [b"200", b"200", b"400", b"200"], raw
+    assert served == _only("front", 4)
     assert raw.index(b"[DONE]") < raw.index(b'"bad"')
 
 
@@ -249,7 +280,9 @@ async def test_a_request_in_many_reads_is_served_whole(engine: str, tmp_path: Pa
     body_length = len(first) - head_end
     async with serve_sidecar(engine, tmp_path) as sidecar:
         raw = await _exchange(sidecar.url, pieces, 2)
+        served = await _served(sidecar)
     assert raw.count(b'{"length":%d}' % body_length) == 2, raw
+    assert served == _only("front", 2)
 
 
 @pytest.mark.parametrize("front", [True, False])
@@ -263,7 +296,9 @@ async def test_keepalive_timeout_0_closes_each_connection_after_its_answer(
         writer.write(_request())
         raw = await asyncio.wait_for(reader.read(), 10)  # to the sidecar's close
         writer.close()
+        served = await _served(sidecar)
     assert raw.startswith(b"HTTP/1.1 200 OK\r\n") and raw.endswith(b'"completion_tokens":1}}'), raw
+    assert served == _only("front" if front else "aiohttp")
 
 
 async def test_an_idle_front_connection_is_closed_after_keepalive_timeout(
@@ -280,6 +315,7 @@ async def test_an_idle_front_connection_is_closed_after_keepalive_timeout(
         # Closed by the sidecar: the read ends (b"") well before the 10 s bound.
         assert await asyncio.wait_for(reader.read(65536), 10) == b""
         writer.close()
+        assert await _served(sidecar) == _only("front")  # the front's own keep-alive limit closed it
 
 
 async def test_a_body_the_budget_cannot_take_as_it_arrives_goes_to_aiohttp_whole(
@@ -325,16 +361,18 @@ async def test_a_body_the_budget_cannot_take_as_it_arrives_goes_to_aiohttp_whole
         in_progress = guard.requests_in_progress
         for _, writer in (first, second):
             writer.close()
+        served = await _served(sidecar)
     assert in_progress == 0
     assert all(answer.startswith(b"HTTP/1.1 200 ") for answer in answers), answers
     assert all(answer.endswith(b'{"length":%d}' % size) for answer in answers), answers
     assert budget.unobserved_total == 1  # the second: streamed past the budget, by aiohttp
+    assert served == {"front": 1, "aiohttp": 1}
 
 
 async def test_an_answer_the_engine_cuts_is_cut_for_the_client_too(engine: str, tmp_path: Path) -> None:
     """The engine closes mid-body: both servers relay the head and what came, then cut the client (never a
     complete-looking answer), and record the request as an upstream error."""
-    got, outcomes = {}, {}
+    got, outcomes, served = {}, {}, {}
     for front in (True, False):
         async with serve_sidecar(engine, tmp_path / str(front), front=front) as sidecar:
             host, port = sidecar.url.removeprefix("http://").split(":")
@@ -342,12 +380,14 @@ async def test_an_answer_the_engine_cuts_is_cut_for_the_client_too(engine: str, 
             writer.write(_request(answer="cut"))
             got[front] = _masked(await asyncio.wait_for(reader.read(), 10))  # to the cut
             writer.close()
+            served[front] = await _served(sidecar)
         evidence = (tmp_path / str(front) / "evidence" / "cachewitness.jsonl").read_text().splitlines()
         records = [orjson.loads(line) for line in evidence]
         outcomes[front] = [r["outcome"] for r in records if r.get("event_type") == "infer.cache_observation"]
     assert got[True] == got[False]
     assert got[True].endswith(b"\r\n\r\n0123456789"), got[True]
     assert outcomes == {True: ["upstream_error"], False: ["upstream_error"]}
+    assert served == {True: _only("front"), False: _only("aiohttp")}
 
 
 _DECLINED = {
@@ -378,7 +418,7 @@ async def test_a_head_the_front_declines_is_answered_as_aiohttp_answers_it(
     engine: str, tmp_path: Path, case: str
 ) -> None:
     """Each request the front leaves to aiohttp gets the very bytes it gets with the front off."""
-    got = {}
+    got, served = {}, {}
     for front in (True, False):
         async with serve_sidecar(engine, tmp_path / str(front), front=front) as sidecar:
             host, port = sidecar.url.removeprefix("http://").split(":")
@@ -386,8 +426,10 @@ async def test_a_head_the_front_declines_is_answered_as_aiohttp_answers_it(
             writer.write(_DECLINED[case] + b"GET /-/healthy HTTP/1.1\r\nHost: s\r\nConnection: close\r\n\r\n")
             got[front] = _masked(await asyncio.wait_for(reader.read(), 10))
             writer.close()
+            served[front] = await _served(sidecar)
     assert got[True] == got[False]
     assert got[True].startswith(b"HTTP/1."), got[True]
+    assert served[True] == served[False] and served[True]["front"] == 0, served
 
 
 async def test_a_pipelining_client_is_read_no_further_than_a_bound_while_its_request_is_served(
@@ -437,3 +479,19 @@ async def test_a_client_gone_mid_exchange_is_not_watched_after_it(engine: str, t
             await asyncio.sleep(0.1)
         assert len(watchdog) == 0
         _RELEASE.set()
+
+
+async def test_who_serves_each_request_and_why_is_logged_at_debug(
+    engine: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """At debug level each request's server and the reason are logged: the rule that sent it there."""
+    caplog.set_level(logging.DEBUG, logger="cachewitness.front")
+    async with serve_sidecar(engine, tmp_path) as sidecar:
+        await _exchange(sidecar.url, _request() + _DECLINED["a control route"], 2)
+    chosen = [
+        (r.__dict__["served_by"], r.__dict__["reason"])
+        for r in caplog.records
+        if r.getMessage().startswith("request served by")
+    ]
+    assert [by for by, _ in chosen] == ["front", "aiohttp"], chosen
+    assert chosen[1][1] == "a route the route policy does not forward as it is", chosen

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from proxy.config_load import load_settings
-from proxy.options import OPTIONS
+from proxy.config.load import load_settings
+from proxy.config.options import OPTIONS
 from tests.support.helm import (
     CHART,
     EXAMPLES,
@@ -477,8 +477,6 @@ def test_dashboard_configmap_is_labelled_for_grafana_and_holds_the_chart_dashboa
 def test_chart_dashboard_is_a_copy_of_the_config_dashboard() -> None:
     """helm/cachewitness/dashboards/cachewitness.json equals config/grafana-dashboard.json."""
     source = ROOT / "config" / "grafana-dashboard.json"
-    if not source.exists():
-        pytest.skip("config/grafana-dashboard.json is not written yet: the chart ships a minimal dashboard")
     copy_in_chart = json.loads((CHART / "dashboards" / "cachewitness.json").read_text(encoding="utf-8"))
     assert copy_in_chart == json.loads(source.read_text(encoding="utf-8")), (
         "copy config/grafana-dashboard.json to helm/cachewitness/dashboards/cachewitness.json"
@@ -601,10 +599,14 @@ def test_dockerfile_runs_serve_as_a_non_root_user_with_a_healthcheck() -> None:
 # --- the engine's KV cache events --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("preset", ["vllm", "sglang"])
-def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> None:
-    """vLLM and SGLang publish to the port the sidecar binds, replay on their own, both pod-local."""
-    manifests = render("--set", f"engine.preset={preset}")
+@pytest.mark.parametrize(
+    ("preset", "overrides"), [("vllm", ("engine.kvEvents.discovery=false",)), ("sglang", ())]
+)
+def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(
+    preset: str, overrides: tuple[str, ...]
+) -> None:
+    """SGLang (and vLLM without discovery) publish to the port the sidecar binds, replay on their own, both pod-local."""
+    manifests = render("--set", f"engine.preset={preset}", *(arg for o in overrides for arg in ("--set", o)))
     kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
     assert kv["publisher"] == "zmq"
     # A concrete host: the engine connects, the sidecar binds (docs/engines.md).
@@ -618,6 +620,21 @@ def test_kv_events_join_the_engine_to_the_sidecar_on_loopback(preset: str) -> No
     assert env["CACHEWITNESS_KV_EVENTS_ENDPOINT"] == kv["endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_REPLAY"] == kv["replay_endpoint"]
     assert env["CACHEWITNESS_KV_EVENTS_PUBLISHERS"] == "127.0.0.1"  # the engine's address only
+
+
+def test_vllm_names_its_kv_event_sockets_and_the_sidecar_finds_them() -> None:
+    """vLLM binds ipc sockets in a pod-local emptyDir both containers mount; the sidecar is told nothing."""
+    manifests = render("--set", "engine.preset=vllm")
+    kv = json.loads(flag_value(engine(manifests)["command"], "--kv-events-config"))
+    assert (kv["endpoint"], kv["replay_endpoint"]) == (
+        "ipc:///var/run/kv-events/pub",
+        "ipc:///var/run/kv-events/replay",
+    )
+    assert not any(name.startswith("CACHEWITNESS_KV_EVENTS") for name in env_values(sidecar(manifests)))
+    for container in (engine(manifests), sidecar(manifests)):
+        assert {"name": "kv-events", "mountPath": "/var/run/kv-events"} in container["volumeMounts"]
+    [volume] = [v for v in pod_spec(manifests)["volumes"] if v["name"] == "kv-events"]
+    assert volume["emptyDir"]["medium"] == "Memory"
 
 
 @pytest.mark.parametrize(

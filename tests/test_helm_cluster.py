@@ -8,7 +8,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from proxy.sim import running_sim
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.helm import (
@@ -26,9 +26,8 @@ from tests.support.helm import (
     sidecar,
     validate,
 )
-from tests.support.prometheus import PENDING_METRICS
+from tests.support.kv_events import Ports, engine
 from tests.support.sidecar import serve_sidecar
-from tests.support.sim import fast
 
 REPLICAS_3 = ("--set", "replicaCount=3")
 ALERTS = ("--set", "prometheusRule.enabled=true")
@@ -272,8 +271,13 @@ def _series_labels(text: str) -> dict[str, list[dict[str, str]]]:
 
 async def test_every_alert_selects_series_the_sidecar_exports(tmp_path: Path) -> None:
     """Each metric an alert reads exists in a live sidecar's /metrics, with the label values it matches
-    (a metric renamed on one side only fails here); the wave-3 witnesses' metrics once they exist."""
-    async with running_sim(fast("vllm")) as engine, serve_sidecar(engine, tmp_path) as sidecar:
+    (a metric renamed on one side only fails here). The sidecar follows the engine's KV events, so
+    the KV events alerts read real series too."""
+    ports = Ports()
+    async with (
+        running_sim(engine("vllm", ports)) as upstream,
+        serve_sidecar(upstream, tmp_path, kv_events_endpoint=ports.endpoint) as sidecar,
+    ):
         async with (
             aiohttp.ClientSession(timeout=CLIENT_TIMEOUT) as http,
             http.get(f"{sidecar.url}/metrics") as response,
@@ -283,8 +287,6 @@ async def test_every_alert_selects_series_the_sidecar_exports(tmp_path: Path) ->
         selectors = SELECTOR.findall(rule["expr"])
         assert selectors, rule["alert"]
         for name, matchers in selectors:
-            if name in PENDING_METRICS and name not in exported:
-                continue
             assert name in exported, f"{rule['alert']}: {name} is not exported"
             for label, operator, value in MATCHER.findall(matchers):
                 if label == "namespace":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import aiohttp
 
-from proxy.connections import PROBE_SLOTS
+from proxy.inbound import PROBE_SLOTS
 from proxy.sim import running_sim
 from tests.support.process import BOUND_S, open_raw, read_until_closed, start_sidecar, stop
 from tests.support.sidecar import free_port

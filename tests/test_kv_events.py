@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from proxy.sim import SimConfig, add_sim_arguments, sim_config_from_args
-from proxy.witnesses.events import KvEvents
+from proxy.witnesses.kv_events.subscribers import KvEvents
 from tests.support.kv_events import Ports, caught_up, core, engine, request, stack, until
 from tests.support.sim import fast, sim
 

@@ -11,9 +11,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from proxy.witnesses.events_index import CACHE_INDEX
-from proxy.witnesses.events_state import RankState
-from proxy.witnesses.events_wire import (
+from proxy.witnesses.kv_events.state import RankState
+from proxy.witnesses.kv_events.wire import (
     MAX_EVENTS_PER_BATCH,
     MAX_HASHES_PER_EVENT,
     OTHER,
@@ -21,7 +20,7 @@ from proxy.witnesses.events_wire import (
     Event,
     decode_batch,
 )
-from tests.support.kv_events import rogue_stack, until
+from tests.support.kv_events import rogue_stack, sidecar_events, until
 from tests.support.metrics import scrape
 
 
@@ -70,7 +69,7 @@ async def test_a_rogues_invented_types_add_no_series(tmp_path: Path) -> None:
             [[f"Type{i}"] for i in range(500)]
             + [["BlockStored", [i], None, [], 16, None, f"M{i}"] for i in range(500)],
         )
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].batches == 1)
+        await until(sidecar_events(s), lambda snaps: snaps[0].batches == 1)
         metrics = await scrape(s.http, s.url)
     assert metrics.label_values("cachewitness_kv_events_total", "type") == {
         "BlockStored",
@@ -88,7 +87,7 @@ async def test_a_message_over_the_cap_never_reaches_the_loop(tmp_path: Path) -> 
     # publisher's next batch, once it is connected again, is read as usual.
     async with rogue_stack(tmp_path) as (s, pub):
         assert await pub.subscribed()
-        events = s.app[CACHE_INDEX].events
+        events = sidecar_events(s)
         await pub.send_raw(0, msgpack.packb([1.0, [["BlockStored", [], None, [0] * (5 << 20)]], 0]))
         for seq in range(1, 50):  # a batch sent while it reconnects is dropped: send until one lands
             await pub.send(seq, [["AllBlocksCleared"]])

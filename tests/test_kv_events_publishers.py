@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.witnesses.events import KvEvents, KvEventsConfig, RankSnapshot
-from proxy.witnesses.events_index import CACHE_INDEX
-from tests.support.kv_events import CLEAR, Ports, engine, flooding, rogue, rogue_stack, until
+from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig, RankSnapshot
+from tests.support.kv_events import CLEAR, Ports, engine, flooding, rogue, rogue_stack, sidecar_events, until
 from tests.support.metrics import scrape
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
@@ -27,7 +26,7 @@ async def publishing_engine(tmp_path: Path) -> AsyncIterator[tuple[Stack, KvEven
     """A vLLM simulator publishing its events to the sidecar, once its publisher is connected."""
     ports = Ports()
     async with stack(engine("vllm", ports), tmp_path, kv_events_endpoint=ports.endpoint) as s:
-        events = s.app[CACHE_INDEX].events
+        events = sidecar_events(s)
         await until(events, lambda snaps: snaps[0].connected)
         yield s, events, ports
 
@@ -45,7 +44,7 @@ async def _warm(s: Stack) -> None:
 async def test_a_publisher_from_another_address_is_refused(tmp_path: Path) -> None:
     # The engine is at 127.0.0.1 (the upstream's host); the rogue connects from 127.0.0.2.
     async with rogue_stack(tmp_path, source="127.0.0.2") as (s, pub), flooding(pub):
-        events = s.app[CACHE_INDEX].events
+        events = sidecar_events(s)
         await until(events, lambda snaps: snaps[0].refused_publishers > 0)
         status, answer = await s.reset({"verify": "events"})
         metrics = await scrape(s.http, s.url)
@@ -58,7 +57,7 @@ async def test_listed_publishers_are_admitted(tmp_path: Path) -> None:
     async with rogue_stack(tmp_path, source="127.0.0.2", kv_events_publishers=("127.0.0.2",)) as (s, pub):
         assert await pub.subscribed()
         await pub.send(0, CLEAR)
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].clears == 1)
+        await until(sidecar_events(s), lambda snaps: snaps[0].clears == 1)
 
 
 async def test_a_restart_the_counters_did_not_see_does_not_verify(tmp_path: Path) -> None:
@@ -69,7 +68,7 @@ async def test_a_restart_the_counters_did_not_see_does_not_verify(tmp_path: Path
         await _warm(s)
         for seq in range(3):
             await pub.send(seq, [["BlockStored", [seq + 1], None, [], 16, None, "GPU"]])
-        await until(s.app[CACHE_INDEX].events, lambda snaps: snaps[0].last_seq == 2)
+        await until(sidecar_events(s), lambda snaps: snaps[0].last_seq == 2)
         async with flooding(pub, repeat=True, events=[["BlockStored", [9], None, [], 16, None, "GPU"]]):
             status, answer = await s.reset({"verify": "events"})
     events = answer["verification"]["witnesses"]["events"]

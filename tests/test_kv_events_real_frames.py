@@ -13,8 +13,8 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from proxy.witnesses.events_state import RankState
-from proxy.witnesses.events_wire import CLEARED, STORED, decode_batch, replay_item
+from proxy.witnesses.kv_events.state import RankState
+from proxy.witnesses.kv_events.wire import CLEARED, STORED, decode_batch, replay_item
 from tests.support.kv_events import Ports, engine, request
 from tests.support.sim import WAIT_S, sim
 

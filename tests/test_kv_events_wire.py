@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from proxy.witnesses.events_wire import Batch, DecodeError, Event, decode_batch, replay_item
+from proxy.witnesses.kv_events.wire import Batch, DecodeError, Event, decode_batch, replay_item
 
 SHA = bytes(range(32))  # a vLLM block hash under VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0
 SHA_LOW64 = int.from_bytes(SHA[-8:], "big")

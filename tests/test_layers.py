@@ -24,12 +24,10 @@ PROXY = ROOT / "proxy"
 # is `forward`); units in one layer do not import each other either.
 LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"vocabulary", "logs", "errors", "redact", "watchdog"}),
-    frozenset({"config"}),
-    frozenset({"options"}),  # the option table: each key's parser, over config's choices
+    frozenset({"config"}),  # the settings, the option table and their loading
     # upstream (the pool and the leg) reads only config, logs and watchdog; the engines' own
-    # calls go through it. config_load reads only config and options: only the CLI and tests
-    # load settings.
-    frozenset({"upstream", "config_load"}),
+    # calls go through it.
+    frozenset({"upstream"}),
     frozenset({"observe", "engines", "sim"}),
     frozenset(
         {
@@ -38,7 +36,6 @@ LAYERS: tuple[frozenset[str], ...] = (
             "witnesses",
             "admission",
             "body_budget",
-            "connections",
             "engine_state",
             "health",
             "refusals",
@@ -48,7 +45,7 @@ LAYERS: tuple[frozenset[str], ...] = (
     frozenset({"forward", "reset"}),
     frozenset({"cluster"}),
     frozenset({"admin"}),
-    frozenset({"front"}),
+    frozenset({"inbound"}),  # the client connections: the front, aiohttp's side, the guard
     frozenset({"app", "probe_listener"}),
     frozenset({"serve"}),
     frozenset({"cli"}),
@@ -223,3 +220,22 @@ if __name__ == "__main__":
     homeless = sorted({unit(n) for n in modules() if n != "proxy"} - RANK.keys())
     for name in homeless:
         print(f"no layer: {name}")
+
+
+def diagram_layers() -> list[frozenset[str]]:
+    """The layer diagram of docs/architecture.md, lowest layer first: one `└` line per layer
+    (a line without one continues the layer above it)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = text.split("## Layers", 1)[1].split("```", 2)[1]
+    layers: list[set[str]] = []
+    for line in block.strip().splitlines():
+        units = {unit.strip() for unit in line.replace("└", "").split("·") if unit.strip()}
+        if "└" in line or not layers:
+            layers.append(units)
+        else:
+            layers[-1] |= units
+    return [frozenset(layer) for layer in reversed(layers)]
+
+
+def test_the_documented_diagram_is_the_layer_table() -> None:
+    assert diagram_layers() == [layer for layer in LAYERS if layer != {"__main__"}]

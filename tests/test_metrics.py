@@ -113,7 +113,12 @@ async def test_every_family_is_present_right_after_start(
     sampled = {name for name in first.names() for family in FAMILIES if name.startswith(family)}
     assert sorted(set(FAMILIES) - declared) == []
     assert sorted(family for family in FAMILIES if not any(name.startswith(family) for name in sampled)) == []
-    assert first.value("cachewitness_requests_total", route="/v1/chat/completions", code="2xx") == 0
+    assert (
+        first.value(
+            "cachewitness_requests_total", route="/v1/chat/completions", code="2xx", served_by="front"
+        )
+        == 0
+    )
     assert first.value("cachewitness_prompt_tokens_total", model="sim-model") == 0
     assert first.value("cachewitness_cache_resets_total", engine="vllm", answer="refused") == 0
     assert first.value("cachewitness_cache_verifications_total", verdict="contradicted") == 0
@@ -203,7 +208,7 @@ async def test_forwarded_request_moves_requests_duration_and_ttfb(
         """How much a sample moved between the two scrapes."""
         return after.value(name, **labels) - before.value(name, **labels)
 
-    assert delta("cachewitness_requests_total", route="/v1/models", code="2xx") == 1
+    assert delta("cachewitness_requests_total", route="/v1/models", code="2xx", served_by="aiohttp") == 1
     assert delta("cachewitness_request_duration_seconds_count", route="/v1/models") == 1
     assert delta("cachewitness_time_to_first_byte_seconds_count", route="/v1/models") == 1
     assert delta("cachewitness_sidecar_overhead_seconds_count", phase="request") == 1
@@ -220,7 +225,7 @@ async def test_unlisted_path_is_counted_under_route_other(
         async with http.get(url + "/no/such/path/abc123") as resp:
             assert resp.status == 404
         result = await scrape(http, url)
-    assert result.value("cachewitness_requests_total", route="other", code="4xx") == 1
+    assert result.value("cachewitness_requests_total", route="other", code="4xx", served_by="aiohttp") == 1
     assert "/no/such/path/abc123" not in result.text
 
 
@@ -450,7 +455,12 @@ async def test_engine_down_counts_a_connection_error(
         assert resp.status == 502
     result = await scrape(http, url)
     assert result.value("cachewitness_upstream_errors_total", kind="connection") == 1
-    assert result.value("cachewitness_requests_total", route="/v1/chat/completions", code="5xx") == 1
+    assert (
+        result.value(
+            "cachewitness_requests_total", route="/v1/chat/completions", code="5xx", served_by="front"
+        )
+        == 1
+    )
     assert result.value("cachewitness_cached_tokens_unknown_total", model="other") == 0
 
 

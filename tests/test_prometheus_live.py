@@ -103,7 +103,7 @@ async def test_every_panel_and_alert_evaluates_on_a_real_scrape(tmp_path: Path) 
                 await prometheus.wait_for(f"{CONTRADICTED} == 0")
                 answers = await _session(url)
                 await prometheus.wait_for(f"{CONTRADICTED} == 1")
-                await prometheus.wait_for('cachewitness_requests_total{code="2xx"} >= 7')
+                await prometheus.wait_for('sum(cachewitness_requests_total{code="2xx"}) >= 7')
                 rules = await _rules_evaluated(prometheus)
                 panels = {
                     query.panel: await _series_count(prometheus, query.expr) for query in dashboard_queries()

@@ -27,8 +27,7 @@ from proxy.admin.native import handle_native_reset, handle_slot_erase
 from proxy.admin.policy import RouteClass, RouteDecision, RoutePolicy
 from proxy.config import SETTINGS, EngineRoutes, NativeResetAuth, Settings
 from proxy.engine_state import ENGINE
-from proxy.forward.handler import forward
-from proxy.forward.inbound import PATH_REFUSAL
+from proxy.forward.refusal import PATH_REFUSAL
 from proxy.refusals import REFUSALS, RefusalReason, Refusals
 from proxy.upstream.pools import UPSTREAM_POOL
 
@@ -38,7 +37,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Applies the route policy to one route as it is registered: (handler, registered path) → handler.
 Police = Callable[[Handler, str], Handler]
 ROUTE_POLICY: web.AppKey[Police] = web.AppKey("route_policy")
-# The classifier behind it, for the front (proxy/front/), which takes only what it forwards.
+# The classifier behind it, for the front (proxy/inbound/), which takes only what it forwards.
 ROUTE_CLASSES: web.AppKey[RoutePolicy] = web.AppKey("route_classes", RoutePolicy)
 
 
@@ -81,13 +80,13 @@ async def _classify(request: web.Request, policy: RoutePolicy) -> RouteDecision:
     return decision
 
 
-def route_policy(settings: Settings, policy: RoutePolicy | None = None) -> Police:
+def route_policy(settings: Settings, forward: Handler, policy: RoutePolicy | None = None) -> Police:
     """The route policy, applied to each route as it is registered (`police(handler, path)`).
 
     Decided once per route, not per request: a route of the sidecar's own under /cache/ needs
-    admin auth, its other routes pass as they are, and `forward` (every other path) gets the
-    policy's classification. No app middleware: with none, aiohttp skips its middleware chain
-    for every request (issue 34).
+    admin auth, its other routes pass as they are, and `forward` (every other path: aiohttp's
+    forwarding handler, handed down by `build_app`) gets the policy's classification. No app
+    middleware: with none, aiohttp skips its middleware chain for every request (issue 34).
     """
     policy = policy if policy is not None else RoutePolicy(settings)
     guarded = settings.engine_routes == EngineRoutes.ADMIN
@@ -149,8 +148,9 @@ def _refused(
     return answer
 
 
-def setup_admin(app: web.Application) -> None:
-    """The refusal counters, and the route policy that `setup_routes` applies to every route."""
+def setup_admin(app: web.Application, forward: Handler) -> None:
+    """The refusal counters, and the route policy that `setup_routes` applies to every route
+    (`forward`: the handler of every path the sidecar does not answer itself)."""
     app[REFUSALS] = Refusals()
     policy = app[ROUTE_CLASSES] = RoutePolicy(app[SETTINGS])
-    app[ROUTE_POLICY] = route_policy(app[SETTINGS], policy)
+    app[ROUTE_POLICY] = route_policy(app[SETTINGS], forward, policy)

@@ -23,6 +23,7 @@ from proxy.errors import error_response
 from proxy.evidence.log import EVIDENCE
 from proxy.forward.ids import is_stored_id
 from proxy.health import HEALTH
+from proxy.recorder import RECORDER
 from proxy.reset.params import BadInput, read_params
 from proxy.reset.service import RESETS
 from proxy.vocabulary import EventType, Scope
@@ -69,6 +70,9 @@ async def handle_state(request: web.Request) -> web.Response:
     app = request.app
     state = app[WITNESS].state()
     state["engine"] = app[ENGINE].info.to_json()
+    events = app[RECORDER].kv_events
+    if events is not None:  # each rank's KV event endpoints and where they come from
+        state["kv_events"] = events.describe()
     admission = app[ADMISSION]
     evidence = app[EVIDENCE]
     state["sidecar"] = {

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 from proxy import __version__
 from proxy.config import ConfigError, Settings
-from proxy.config_load import load_settings
-from proxy.options import OPTIONS
+from proxy.config.load import load_settings
+from proxy.config.options import OPTIONS
 
 __all__ = ["build_parser", "main"]
 
@@ -96,7 +96,7 @@ def _run_serve(ns: argparse.Namespace) -> int:
     import logging
     import os
 
-    from proxy.config_load import unknown_env
+    from proxy.config.load import unknown_env
     from proxy.logs import log_event, setup_logging
     from proxy.serve import run
 
@@ -141,7 +141,7 @@ def _add_client_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser
     add_evidence_arguments(evidence)
     evidence.set_defaults(run=run_evidence)
     add_proof_commands(sub, evidence)
-    from proxy.cli.report import add_report_arguments, run_report
+    from proxy.cli.report.command import add_report_arguments, run_report
 
     report = sub.add_parser("report", help="one session's evidence as a self-contained HTML page")
     add_report_arguments(report)

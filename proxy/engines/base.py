@@ -52,6 +52,9 @@ class EngineInfo:
 
     kind: EngineKind
     version: str | None = None
+    # How this engine serves, where it differs from the kind's usual way (ENGINE_MODES in
+    # proxy/engines/modes.py): vLLM's Rust front end, llama.cpp's router. Not in `to_json`.
+    mode: str | None = None
 
     def to_json(self) -> dict[str, str | None]:
         """The `engine` block of answers and records."""
@@ -70,6 +73,8 @@ class Attempt:
     calls: tuple[EngineCall, ...] = ()
     hint: str | None = None
     warning: str | None = None
+    # Tiers the engine said it cannot reset here (vLLM's Rust front end: no connector, no external tier).
+    unsupported_tiers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class CacheReset:
     calls: tuple[EngineCall, ...] = ()
     hint: str | None = None
     warning: str | None = None
+    unsupported_tiers: tuple[str, ...] = ()
 
     @property
     def answer(self) -> ResetAnswer | None:
@@ -151,6 +157,7 @@ class CacheReset:
             calls=calls,
             hint=last.hint,
             warning=last.warning,
+            unsupported_tiers=last.unsupported_tiers,
         )
 
 
@@ -202,6 +209,9 @@ class Dialect(ABC):
     # every known engine's routes (proxy/admin/policy.py).
     control_routes: ClassVar[tuple[RouteRule, ...]] = ()
     native_reset: ClassVar[NativeReset | None] = None
+    # A 2xx that says nothing may hide a refusal (vLLM's Rust front end drops the engine's no):
+    # a canary that then finds the cache warm asks for another try (proxy/reset/silent.py).
+    silent_refusals: ClassVar[bool] = False
 
     @abstractmethod
     async def reset_once(self, session: aiohttp.ClientSession, plan: AttemptPlan) -> Attempt:

@@ -20,6 +20,7 @@ from proxy.vocabulary import EngineKind
 __all__ = [
     "COUNTER_NAMES",
     "LMCACHE_HITS",
+    "SLEEP_ROUTES",
     "SOURCES",
     "CounterNames",
     "Totals",
@@ -48,6 +49,13 @@ TRTLLM_TIERS: dict[str, str] = {"gpu": "device", "host": "host", "disk": "disk"}
 LMCACHE_HITS = "lmcache:num_hit_tokens_total"
 # Where each engine serves its Prometheus text; `/metrics` for the others.
 METRICS_PATHS: dict[str, str] = {EngineKind.TRTLLM: "/prometheus/metrics"}
+# vLLM's older per-source family (vllm #33290), read where prompt_tokens_cached_by_source is
+# absent: `local_compute` is no hit. SGLang's `cached_tokens_total{cache_source}` (#17648): its
+# `storage` is the HiCache storage tier, disk or external as the backend says (kept as `storage`).
+_BY_SOURCE_OLDER = "vllm:prompt_tokens_by_source_total"
+OLDER_SOURCES: dict[str, str | None] = {"local_cache_hit": "device", "external_kv_transfer": "external"}
+_SGLANG_BY_SOURCE = "sglang:cached_tokens_total"
+SGLANG_SOURCES: dict[str, str] = {"device": "device", "host": "host", "storage": "storage"}
 # A /metrics body larger than this is no engine's: stop reading.
 _MAX_METRICS_BYTES = 8 * 1024 * 1024
 
@@ -124,6 +132,7 @@ def parse_totals(text: str, kind: str) -> Totals | None:
         return None
     sums: dict[str, float] = {}
     by_tier: dict[str, int] = {}
+    older: dict[str, int] = {}
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -132,8 +141,13 @@ def parse_totals(text: str, kind: str) -> Totals | None:
                 tier = _tier_of(sample.name, sample.labels)
                 if tier is not None:
                     by_tier[tier] = by_tier.get(tier, 0) + int(sample.value)
+                elif sample.name == _BY_SOURCE_OLDER:
+                    tier = OLDER_SOURCES.get(sample.labels.get("source", ""), "external")
+                    if sample.labels.get("source") != "local_compute" and tier is not None:
+                        older[tier] = older.get(tier, 0) + int(sample.value)
     except ValueError:
         return None  # not the exposition format
+    by_tier = by_tier or older
     if LMCACHE_HITS in sums and by_tier:
         by_tier["external"] = int(sums[LMCACHE_HITS])
     found = [_first(sums, n) for n in (names.requests, names.prompt_tokens, names.cached_tokens)]
@@ -148,6 +162,8 @@ def _tier_of(name: str, labels: Mapping[str, str]) -> str | None:
         return SOURCES.get(labels.get("source", ""), "external")
     if name == _BY_LEVEL:
         return TRTLLM_TIERS.get(labels.get("cache_tier", ""), "external")
+    if name == _SGLANG_BY_SOURCE and "cache_source" in labels:
+        return SGLANG_SOURCES.get(labels["cache_source"], "external")
     return None
 
 
@@ -202,13 +218,25 @@ async def read_totals_settled(
     return reachable, totals
 
 
+# Where an engine says whether it sleeps, as `is_sleeping`: vLLM's dev route; llama-server's
+# /props (--sleep-idle-seconds, llama.cpp #18228), which, unlike /metrics, does not wake it.
+SLEEP_ROUTES: dict[str, str] = {EngineKind.VLLM: "/is_sleeping", EngineKind.LLAMACPP: "/props"}
+
+
 async def fetch_sleeping(
-    session: aiohttp.ClientSession, base_url: str, timeout_s: float, api_key: str | None = None
+    session: aiohttp.ClientSession,
+    base_url: str,
+    timeout_s: float,
+    api_key: str | None = None,
+    kind: str = EngineKind.VLLM,
 ) -> bool | None:
-    """vLLM's `GET /is_sleeping` (dev mode): True/False, None where the engine has no such route."""
+    """`is_sleeping` from the engine's sleep route: True/False, None where it has no such route or field."""
+    route = SLEEP_ROUTES.get(kind)
+    if route is None:
+        return None
     try:
         async with session.get(
-            base_url + "/is_sleeping",
+            base_url + route,
             headers=bearer(api_key),
             timeout=aiohttp.ClientTimeout(total=timeout_s),
             allow_redirects=False,

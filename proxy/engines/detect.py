@@ -9,10 +9,11 @@ import aiohttp
 
 from proxy.engines.base import Attempt, AttemptPlan, Dialect, EngineInfo
 from proxy.engines.call import engine_call
+from proxy.engines.modes import llamacpp_mode, vllm_mode
 from proxy.redact import redact_url
 from proxy.vocabulary import EngineKind, ResetAnswer
 
-__all__ = ["UndetectedDialect", "detect_engine", "probe_version"]
+__all__ = ["UndetectedDialect", "detect_engine", "probe_info", "probe_version"]
 
 # The upstream did not answer: the kind is pending re-detection.
 
@@ -55,7 +56,7 @@ async def _llamacpp(probe: _Prober) -> EngineInfo | None:
     """llama-server: `/props` has `build_info` or `total_slots`."""
     props = await probe.json("/props")
     if isinstance(props, dict) and ("build_info" in props or "total_slots" in props):
-        return EngineInfo(EngineKind.LLAMACPP, _text(props.get("build_info")))
+        return EngineInfo(EngineKind.LLAMACPP, _text(props.get("build_info")), llamacpp_mode(props))
     return None
 
 
@@ -86,7 +87,7 @@ async def _versioned(probe: _Prober) -> EngineInfo | None:
         return None
     owners = _owners(await probe.json("/v1/models"))
     if "vllm" in owners:
-        return EngineInfo(EngineKind.VLLM, _text(version["version"]))
+        return EngineInfo(EngineKind.VLLM, _text(version["version"]), vllm_mode(version))
     if "tensorrt_llm" in owners:
         return EngineInfo(EngineKind.TRTLLM, _text(version["version"]))
     return None
@@ -153,14 +154,27 @@ async def probe_version(
     api_key: str | None = None,
 ) -> str | None:
     """Best effort: the version an engine of `kind` reports, None when it does not say. Never raises."""
+    info = await probe_info(session, base_url, kind, timeout_s, api_key=api_key)
+    return info.version
+
+
+async def probe_info(
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: EngineKind,
+    timeout_s: float,
+    *,
+    api_key: str | None = None,
+) -> EngineInfo:
+    """Best effort: the version and mode an engine of the configured `kind` reports. Never raises."""
     check = _PROBES.get(kind)
     if check is None:
-        return None
+        return EngineInfo(kind)
     try:
         info = await check(_Prober(session, base_url, timeout_s, api_key))
     except _Unreachable:
-        return None
-    return info.version if info is not None else None
+        return EngineInfo(kind)
+    return EngineInfo(kind, info.version, info.mode) if info is not None else EngineInfo(kind)
 
 
 UNDETECTED_HINT = "start the engine, or fix --upstream; --engine names its kind when it cannot be detected"

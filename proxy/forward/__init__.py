@@ -1,1 +1,1 @@
-"""Forwarding: a client's request to the engine and its answer back."""
+"""Forwarding: a client's request to the engine and its response back."""

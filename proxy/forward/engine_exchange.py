@@ -1,8 +1,8 @@
-"""One request's exchange with the engine, from the drain gate to the last byte of the answer.
+"""One request's exchange with the engine, from the drain gate to the last byte of its response.
 
-Shared by both servers that take client requests (aiohttp's handler in proxy/forward/handler.py
-and the front in proxy/front/): each reads the request its own way, then hands it here with
-the `Side` its answer goes to.
+Shared by both servers that take client requests (proxy/inbound/: the front, and aiohttp): each
+reads the request its own way, then hands it here with its `ClientSide` (proxy/forward/client.py),
+where the response goes.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
 from proxy.engine_state import ENGINE
 from proxy.errors import error_response
+from proxy.forward.client import BodyTooLarge, ClientGone, ClientSide
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, InjectionProbe
-from proxy.forward.request_body import BodyTooLarge, ClientGone
-from proxy.forward.side import Side
+from proxy.forward.relay import relay
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -38,8 +38,7 @@ from proxy.observe.overhead import elapsed_us
 from proxy.recorder import RECORDER
 from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
-from proxy.vocabulary import Outcome
-from proxy.witnesses.events_index import CACHE_INDEX
+from proxy.vocabulary import Outcome, ServedBy
 
 __all__ = [
     "INJECTION_REFUSALS",
@@ -115,9 +114,10 @@ def prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str
 
 
 def record_finished(
-    app: web.Application, request: ClientRequest, exchange: Exchange, *, stalled: bool
+    app: web.Application, request: ClientRequest, exchange: Exchange, *, stalled: bool, served_by: ServedBy
 ) -> None:
-    """Count the request and, when it was observed and admitted, record its observation.
+    """Count the request (by the server that took it) and, when it was observed and admitted,
+    record its observation.
 
     Every request is counted, those the sidecar itself turned away (400, 413, 503) included, in
     one call with its observation; an inference request turned away before admission gets its
@@ -126,8 +126,8 @@ def record_finished(
     finished_ns = time.time_ns()
     if stalled:
         exchange.outcome = Outcome.CLIENT_STALLED
-    forwarded, recorder = exchange.forwarded(request, finished_ns), app[RECORDER]
-    if exchange.observed and exchange.admitted:
+    forwarded, recorder = exchange.forwarded(request, finished_ns, served_by), app[RECORDER]
+    if exchange.numbered is not None:  # observed and admitted
         recorder.finished(forwarded, exchange.observation(request, finished_ns))
     else:
         recorder.finished(forwarded, None)
@@ -136,7 +136,7 @@ def record_finished(
 
 
 async def admitted_exchange(
-    side: Side[R], exchange: Exchange, prepared: PreparedRequest | None, body: Body, limit: int
+    side: ClientSide[R], exchange: Exchange, prepared: PreparedRequest | None, body: Body, limit: int
 ) -> R:
     """Pass the drain gate, take the reset ordinal, then exchange; the admission slot is held throughout.
 
@@ -145,7 +145,7 @@ async def admitted_exchange(
     app, request = side.app, side.request
     admission = app[ADMISSION]
     if not await admission.admit():
-        return await side.answer(
+        return await side.respond(
             rejected(
                 exchange,
                 error_response(
@@ -158,17 +158,15 @@ async def admitted_exchange(
         )
     try:
         if exchange.observed:
-            exchange.admitted = True
-            # Assigned after admission: a request held during a drain belongs to the new reset.
-            begun = app[RECORDER].begin_request(request.headers.get(CASE_HEADER))
-            exchange.reset_id, exchange.ordinal, exchange.case_token_carried = begun
-            index = app.get(CACHE_INDEX)
-            if index is not None:  # a case's first request: what the engine's cache holds as it starts
-                headers = request.headers
-                index.request_started(
-                    stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
-                    stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
-                )
+            # Numbered after admission: a request held during a drain belongs to the new reset.
+            headers, recorder = request.headers, app[RECORDER]
+            session_id = case_id = None
+            if recorder.follows_cases:  # the KV events index records each case's start
+                session_id = stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS)
+                case_id = stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS)
+            exchange.numbered = recorder.begin_request(
+                headers.get(CASE_HEADER), session_id=session_id, case_id=case_id
+            )
         elif is_inference(app, request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
             app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
@@ -212,7 +210,7 @@ def _upstream_data(prepared: PreparedRequest, size: int) -> Body:
 
 
 async def _exchange(
-    side: Side[R],
+    side: ClientSide[R],
     exchange: Exchange,
     prepared: PreparedRequest | None,
     body: Body,
@@ -220,7 +218,7 @@ async def _exchange(
     *,
     refusal: str | None = None,
 ) -> R:
-    """Send the request upstream and relay the answer.
+    """Send the request upstream and relay the response.
 
     An engine that refuses the injected include_usage gets the client's own body instead,
     once: `refusal` then says why the injected one could not stand.
@@ -242,7 +240,7 @@ async def _exchange(
     try:
         upstream = await app[UPSTREAM_LEG].send(request.method, request.raw_path, headers, data)
     except BodyTooLarge:
-        return await side.answer(rejected(exchange, too_large(limit)))
+        return await side.respond(rejected(exchange, too_large(limit)))
     except ClientGone:
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise asyncio.CancelledError from None
@@ -250,7 +248,7 @@ async def _exchange(
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise
     except UpstreamError as exc:
-        return await side.answer(_upstream_failure(exc, exchange))
+        return await side.respond(_upstream_failure(exc, exchange))
     exchange.upstream_head_ns = time.time_ns()
     # The request's last byte written to the engine, counted from the client's last byte read
     # (or, for a body streamed as it came, from its last piece in hand). A body still being
@@ -271,7 +269,8 @@ async def _exchange(
                 return await _exchange(
                     side, exchange, prepared.without_injection(), None, limit, refusal=refused
                 )
-        return await side.relay(upstream, exchange, peeked)
+        await relay(side, upstream, exchange, peeked)
+        return side.relayed()
     finally:
         # An answer not read to its end closes its connection: it must not go back to the pool
         # half-read, and closing it is what tells the engine to abort the sequence
@@ -279,7 +278,7 @@ async def _exchange(
         upstream.close()
 
 
-def _judge_refusal(side: Side[R], exchange: Exchange, status: int, refusal: str) -> None:
+def _judge_refusal(side: ClientSide[R], exchange: Exchange, status: int, refusal: str) -> None:
     """Probe the engine when the client's own request, without the injection, succeeded.
 
     A client's bad request whose error merely quotes `stream_options` (`"messages":

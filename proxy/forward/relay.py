@@ -1,11 +1,12 @@
 """The engine's response on its way to the client: the head, then the body as it arrives, read in passing.
 
+One relay for both servers: each implements the client wire (`ClientSide`, proxy/forward/client.py).
 The body goes from the leg's connection callback straight onto the client's transport
-(`UpstreamResponse.relay` with a sink): no task wakes up and no aiohttp writer runs per piece
+(`UpstreamResponse.relay` with a sink): no task wakes up and no server's writer runs per piece
 (bench/paced_streams.py, issue 19: 28.7 → 24.5 µs of CPU per SSE event when the engine
-paces its events, each relayed alone). Only
-what is in hand when the head goes, the scanner's tail and the end go through aiohttp's
-response, which frames them the same way (chunked when the head says so).
+paces its events, each relayed alone). Only the head with what is in hand, the scanner's tail
+and the end go through the server's side, which frames them the same way (chunked when the
+head says so).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
-from aiohttp import hdrs, web
 from multidict import CIMultiDict
 
 from proxy.body_budget import BODY_BUDGET, BodyBudget
 from proxy.config import SETTINGS, Settings
+from proxy.forward.client import ClientSide
 from proxy.forward.exchange import Exchange
 from proxy.forward.headers import OVERHEAD_HEADER, add_response_headers
 from proxy.logs import log_event
@@ -31,9 +33,9 @@ from proxy.upstream.response import HIGH_WATER, Sink
 from proxy.vocabulary import Outcome
 
 __all__ = [
-    "answer_headers",
     "answered",
     "broke_mid_response",
+    "client_headers",
     "client_sink",
     "drained",
     "relay",
@@ -45,19 +47,6 @@ log = logging.getLogger("cachewitness.forward")
 # What each body piece goes through on its way: the SSE scanner (which may hold back or
 # rewrite bytes) or the JSON reader (which only reads); None when the response is not observed.
 Observe = Callable[[bytes], bytes]
-
-
-class _RelayResponse(web.StreamResponse):
-    """A StreamResponse whose head waits for the first body bytes, to go out in the same write.
-
-    aiohttp writes a StreamResponse's head on its own at prepare(); held, a small response goes
-    to the client in one write instead of two (strace: 3 → 2 writes per small request, one
-    packet and one wake-up of the client fewer; the sidecar's CPU per request moved within the
-    bench's noise, issue 19). `relay` sends the head at once whenever no body is in hand, so a
-    client still sees the head when the engine sent it, not when the first event comes.
-    """
-
-    _send_headers_immediately = False
 
 
 def start_observing(upstream: UpstreamResponse, exchange: Exchange, *, sse: bool) -> Observe | None:
@@ -151,7 +140,7 @@ def drained(
 ) -> Callable[[], Awaitable[None]]:
     """Wait (`drain`) for a client that is behind; what waits for it counts in max_buffered_bytes meanwhile.
 
-    A client that stops reading is cut by client_write_timeout (proxy/connections/client.py).
+    A client that stops reading is cut by client_write_timeout (proxy/inbound/connection.py).
     """
 
     async def wait() -> None:
@@ -165,10 +154,10 @@ def drained(
     return wait
 
 
-def answer_headers(
+def client_headers(
     upstream: UpstreamResponse, exchange: Exchange, into: CIMultiDict[str], settings: Settings
 ) -> Observe | None:
-    """The answer's status and headers for the client (`into`), and how its body is read on the way."""
+    """The response's status and headers for the client (`into`), and how its body is read on the way."""
     exchange.status = upstream.status
     sse = exchange.event_stream = upstream.content_type == "text/event-stream"
     add_response_headers(
@@ -187,45 +176,34 @@ def answer_headers(
 
 
 async def relay(
-    request: web.Request, upstream: UpstreamResponse, exchange: Exchange, peeked: bytes = b""
-) -> web.StreamResponse:
-    """Stream the upstream's response to the client as it arrives (`peeked`: its start, already read)."""
-    response = _RelayResponse(status=upstream.status, reason=upstream.reason)
-    observe = answer_headers(upstream, exchange, response.headers, request.app[SETTINGS])
+    side: ClientSide[Any], upstream: UpstreamResponse, exchange: Exchange, peeked: bytes = b""
+) -> None:
+    """Stream the engine's response to the client as it arrives (`peeked`: its start, already read)."""
+    app = side.app
+    headers = side.response_headers(upstream.status, upstream.reason)
+    observe = client_headers(upstream, exchange, headers, app[SETTINGS])
     try:
-        writer = await response.prepare(request)
-        assert writer is not None  # a fresh response: prepare() starts it
         exchange.first_byte_ns = time.time_ns()
         # What is in hand now goes with the head, in one write; with nothing in hand the head
         # goes alone, at once.
         first = peeked + await upstream.read() if upstream.in_hand else peeked
         if first and observe is not None:
             first = observe(first)
-        if first:
-            await response.write(first)
-        else:
-            writer.send_headers()
+        transport, chunked = await side.send_head(first)
         first_event = answered(exchange, upstream, with_body=bool(first))
-        transport = request.transport
-        if transport is None:
-            raise ConnectionResetError("the client closed its connection")
-        chunked = response.headers.get(hdrs.TRANSFER_ENCODING, "").lower() == "chunked"
         sink = client_sink(transport, observe, chunked=chunked, first_event=first_event)
-        await upstream.relay(sink, drained(request.app[BODY_BUDGET], transport, writer.drain))
-        if exchange.scanner is not None and (tail := exchange.scanner.finish()):
-            await response.write(tail)
-        await response.write_eof()
+        await upstream.relay(sink, drained(app[BODY_BUDGET], transport, side.drain))
+        await side.end(exchange.scanner.finish() if exchange.scanner is not None else b"")
     except ConnectionResetError:
-        # The client left (aiohttp's ClientConnectionResetError, or the sink's): closing
-        # upstream aborts the engine.
+        # The client left (the server's write, or the sink's): closing upstream (the caller)
+        # aborts the engine.
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
+        side.cut()
     except UpstreamError as exc:
         # The head is gone already (or held, to go with bytes that will not come): cut the
         # client's connection so a truncated body is never mistaken for a complete one.
         broke_mid_response(exchange, exc)
-        if request.transport is not None:
-            request.transport.abort()
+        side.cut()
     except asyncio.CancelledError:
         exchange.outcome = Outcome.CLIENT_DISCONNECTED
         raise
-    return response

@@ -12,7 +12,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from urllib.parse import quote
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import disable_created_metrics
 
@@ -31,6 +33,7 @@ from proxy.metrics.labels import (
 )
 from proxy.metrics.merge import engine_exposition
 from proxy.metrics.models import MODELS_RETRY_S, ModelLabels
+from proxy.metrics.per_model import ROUTER_METRICS_QUERY, merge_per_model
 from proxy.metrics.shared_fetch import SharedFetch
 from proxy.metrics.state import SidecarState, StateCollector
 from proxy.upstream.pools import UPSTREAM_POOL
@@ -104,8 +107,30 @@ async def handle_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+# llama.cpp's router (proxy/engines/modes.py EngineMode.ROUTER): its /metrics wants ?model=.
+ROUTER_MODE = "router"
+_MOST_ROUTER_MODELS = 16
+
+
+async def _router_text(session: aiohttp.ClientSession, base: str, timeout_s: float) -> bytes | None:
+    """Each loaded model's `/metrics` (never loading one), merged with a `model` label."""
+    models = (await fetch_model_ids(session, base, timeout_s) or [])[:_MOST_ROUTER_MODELS]
+    texts = await asyncio.gather(
+        *(
+            fetch_engine_metrics(session, base, timeout_s, ROUTER_METRICS_QUERY + quote(m, safe=""))
+            for m in models
+        )
+    )
+    found = [(model, text) for model, text in zip(models, texts, strict=True) if text is not None]
+    return engine_exposition(merge_per_model(found)) if found else None
+
+
 def setup_metrics(
-    app: web.Application, *, state: Callable[[], SidecarState], engine_kind: Callable[[], str]
+    app: web.Application,
+    *,
+    state: Callable[[], SidecarState],
+    engine_kind: Callable[[], str],
+    engine_mode: Callable[[], str | None] = lambda: None,
 ) -> Metrics:
     """Create the app's Metrics and learn the engine's model ids at start (`GET /metrics` is in the routes).
 
@@ -125,6 +150,8 @@ def setup_metrics(
         session, settings = app[UPSTREAM_POOL], app[SETTINGS]
         if session.closed:
             return None
+        if engine_mode() == ROUTER_MODE:
+            return await _router_text(session, settings.upstream_base, settings.upstream_metrics_timeout)
         text = await fetch_engine_metrics(
             session, settings.upstream_base, settings.upstream_metrics_timeout, metrics_path(engine_kind())
         )

@@ -34,7 +34,7 @@ from proxy.metrics.labels import (
 from proxy.metrics.models import ModelLabels
 from proxy.observe import Observation
 from proxy.observe.record import Forwarded
-from proxy.vocabulary import CanaryOutcome, EngineKind, Outcome, Verified
+from proxy.vocabulary import CanaryOutcome, EngineKind, Outcome, ServedBy, Verified
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +80,8 @@ class Metrics:
         # registered first, so the exposition keeps its order.
         self.requests = HotFamily(
             PREFIX + "requests_total",
-            "Forwarded requests by route and response status class.",
-            ("route", "code"),
+            "Forwarded requests by route, response status class and the server that took them.",
+            ("route", "code", "served_by"),
             Kind.COUNTER,
         )
         self.request_duration = HotFamily(
@@ -223,7 +223,10 @@ class Metrics:
         )
 
         self._requests = {
-            (route, code): self.requests.counter(route, code) for route in ROUTES for code in CODES
+            (route, code, server): self.requests.counter(route, code, server.value)
+            for route in ROUTES
+            for code in CODES
+            for server in ServedBy
         }
         self._routes = {
             route: _RouteSeries(self.request_duration.histogram(route), self.ttfb.histogram(route))
@@ -287,7 +290,7 @@ class Metrics:
         """Count one forwarded exchange: requests, duration, TTFB, overhead, added time, upstream errors."""
         route = f.path if f.path in self._routes else OTHER
         code = _CLASS_OF.get(f.status, "none") if f.status is not None else "none"
-        self._requests[(route, code)].inc()
+        self._requests[(route, code, f.served_by)].inc()
         series = self._routes[route]
         series.duration.observe(max(0.0, (f.finished_ns - f.started_ns) / 1e9))
         if f.first_byte_ns is not None:

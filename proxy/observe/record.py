@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.observe.overhead import overhead_member
-from proxy.vocabulary import EventType, Outcome
+from proxy.vocabulary import EventType, Outcome, ServedBy
 
 __all__ = ["Forwarded", "Observation"]
 
@@ -26,6 +26,7 @@ class Forwarded:
     # upstream response head → client response head (None where not reached).
     before_upstream_s: float | None
     after_upstream_s: float | None
+    served_by: ServedBy  # which HTTP server took the request
     bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)
     # The sidecar's own added time (proxy/observe/overhead.py); None where not measured.
     added_in_us: int | None = None
@@ -59,6 +60,8 @@ class Observation:
     engine_request_id: str | None = None
     # Whether the request carried its reset's case token (X-Cachewitness-Case); never the token.
     case_token_carried: bool = False
+    # Cached tokens per tier where the engine names them (proxy/observe/tiers.py); None otherwise.
+    cached_by_tier: dict[str, int] | None = None
     # The time the sidecar itself added (proxy/observe/overhead.py); None where not measured.
     added_in_us: int | None = None
     added_out_us: int | None = None
@@ -90,5 +93,6 @@ class Observation:
             "usage_injected": self.usage_injected,
             "engine_request_id": self.engine_request_id,
             "case_token_carried": self.case_token_carried,
+            "cached_by_tier": self.cached_by_tier,
             "overhead": overhead_member(self.added_in_us, self.added_out_us),
         }

@@ -247,6 +247,7 @@ class StreamScanner:
                 and data.find(SIDE_MARKERS[0], start, body_end) == -1
                 and data.find(SIDE_MARKERS[1], start, body_end) == -1
                 and data.find(SIDE_MARKERS[2], start, body_end) == -1
+                and data.find(SIDE_MARKERS[3], start, body_end) == -1
             ):
                 return None
         else:

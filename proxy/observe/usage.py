@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from proxy.observe.jsonscan import Buffer, find_members, skip_ws, value_end
+from proxy.observe.tiers import tiers_from
 
 __all__ = [
     "NO_USAGE",
@@ -20,8 +21,9 @@ __all__ = [
 
 DETAILS_SOURCE = "usage.prompt_tokens_details.cached_tokens"
 # The members that carry counts: OpenAI `usage` (also nested under `response` and
-# `message`), llama.cpp `timings`, SGLang /generate `meta_info`, mindnano's own block.
-USAGE_KEYS = (b'"usage"', b'"timings"', b'"meta_info"', b'"mindnano_metrics"')
+# `message`), llama.cpp `timings`, SGLang /generate `meta_info`, mindnano's own block, SGLang's
+# per-tier `sglext`.
+USAGE_KEYS = (b'"usage"', b'"timings"', b'"meta_info"', b'"mindnano_metrics"', b'"sglext"')
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class Usage:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     cached_tokens_source: str | None = None
+    # Cached tokens per tier where the engine names them (proxy/observe/tiers.py); None otherwise.
+    cached_by_tier: dict[str, int] | None = None
 
     def merged(self, newer: Usage) -> Usage:
         """Field-wise update: what `newer` knows wins, what it doesn't keeps the old value."""
@@ -45,6 +49,7 @@ class Usage:
             ),
             cached_tokens=cached,
             cached_tokens_source=source,
+            cached_by_tier=newer.cached_by_tier if newer.cached_by_tier is not None else self.cached_by_tier,
         )
 
 
@@ -98,7 +103,9 @@ def usage_from_object(obj: Any) -> Usage:
                 and prompt >= 0
                 and completion >= 0
             ):
-                return Usage(prompt, completion, cached, DETAILS_SOURCE)
+                # Per-tier counts ride beside cached_tokens or in SGLang's `sglext`: looked for only then.
+                tiers = tiers_from(obj, details) if len(details) > 1 or "sglext" in obj else None
+                return Usage(prompt, completion, cached, DETAILS_SOURCE, tiers)
     usage = _usage_block(obj)
     # The order of docs/evidence.md, then llama.cpp's /v1/messages field.
     # llama.cpp's `tokens_cached` is the slot's whole length, not a hit count: never read.
@@ -125,6 +132,7 @@ def usage_from_object(obj: Any) -> Usage:
         ),
         cached_tokens=cached,
         cached_tokens_source=source,
+        cached_by_tier=tiers_from(obj, usage.get("prompt_tokens_details")),
     )
 
 

@@ -161,12 +161,19 @@ def judged(
     clears: TierClears | None,
     *,
     events_ran: bool,
+    unsupported_tiers: tuple[str, ...] = (),
 ) -> Verification:
-    """The verification with its `tiers`, and `ranks` wherever the engine has more than one."""
+    """The verification with its `tiers`, and `ranks` wherever the engine has more than one.
+
+    A tier the engine said it cannot reset (`unsupported_tiers`) was not asked: `not_requested`.
+    """
     ranks = verification.ranks
     if topology.multi_rank and not ranks:
         ranks = rank_entries(topology.ranks, verification, "events" if events_ran else "none")
-    tiers = judge_tiers(engine.kind, plan(engine, topology, clears), verification)
+    asked = plan(engine, topology, clears)
+    for tier in unsupported_tiers:
+        asked = asked.but(tier, False)
+    tiers = judge_tiers(engine.kind, asked, verification)
     judged = replace(verification, tiers={tier: state.value for tier, state in tiers.items()}, ranks=ranks)
     lmcache = clears.lmcache if clears is not None else None
     if lmcache is not None and tiers["external"] == TierState.WARM:

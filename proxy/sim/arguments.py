@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from proxy.sim.config import DIALECTS, SCHEDULING_POLICIES, SimConfig
+from proxy.sim.config import DIALECTS, KV_SOURCE_SHAPES, RUST_FRONTENDS, SCHEDULING_POLICIES, SimConfig
 
 __all__ = ["add_sim_arguments", "parse_listen", "sim_config_from_args"]
 
@@ -101,6 +101,19 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         "--omit-zero-cached", action="store_true", help="vLLM <= 0.14: cached_tokens omitted when 0"
     )
     vllm.add_argument(
+        "--rust-frontend",
+        choices=RUST_FRONTENDS,
+        default=None,
+        help="VLLM_USE_RUST_FRONTEND=1: resets answer a bare 200 (bare), or 409/400 (strict)",
+    )
+    parser.add_argument(
+        "--hybrid-block-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vllm, sglang: a hybrid model whose cache hits land on multiples of N tokens only",
+    )
+    vllm.add_argument(
         "--host-tier",
         action="store_true",
         help="a CPU-offload (host) tier that /reset_prefix_cache leaves warm",
@@ -138,6 +151,11 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     sglang = parser.add_argument_group("sglang dialect")
     sglang.add_argument("--admin-api-key", default=None, help="/flush_cache needs this bearer key")
     sglang.add_argument(
+        "--tier-details",
+        action="store_true",
+        help="cached tokens per tier: sglext.cached_tokens_details, cached_tokens_total{cache_source}",
+    )
+    sglang.add_argument(
         "--hicache-storage-backend",
         default=None,
         metavar="NAME",
@@ -163,6 +181,12 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
     )
     kv.add_argument(
         "--kv-events-legacy", action="store_true", help="vllm: positional arrays (older vLLM releases)"
+    )
+    kv.add_argument(
+        "--kv-events-discovery",
+        choices=KV_SOURCE_SHAPES,
+        default=None,
+        help="the engine names its publishers: vllm GET /kv_event_sources in this shape; sglang /server_info",
     )
     kv.add_argument(
         "--kv-events-drop-every",
@@ -198,6 +222,18 @@ def add_sim_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="host-RAM prompt cache that survives slot erase (llama-server --cache-ram)",
     )
+    llama.add_argument(
+        "--sleep-idle-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="unload model and KV after S idle seconds; /props says is_sleeping",
+    )
+    llama.add_argument(
+        "--router-mode",
+        action="store_true",
+        help="a router over models (no --model): /slots and /metrics want ?model=",
+    )
 
 
 def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
@@ -221,6 +257,8 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         prompt_tokens_details=not ns.no_prompt_tokens_details,
         omit_zero_cached=ns.omit_zero_cached,
         host_tier=ns.host_tier,
+        rust_frontend=ns.rust_frontend,
+        hybrid_block_size=ns.hybrid_block_size,
         lmcache=ns.lmcache,
         lmcache_port_start=ns.lmcache_port_start,
         lmcache_workers=ns.lmcache_workers,
@@ -231,14 +269,18 @@ def sim_config_from_args(ns: argparse.Namespace) -> SimConfig:
         dp_size=ns.dp_size,
         refusing_rank=ns.refusing_rank,
         admin_api_key=ns.admin_api_key,
+        tier_details=ns.tier_details,
         hicache_storage_backend=ns.hicache_storage_backend,
         slots=ns.slots,
         slot_save_path=ns.slot_save_path,
         ram_cache=ns.ram_cache,
+        sleep_idle_seconds=ns.sleep_idle_seconds,
+        router_mode=ns.router_mode,
         kv_events_endpoint=ns.kv_events_endpoint,
         kv_events_replay=ns.kv_events_replay,
         kv_events_topic=ns.kv_events_topic,
         kv_events_rank=ns.kv_events_rank,
         kv_events_legacy=ns.kv_events_legacy,
         kv_events_drop_every=ns.kv_events_drop_every,
+        kv_events_discovery=ns.kv_events_discovery,
     )

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_MODELS", "DEFAULT_VERSIONS", "DIALECTS", "SCHEDULING_POLICIES", "SimConfig"]
+__all__ = [
+    "DEFAULT_MODELS",
+    "DEFAULT_VERSIONS",
+    "DIALECTS",
+    "RUST_FRONTENDS",
+    "SCHEDULING_POLICIES",
+    "SimConfig",
+]
 
 DIALECTS: tuple[str, ...] = ("vllm", "sglang", "llamacpp", "mindnano", "trtllm", "dynamo", "openai")
+# The shapes of vLLM's GET /kv_event_sources (0.32: a dict keyed by rank).
+KV_SOURCE_SHAPES: tuple[str, ...] = ("dict", "list", "sources")
+# vLLM's Rust front end, as two of its versions answer a reset.
+RUST_FRONTENDS: tuple[str, ...] = ("bare", "strict")
 # vLLM's --scheduling-policy: with priority, a later request with a lower `priority` runs first.
 SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", "priority")
 
@@ -69,6 +80,12 @@ class SimConfig:
     omit_zero_cached: bool = False
     # A CPU-offload tier that /reset_prefix_cache leaves warm (vLLM #57727).
     host_tier: bool = False
+    # vLLM's Rust front end (VLLM_USE_RUST_FRONTEND=1): `bare` answers every reset with a bare 200,
+    # `strict` answers 409 to a refused one and 400 to reset_external=true without a connector.
+    rust_frontend: str | None = None
+    # A hybrid (Mamba-style) model: prefix-cache hits land only on multiples of this many tokens
+    # (vllm: `mamba_block_size` and `cache_hit_alignment_tokens` of cache_config_info; sglang: page_size).
+    hybrid_block_size: int | None = None
     # Data parallelism (vllm, sglang): one prefix cache per rank; requests go where the routing
     # hint says (vLLM's X-data-parallel-rank header, SGLang's too or its body fields), else round-robin.
     dp_size: int = 1
@@ -89,6 +106,9 @@ class SimConfig:
     unreachable_worker: int | None = None
     # sglang
     admin_api_key: str | None = None
+    # SGLang #17648: `sglext.cached_tokens_details` when a request sets return_cached_tokens_details,
+    # and `sglang:cached_tokens_total{cache_source}`.
+    tier_details: bool = False
     # A HiCache storage tier (`file`, `mooncake`, ...): /flush_cache leaves it warm,
     # POST /hicache/storage-backend/clear empties it.
     hicache_storage_backend: str | None = None
@@ -96,6 +116,8 @@ class SimConfig:
     slots: int = 2
     slot_save_path: str | None = None
     ram_cache: bool = False
+    sleep_idle_seconds: float | None = None  # --sleep-idle-seconds: unload model and KV when idle
+    router_mode: bool = False  # no --model: a router over child servers, one per model
     # KV cache events (vllm, sglang): PUB to this address (connects; binds when it has `*`)
     kv_events_endpoint: str | None = None
     kv_events_replay: str | None = None  # the ROUTER that answers replays (bound)
@@ -103,6 +125,9 @@ class SimConfig:
     kv_events_rank: int = 0  # this engine's data-parallel rank: ports + rank, `dp_rank` in batches
     kv_events_legacy: bool = False  # vllm: positional arrays (the msgspec array_like releases)
     kv_events_drop_every: int = 0  # every Nth batch is not sent, only replayable (0: none)
+    # The engine names its publishers (vllm: GET /kv_event_sources in this shape: dict keyed by
+    # rank as 0.32, a bare list, or {"sources": [...]}; sglang: /server_info `kv_events`).
+    kv_events_discovery: str | None = None
 
     def __post_init__(self) -> None:
         """Reject values no engine would start with."""
@@ -130,6 +155,20 @@ class SimConfig:
             raise ValueError("--dp-size is for the vllm, sglang and dynamo dialects")
         if self.refusing_rank is not None and not 0 <= self.refusing_rank < self.dp_size:
             raise ValueError("--refusing-rank must be one of the ranks 0 .. dp_size-1")
+        if (self.sleep_idle_seconds is not None or self.router_mode) and self.dialect != "llamacpp":
+            raise ValueError("--sleep-idle-seconds and --router-mode are for the llamacpp dialect")
+        if self.sleep_idle_seconds is not None and self.sleep_idle_seconds <= 0:
+            raise ValueError("--sleep-idle-seconds must be > 0")
+        if self.rust_frontend is not None and (
+            self.dialect != "vllm" or self.rust_frontend not in RUST_FRONTENDS
+        ):
+            raise ValueError(f"--rust-frontend is for the vllm dialect, one of {', '.join(RUST_FRONTENDS)}")
+        if self.hybrid_block_size is not None and (
+            self.dialect not in ("vllm", "sglang") or self.hybrid_block_size < 1
+        ):
+            raise ValueError("--hybrid-block-size is for the vllm and sglang dialects, >= 1 tokens")
+        if self.tier_details and self.dialect != "sglang":
+            raise ValueError("--tier-details is for the sglang dialect")
         if self.hicache_storage_backend is not None and self.dialect != "sglang":
             raise ValueError("--hicache-storage-backend is for the sglang dialect")
         if self.word_pieces and self.dialect == "mindnano":
@@ -164,6 +203,13 @@ class SimConfig:
         for addr in (self.kv_events_endpoint, self.kv_events_replay):
             if addr is not None and not (addr.startswith("tcp://") and addr.rpartition(":")[2].isdigit()):
                 raise ValueError(f"a KV events address is tcp://HOST:PORT, not {addr!r}")
+        if self.kv_events_discovery is not None:
+            if self.kv_events_discovery not in KV_SOURCE_SHAPES:
+                raise ValueError(f"--kv-events-discovery is one of {', '.join(KV_SOURCE_SHAPES)}")
+            if self.kv_events_endpoint is None or "*" not in self.kv_events_endpoint:
+                raise ValueError(
+                    "--kv-events-discovery needs an endpoint the engine binds: tcp://*:PORT or tcp://*:0"
+                )
         if self.kv_events_legacy and self.dialect != "vllm":
             raise ValueError("--kv-events-legacy is vLLM's older format")
         if self.kv_events_rank < 0 or self.kv_events_drop_every < 0:

@@ -130,7 +130,10 @@ class SimDialect:
         """Cached prompt tokens for a sequence about to prefill."""
         if not seq.cache_prompt:
             return 0
-        return self.cache_of(seq).lookup(seq.prompt)
+        hit = self.cache_of(seq).lookup(seq.prompt)
+        hybrid = self.config.hybrid_block_size
+        # A hybrid model's recurrent state is saved every `hybrid` tokens only: hits land there.
+        return hit - hit % hybrid if hybrid else hit
 
     def prefilled(self, seq: Sequence) -> None:
         """The prompt's KV exists now: its full blocks become hits for later requests."""
@@ -236,6 +239,10 @@ class SimDialect:
     def model_card_extras(self) -> dict[str, Any]:
         """Extra members of this dialect's `/v1/models` entries."""
         return {}
+
+    def metrics_answer(self, request: web.Request) -> web.Response | None:
+        """An answer to `/metrics` other than the metrics (a router's 400), None for the metrics."""
+        return None
 
     def metric_families(self) -> list[Metric]:
         """Prometheus families of this dialect's `/metrics`; empty = no route."""

@@ -51,6 +51,9 @@ class Sequence:
     slot: int = -1  # llama.cpp: the slot it runs on
     rank: int = 0  # vllm, sglang: the data-parallel rank it runs on (its prefix cache)
     preempted: bool = False  # vLLM reset_running_requests: blocks freed, recompute needed
+    # SGLang `return_cached_tokens_details`: the request asked, and its cached tokens per tier.
+    tier_details: bool = False
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # set by cancel()
     finished: bool = False  # decoding ran to max_tokens
     prefill_s: float = 0.0

@@ -27,7 +27,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-__all__ = ["FORMATS", "KvEventPublisher"]
+__all__ = ["FORMATS", "KvEventPublisher", "kv_event_sources", "sglang_kv_events"]
 
 FORMATS = ("vllm", "vllm-legacy", "sglang")
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -47,6 +47,15 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
         return endpoint
     base, _, port = endpoint.rpartition(":")
     return f"{base}:{int(port) + rank}"
+
+
+def _bind(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, address: str) -> str:
+    """Bind; `tcp://*:0` binds a free loopback port (vLLM: the node's IP) and says which."""
+    if address != "tcp://*:0":
+        sock.bind(address)
+        return address
+    sock.bind("tcp://127.0.0.1:0")
+    return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
 
 class KvEventPublisher:
@@ -82,6 +91,10 @@ class KvEventPublisher:
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
+        # The addresses bound, as the engine reports them: `tcp://*:0` binds a free port of the
+        # node's IP (here 127.0.0.1, as vLLM with VLLM_HOST_IP=127.0.0.1), a fixed `*` port is said as is.
+        self.bound_endpoint = self.endpoint
+        self.bound_replay = self.replay
 
     # -- the cache's changes (proxy/sim/cache.py CacheListener) ---------------------------------
     def stored(self, hashes: list[int], parent: int | None, tokens: Sequence[str]) -> None:
@@ -177,7 +190,7 @@ class KvEventPublisher:
             router.setsockopt(zmq.LINGER, 0)
             for attempt in range(_REBIND_TRIES):
                 try:
-                    router.bind(self.replay)
+                    self.bound_replay = _bind(router, self.replay)
                     break
                 except zmq.ZMQError:
                     if attempt == _REBIND_TRIES - 1:
@@ -191,7 +204,7 @@ class KvEventPublisher:
         pub.setsockopt(zmq.LINGER, 0)
         try:
             if "*" in self.endpoint:
-                pub.bind(self.endpoint)
+                self.bound_endpoint = _bind(pub, self.endpoint)
             else:
                 pub.connect(self.endpoint)
         except zmq.ZMQError:
@@ -237,3 +250,34 @@ class KvEventPublisher:
                     await router.send_multipart([*head, seq.to_bytes(8, "big"), payload])
             end = [client, b"", b"", END_SEQ, b""] if with_topic else [client, b"", END_SEQ, b""]
             await router.send_multipart(end)
+
+
+def kv_event_sources(publisher: KvEventPublisher | None, shape: str | None) -> Any:
+    """vLLM's `GET /kv_event_sources` body: the publisher's config by rank, in `shape`; {} without one."""
+    if publisher is None or shape is None:
+        return {}
+    item = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": publisher.bound_endpoint,
+        "replay_endpoint": publisher.bound_replay,
+        "buffer_steps": BUFFER_STEPS,
+        "hwm": 100_000,
+        "max_queue_size": 100_000,
+        "topic": publisher.topic.decode(),
+    }
+    if shape == "list":
+        return [item]
+    if shape == "sources":
+        return {"sources": [{**item, "data_parallel_rank": publisher.rank}]}
+    return {str(publisher.rank): item}
+
+
+def sglang_kv_events(
+    publisher: KvEventPublisher | None, shape: str | None, dp_size: int
+) -> dict[str, Any] | None:
+    """SGLang's `/server_info` `kv_events` (#35714): rank 0's host and port, and the ranks."""
+    if publisher is None or shape is None:
+        return None
+    host, _, port = publisher.bound_endpoint.removeprefix("tcp://").rpartition(":")
+    return {"endpoint_host": host, "endpoint_port_base": int(port) - publisher.rank, "dp_size": dp_size}

@@ -10,6 +10,7 @@ from aiohttp import web
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from proxy.sim.engine import Sequence
+from proxy.sim.llamacpp_modes import IdleSleep, router_props, without_model
 from proxy.sim.llamacpp_slots import N_CTX, SlotsDialect, llama_error
 from proxy.sim.text import PromptError, common_prefix, token_ids
 from proxy.sim.wire import (
@@ -34,10 +35,22 @@ class LlamacppDialect(SlotsDialect):
         """Make the slots and the RAM prompt cache."""
         super().__init__(*args, **kwargs)
         self.ram: OrderedDict[tuple[str, ...], None] = OrderedDict()
+        self.idle = IdleSleep(self.config.sleep_idle_seconds, self._unload)
+
+    def _unload(self) -> None:
+        """Sleep: the model and its KV are gone (every slot, the RAM prompt cache); no reset is counted."""
+        for slot in self.slots:
+            slot.tokens = []
+        self.ram.clear()
+
+    def _task(self) -> None:
+        """A task reached the server: it wakes if asleep."""
+        self.idle.task(busy=bool(self.engine.running))
 
     # -- admitting a request to a slot -----------------------------------------------------
     async def admit(self, seq: Sequence) -> None:
         """Take the pinned slot (`id_slot`) or any free one; defer while none is free."""
+        self._task()
         slot = self.slots[seq.id_slot] if seq.id_slot >= 0 else await self._wait_free(seq)
         await self._take(slot)
         slot.processing = True
@@ -48,6 +61,7 @@ class LlamacppDialect(SlotsDialect):
         slot = self.slots[seq.slot]
         slot.processing = False
         slot.last_used = next(self._clock)
+        self._task()  # the idle clock starts at the end of the last task
         if self.config.ram_cache and slot.tokens:
             self._ram_save(slot.tokens)
         self._give(slot)
@@ -151,7 +165,11 @@ class LlamacppDialect(SlotsDialect):
 
     def stats(self) -> dict[str, object]:
         """Slot lengths and RAM-cache entries for `/sim/stats`."""
-        return {"slot_tokens": [len(s.tokens) for s in self.slots], "ram_cache_entries": len(self.ram)}
+        return {
+            "slot_tokens": [len(s.tokens) for s in self.slots],
+            "ram_cache_entries": len(self.ram),
+            **self.idle.stats(),
+        }
 
     # -- routes ----------------------------------------------------------------------------
     def add_routes(self, app: web.Application) -> None:
@@ -164,14 +182,29 @@ class LlamacppDialect(SlotsDialect):
         app.router.add_post("/completions", self.handle_completion)
         app.router.add_post("/tokenize", self.handle_tokenize)
 
+    async def handle_slots(self, request: web.Request) -> web.Response:
+        """GET /slots: a task (it wakes a sleeping server); a router wants `?model=`."""
+        refused = without_model(request, self.config.served_model) if self.config.router_mode else None
+        if refused is not None:
+            return refused
+        self._task()
+        return await super().handle_slots(request)
+
     async def handle_health(self, request: web.Request) -> web.Response:
         """GET /health."""
         return json_body({"status": "ok"})
 
     async def handle_props(self, request: web.Request) -> web.Response:
-        """GET /props: detection reads `build_info` and `total_slots`."""
+        """GET /props: detection reads `build_info` and `total_slots`; it wakes no sleeping server."""
+        if self.config.router_mode:
+            if "model" not in request.query:
+                return json_body(router_props(self.config.engine_version))
+            refused = without_model(request, self.config.served_model)
+            if refused is not None:
+                return refused
         return json_body(
             {
+                "is_sleeping": self.idle.asleep(busy=bool(self.engine.running)),
                 "default_generation_settings": {
                     "n_ctx": N_CTX,
                     "params": {"n_predict": -1, "cache_prompt": True},
@@ -263,6 +296,15 @@ class LlamacppDialect(SlotsDialect):
             await send_event(resp, final())
             await resp.write_eof()
             return resp
+
+    def metrics_answer(self, request: web.Request) -> web.Response | None:
+        """/metrics is a task (it wakes a sleeping server); a router wants `?model=`."""
+        if self.config.router_mode:
+            refused = without_model(request, self.config.served_model)
+            if refused is not None:
+                return refused
+        self._task()
+        return None
 
     def metric_families(self) -> list[Metric]:
         """llamacpp: families of `--metrics`."""

@@ -310,6 +310,9 @@ def build_sim_app(config: SimConfig) -> web.Application:
         async def metrics(request: web.Request) -> web.Response:
             """GET /metrics in Prometheus text format 0.0.4."""
             engine.metrics_scrapes_total += 1
+            other = dialect.metrics_answer(request)
+            if other is not None:
+                return other
             return web.Response(
                 body=generate_latest(registry),
                 headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from proxy.sim.cache import PrefixCache
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.kv_events import sglang_kv_events
 from proxy.sim.text import PromptError
 from proxy.sim.wire import DONE, error_response, read_json, send_event, sse_response
 
@@ -48,12 +49,44 @@ class SglangDialect(SimDialect):
         # and kept by a restart (a file or remote store outlives the process).
         storage = self.config.hicache_storage_backend
         self.storage = PrefixCache(self.config.block_size, self.config.cache_blocks) if storage else None
+        self.cached_by_source: dict[str, int] = {}
 
     def lookup(self, seq: Sequence) -> int:
         """Device hits first, then the storage tier's longer prefix (prefetched back)."""
         device = super().lookup(seq)
         stored = self.storage.lookup(seq.prompt) if self.storage is not None and seq.cache_prompt else 0
+        seq.cached_by_tier = {"device": device, "host": 0, "storage": max(0, stored - device)}
+        for source, tokens in seq.cached_by_tier.items():
+            self.cached_by_source[source] = self.cached_by_source.get(source, 0) + tokens
         return max(device, stored)
+
+    async def restart(self, reconnect: bool = False) -> None:
+        """Counters at 0, the per-tier ones too."""
+        await super().restart(reconnect)
+        self.cached_by_source = {}
+
+    def parse_options(self, body: dict[str, Any], seq: Sequence) -> web.Response | None:
+        """`return_cached_tokens_details` (SGLang #17648), honoured with --tier-details."""
+        seq.tier_details = self.config.tier_details and body.get("return_cached_tokens_details") is True
+        return None
+
+    def _sglext(self, seq: Sequence) -> dict[str, Any]:
+        """`sglext.cached_tokens_details` where the request asked for it."""
+        if not seq.tier_details:
+            return {}
+        details: dict[str, Any] = dict(seq.cached_by_tier)
+        if self.config.hicache_storage_backend is not None:
+            details["storage_backend"] = self.config.hicache_storage_backend
+        return {"sglext": {"cached_tokens_details": details}}
+
+    def response_extras(self, seq: Sequence) -> dict[str, Any]:
+        """A non-stream answer's `sglext`."""
+        return self._sglext(seq)
+
+    def finish_chunk_extras(self, seq: Sequence) -> dict[str, Any]:
+        """A stream's `sglext`: SGLang sends it on a chunk of its own with no choices; here on the
+        finish chunk, which has no usage either (the reader must find it by its own name)."""
+        return self._sglext(seq)
 
     def prefilled(self, seq: Sequence) -> None:
         """Blocks go to the device cache and are backed up to the storage tier."""
@@ -92,12 +125,15 @@ class SglangDialect(SimDialect):
                 "version": self.config.engine_version,
                 "model_path": self.config.served_model,
                 "served_model_name": self.config.served_model,
-                "page_size": self.config.block_size,
+                "page_size": self.config.hybrid_block_size or self.config.block_size,
                 "max_running_requests": self.config.max_concurrency or None,
                 "enable_cache_report": True,
                 "dp_size": self.config.dp_size,
                 "enable_hierarchical_cache": self.storage is not None,
                 "hicache_storage_backend": self.config.hicache_storage_backend,
+                "kv_events": sglang_kv_events(
+                    self.kv_events, self.config.kv_events_discovery, self.config.dp_size
+                ),
             }
         )
 
@@ -207,10 +243,17 @@ class SglangDialect(SimDialect):
     def metric_families(self) -> list[Metric]:
         """sglang: families of --enable-metrics."""
         engine, model = self.engine, self.config.served_model
+        by_source = self.config.tier_details
         cached = CounterMetricFamily(
-            "sglang:cached_tokens", "Number of cached prompt tokens.", labels=["model_name"]
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens.",
+            labels=["model_name", "cache_source"] if by_source else ["model_name"],
         )
-        cached.add_metric([model], engine.cached_tokens_total)
+        if by_source:
+            for source, tokens in self.cached_by_source.items():
+                cached.add_metric([model, source], tokens)
+        else:
+            cached.add_metric([model], engine.cached_tokens_total)
         prompt = CounterMetricFamily(
             "sglang:prompt_tokens", "Number of prefill tokens processed.", labels=["model_name"]
         )

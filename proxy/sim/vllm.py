@@ -11,6 +11,7 @@ from proxy.sim.cache import PrefixCache
 from proxy.sim.config import SimConfig
 from proxy.sim.dialect import NullUsage, SimDialect
 from proxy.sim.engine import Sequence
+from proxy.sim.kv_events import kv_event_sources
 from proxy.sim.lmcache import LmcacheTier
 from proxy.sim.wire import error_response
 
@@ -113,6 +114,8 @@ class VllmDialect(SimDialect):
         app.router.add_post("/ping", self.handle_health)
         app.router.add_get("/version", self.handle_version)
         app.router.add_post("/tokenize", self.handle_tokenize)
+        # 0.32 serves it without dev mode (entrypoints/serve/instrumentator/basic.py).
+        app.router.add_get("/kv_event_sources", self.handle_kv_event_sources)
         if self.config.dev_mode:
             # Registered only under VLLM_SERVER_DEV_MODE=1
             # (vllm/entrypoints/serve/dev/cache/api_router.py); else FastAPI's 404.
@@ -146,9 +149,16 @@ class VllmDialect(SimDialect):
         """POST /reset_mm_cache, /reset_encoder_cache: nothing to clear, 200 with no body."""
         return web.Response(status=200)
 
+    async def handle_kv_event_sources(self, request: web.Request) -> web.Response:
+        """GET /kv_event_sources: the publisher of each rank (with --kv-events-discovery), else {}."""
+        return web.json_response(kv_event_sources(self.kv_events, self.config.kv_events_discovery))
+
     async def handle_version(self, request: web.Request) -> web.Response:
-        """GET /version."""
-        return web.json_response({"version": self.config.engine_version})
+        """GET /version; the Rust front end adds `rust_frontend_version` (vllm #43854)."""
+        version: dict[str, str] = {"version": self.config.engine_version}
+        if self.config.rust_frontend is not None:
+            version["rust_frontend_version"] = f"{self.config.engine_version}-rs-sim"
+        return web.json_response(version)
 
     async def handle_reset(self, request: web.Request) -> web.Response:
         """POST /reset_prefix_cache[?reset_running_requests=true&reset_external=true]."""
@@ -162,10 +172,16 @@ class VllmDialect(SimDialect):
         # block_pool.reset_prefix_cache refuses while any block is held by a running request.
         held = any(not seq.preempted for seq in self.engine.running)
         success = not held
+        rust = self.config.rust_frontend
+        external = request.query.get("reset_external", "").lower() in ("true", "1")
+        if rust == "strict" and external and self.host is None and self.lmcache is None:  # no connector
+            return error_response(400, "reset_external requires a KV connector to be configured")
         if success:
             self.clear_cache()
-        if self.config.legacy_empty_body:
-            # vLLM 0.7-0.25: 200 with an empty body whatever happened.
+        if rust == "strict" and not success:
+            return error_response(409, "prefix cache reset refused: blocks are still in use", "conflict")
+        if self.config.legacy_empty_body or rust is not None:
+            # vLLM 0.7-0.25, and the Rust front end: 200 with an empty body whatever happened.
             return web.Response(status=200)
         return web.json_response({"success": success})
 
@@ -235,9 +251,20 @@ class VllmDialect(SimDialect):
         cache_config = GaugeMetricFamily(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
-            labels=["block_size", "enable_prefix_caching", "num_gpu_blocks"],
+            labels=[
+                "block_size",
+                "enable_prefix_caching",
+                "num_gpu_blocks",
+                "mamba_block_size",
+                "cache_hit_alignment_tokens",
+            ],
         )
-        cache_config.add_metric([str(self.config.block_size), "True", str(self.config.cache_blocks)], 1.0)
+        # vLLM 0.32 writes every CacheConfig field as str(value): "None" where unset.
+        hybrid = str(self.config.hybrid_block_size)
+        alignment = hybrid if self.config.hybrid_block_size else str(self.config.block_size)
+        cache_config.add_metric(
+            [str(self.config.block_size), "True", str(self.config.cache_blocks), hybrid, alignment], 1.0
+        )
         families: list[Metric] = [
             queries,
             hits,

@@ -18,7 +18,6 @@ ordinal, no request metrics).
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -30,9 +29,10 @@ import orjson
 
 from proxy.engines.base import CacheReset
 from proxy.engines.call import EngineCall, bearer, engine_call
-from proxy.engines.queries import fetch_engine_metrics, fetch_model_ids
+from proxy.engines.queries import fetch_model_ids
 from proxy.observe import usage_from_json
 from proxy.vocabulary import CanaryOutcome, EngineKind, Verified, VerifyMode
+from proxy.witnesses.canary_blocks import engine_block_size
 from proxy.witnesses.canary_size import (
     FIT_ROUNDS,
     CanaryFit,
@@ -44,7 +44,7 @@ from proxy.witnesses.canary_size import (
     tokenize_request,
 )
 from proxy.witnesses.counters import Sums
-from proxy.witnesses.tiers import tier_delta
+from proxy.witnesses.tiers import tier_delta, tier_sum
 from proxy.witnesses.verification import Reading, Verification
 
 __all__ = [
@@ -53,6 +53,7 @@ __all__ = [
     "RANK_HEADER",
     "Canary",
     "CanaryFit",
+    "ResetCall",
     "verify_reset",
 ]
 
@@ -67,7 +68,6 @@ MOST_CANARY_CALLS = 6 + 2 * FIT_ROUNDS
 # The first letters of C1's and C2's first words: the two differ from their first token on.
 _C1_LETTERS = "abcdefghijklm"
 _C2_LETTERS = "nopqrstuvwxyz"
-_BLOCK_SIZE = re.compile(rb'^vllm:cache_config_info\{[^}]*\bblock_size="(\d+)"', re.MULTILINE)
 # The engine flag that makes it report cached tokens.
 _REPORT_FLAGS: dict[str, str] = {
     EngineKind.VLLM: "start vLLM with --enable-prompt-tokens-details",
@@ -114,6 +114,8 @@ class Canary:
     rank: int | None = None
     # What the engine's tokens cost per word, learned at earlier resets (one per sidecar).
     fit: CanaryFit = field(default_factory=CanaryFit)
+    # The last answer's cached tokens per tier, where the engine named them (SGLang's sglext).
+    last_tiers: Mapping[str, int] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -162,10 +164,9 @@ class Canary:
             return "the engine lists no model at /v1/models, so no canary could be sent"
         self.model = models[0]
         self.fit.serving(self.kind, self.model)
-        if self.kind == EngineKind.VLLM:
-            text = await fetch_engine_metrics(self.session, self.base_url, self.timeout_s)
-            found = _BLOCK_SIZE.search(text or b"")
-            self.block_size = int(found.group(1)) if found else None
+        self.block_size = await engine_block_size(
+            self.session, self.base_url, self.kind, self.timeout_s, self.api_key
+        )
         return None
 
     async def ask(self, name: str, prompt: str) -> Reading | None:
@@ -176,7 +177,10 @@ class Canary:
             "max_tokens": 1,
             "temperature": 0,
             "stream": False,
+            "n": 1,  # vLLM counts n x the prompt in its counters (vllm #56923): one choice only
         }
+        if self.kind == EngineKind.SGLANG:
+            body["return_cached_tokens_details"] = True  # per-tier hits in `sglext` (sglang #17648)
         if self.kind == EngineKind.MINDNANO:
             body["user"] = self.user  # mindnano caches per user
         headers = {"Content-Type": "application/json", **(bearer(self.api_key) or {})}
@@ -200,9 +204,11 @@ class Canary:
         if reply.status is not None and 200 <= reply.status < 300:
             usage = usage_from_json(reply.body)
             reading = Reading(usage.cached_tokens, usage.prompt_tokens)
+            self.last_tiers = usage.cached_by_tier
             self.spent = self.spent.plus(usage.prompt_tokens, usage.cached_tokens)
         else:
             self.failure = reply.call.error or f"HTTP {reply.status}"
+            self.last_tiers = None
         self.count(_outcome(reading))
         # Never the prompt or the completion: the excerpt holds the numbers only.
         excerpt = orjson.dumps({"canary": name, **(reading.to_json() if reading else {})}).decode()
@@ -261,10 +267,13 @@ async def _run(canary: Canary, reset: ResetCall) -> tuple[CacheReset, Verificati
         return _with_calls(main, before_calls, []), _unverified(reason, repeat)
     tiers_before = await canary.read_tiers()
     probes = [await canary.ask("C1 probe", c1)]
+    named = [canary.last_tiers]
     between = await reset()  # each probe meets a cache a reset just emptied
     probes.append(await canary.ask("C2 probe", c2))
+    named.append(canary.last_tiers)
     final = await reset()  # nothing of the canaries is left for the benchmark's first request
-    by_tier = tier_delta(tiers_before, await canary.read_tiers())
+    # The engine's counters per tier, else what the probes' own answers named (SGLang's sglext).
+    by_tier = tier_delta(tiers_before, await canary.read_tiers()) or tier_sum(named)
     after_calls = canary.take_calls()
     # Order of the calls as they were made: probe, reset, probe, reset.
     after_calls[1:1] = between.calls

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 
-from proxy.engines.counters import Totals, fetch_sleeping, read_totals, read_totals_settled
+from proxy.engines.counters import SLEEP_ROUTES, Totals, fetch_sleeping, read_totals, read_totals_settled
 from proxy.observe import Observation
 from proxy.vocabulary import EngineKind, EventType
 from proxy.witnesses.counters import CaseVerdict, Reconciliation, Sums, reconcile
@@ -113,10 +113,13 @@ class CaseWitness:
     # Set once the first reset opens a sequence: the watcher sleeps on it until then, with
     # no timer (a poll before it does nothing; bench/idle_cpu.py).
     _opened: asyncio.Event = field(default_factory=asyncio.Event)
+    # Whether the sidecar forwarded a request since the watcher's last look (llama.cpp: see poll).
+    _traffic_since_poll: bool = False
 
     # -- what the sidecar saw ------------------------------------------------------------------
     def observed(self, obs: Observation) -> None:
         """One observed request that reached the engine."""
+        self._traffic_since_poll = True
         if self._segment is not None:
             seg = self._segment
             seg.observed = seg.observed.plus(obs.prompt_tokens, obs.cached_tokens)
@@ -124,13 +127,19 @@ class CaseWitness:
 
     def unobserved(self) -> None:
         """One request the sidecar forwarded without observing it (its tokens are unknown)."""
+        self._traffic_since_poll = True
         if self._segment is not None:
             self._segment.unobserved = self._segment.unobserved.plus(None, None)
             self._segment.last_traffic = time.monotonic()
 
     # -- reads ----------------------------------------------------------------------------------
     async def read(self) -> tuple[bool, Totals | None]:
-        """(reachable, totals) from a settled direct read: repeated until two reads agree."""
+        """(reachable, totals) from a settled direct read: repeated until two reads agree.
+
+        Not while llama-server sleeps: its /metrics is a task that would wake it (no totals then).
+        """
+        if self._sleeping and self.kind() == EngineKind.LLAMACPP:
+            return True, None
         reachable, totals = await read_totals_settled(
             self.session(), self.base_url, self.kind(), self.timeout_s, self.api_key
         )
@@ -164,9 +173,11 @@ class CaseWitness:
         self._segment = _Segment(reset_id, session_id, case_id, time.time_ns(), self._baseline, canary=canary)
         self._opened.set()  # the watcher's first look is an interval on, after these reads
         _reachable, after = await self.read()
-        if self.kind() == EngineKind.VLLM and self._sleeping is None:
+        if self._sleeping is None:
             # The state a later change is measured from, before the watcher's first look.
-            self._sleeping = await fetch_sleeping(self.session(), self.base_url, self.timeout_s, self.api_key)
+            self._sleeping = await fetch_sleeping(
+                self.session(), self.base_url, self.timeout_s, self.api_key, self.kind()
+            )
         return reset_window(self._baseline, after, seen, canary, self.in_flight())
 
     async def close(self, case_id: str | None, closed_by: str = "close") -> Reconciliation | None:
@@ -250,7 +261,9 @@ class CaseWitness:
         self.events.append(event)
         self.write(event.to_record())
         self.on_event(kind)
-        if seg is not None and kind in (EventKind.RESTARTED, EventKind.SLEPT) and seg.restart_seen is None:
+        # After a restart, a sleep or a wake the cache is cold: the case is judged as after a restart.
+        cold = (EventKind.RESTARTED, EventKind.SLEPT, EventKind.WOKE)
+        if seg is not None and kind in cold and seg.restart_seen is None:
             seg.restart_seen = f"{kind.value}: {seen_by}"
             seg.restart_before_traffic = seg.traffic == 0
 
@@ -263,14 +276,18 @@ class CaseWitness:
         if self._segment is None:
             return
         session, kind = self.session(), self.kind()
-        reachable, totals = await read_totals(session, self.base_url, kind, self.timeout_s, self.api_key)
-        self._note(reachable, totals, "engine watcher")
-        if kind == EngineKind.VLLM and reachable:
-            sleeping = await fetch_sleeping(session, self.base_url, self.timeout_s, self.api_key)
-            if sleeping is not None and self._sleeping is not None and sleeping != self._sleeping:
-                self._event(EventKind.SLEPT if sleeping else EventKind.WOKE, "vLLM /is_sleeping")
-            if sleeping is not None:
-                self._sleeping = sleeping
+        if kind == EngineKind.LLAMACPP:
+            # First: a sleeping llama-server's /metrics would wake it; /props does not.
+            await self._look_at_sleep(session, kind)
+        # llama-server's /metrics is a task, and any task restarts its idle clock (server_queue::post):
+        # read while idle, it would never fall asleep. So it is read after traffic only.
+        quiet = kind == EngineKind.LLAMACPP and (self._sleeping or not self._traffic_since_poll)
+        self._traffic_since_poll = False
+        if not quiet:
+            reachable, totals = await read_totals(session, self.base_url, kind, self.timeout_s, self.api_key)
+            self._note(reachable, totals, "engine watcher")
+            if kind == EngineKind.VLLM and reachable:
+                await self._look_at_sleep(session, kind)
         seg = self._segment
         if (
             seg is not None
@@ -279,6 +296,14 @@ class CaseWitness:
             and self.in_flight() == 0
         ):
             await self.close(None, "idle")
+
+    async def _look_at_sleep(self, session: aiohttp.ClientSession, kind: str) -> None:
+        """The engine's sleep state; a change is a `slept` or `woke` event."""
+        sleeping = await fetch_sleeping(session, self.base_url, self.timeout_s, self.api_key, kind)
+        if sleeping is not None and self._sleeping is not None and sleeping != self._sleeping:
+            self._event(EventKind.SLEPT if sleeping else EventKind.WOKE, f"{kind} {SLEEP_ROUTES[kind]}")
+        if sleeping is not None:
+            self._sleeping = sleeping
 
     async def watch(self, interval_s: float) -> None:
         """Poll every interval once a reset opened a sequence (cancelled at shutdown)."""

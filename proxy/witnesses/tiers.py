@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import aiohttp
 
 from proxy.engines.counters import read_totals_settled
+from proxy.observe.tiers import STORAGE_DISK_BACKENDS
 from proxy.vocabulary import TIERS, EngineKind, TierState
 from proxy.witnesses.verification import Verification
 
-__all__ = ["TierPlan", "judge_tiers", "read_by_tier", "storage_tier", "tier_delta", "vllm_plan"]
+__all__ = ["TierPlan", "judge_tiers", "read_by_tier", "storage_tier", "tier_delta", "tier_sum", "vllm_plan"]
 
 # vLLM clears connector and offload tiers on `reset_external=true` from 0.13 on (older ones ignore it).
 _RESET_EXTERNAL_SINCE = (0, 13)
@@ -61,7 +62,7 @@ def vllm_plan(version: str | None) -> TierPlan:
 
 def storage_tier(backend: str) -> str:
     """The tier of an SGLang HiCache storage backend: `file` is a local disk, the others are remote stores."""
-    return "disk" if backend.strip().lower() == "file" else "external"
+    return "disk" if backend.strip().lower() in STORAGE_DISK_BACKENDS else "external"
 
 
 def tier_delta(before: Mapping[str, int] | None, after: Mapping[str, int] | None) -> dict[str, int] | None:
@@ -71,14 +72,32 @@ def tier_delta(before: Mapping[str, int] | None, after: Mapping[str, int] | None
     return {tier: max(0, after.get(tier, 0) - before.get(tier, 0)) for tier in TIERS}
 
 
+def tier_sum(answers: list[Mapping[str, int] | None]) -> dict[str, int] | None:
+    """Cached tokens per tier over answers that each named theirs; None when any did not."""
+    if not answers or any(tiers is None for tiers in answers):
+        return None
+    return {tier: sum(tiers.get(tier, 0) for tiers in answers if tiers is not None) for tier in TIERS}
+
+
 async def read_by_tier(
-    session: aiohttp.ClientSession, base_url: str, kind: str, timeout_s: float, api_key: str | None
+    session: aiohttp.ClientSession,
+    base_url: str,
+    kind: str,
+    timeout_s: float,
+    api_key: str | None,
+    storage: str = "external",
 ) -> dict[str, int] | None:
-    """The engine's cached tokens per tier (vLLM, TensorRT-LLM), from a settled read of its counters."""
-    if kind not in (EngineKind.VLLM, EngineKind.TRTLLM):
+    """The engine's cached tokens per tier (vLLM, TensorRT-LLM, SGLang), from a settled read of its counters."""
+    if kind not in (EngineKind.VLLM, EngineKind.TRTLLM, EngineKind.SGLANG):
         return None
     _reachable, totals = await read_totals_settled(session, base_url, kind, timeout_s, api_key)
-    return dict(totals.by_tier) if totals is not None and totals.by_tier else None
+    if totals is None or not totals.by_tier:
+        return None
+    by_tier: dict[str, int] = {}
+    for tier, tokens in totals.by_tier.items():
+        named = storage if tier == "storage" else tier  # SGLang's HiCache storage tier
+        by_tier[named] = by_tier.get(named, 0) + tokens
+    return by_tier
 
 
 def judge_tiers(kind: str, plan: TierPlan, verification: Verification) -> dict[str, TierState]:

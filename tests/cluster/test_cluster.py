@@ -18,7 +18,7 @@ from aiohttp import web
 
 from proxy.cluster.peers import discover_peers
 from proxy.config import SETTINGS, ConfigError, Settings
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from proxy.evidence.log import EVIDENCE
 from proxy.witnesses.canary import MOST_CANARY_CALLS
 from tests.support.client import CLIENT_TIMEOUT

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from proxy.config import ConfigError
-from proxy.config_load import load_settings
+from proxy.config.load import load_settings
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.cluster import RESETS_PER_VERIFIED, SERVICE, shared_port
 from tests.support.dns_server import dns_server

@@ -5,7 +5,7 @@
 Starts vLLM CPU with `--kv-events-config`, binds the SUB socket the way the sidecar does, and
 records: two identical requests (stores), a reset while idle (nothing may arrive), a one-token
 request (the clear), and a replay from seq 0 (its reply frames as they come). Then it runs the
-subscriber core (proxy/witnesses/events.py) against the same engine: it must rebuild the cache from the
+subscriber core (proxy/witnesses/kv_events/subscribers.py) against the same engine: it must rebuild the cache from the
 replay buffer and see each later reset's clear (timed); with --restart, the engine is then
 stopped and started again on the same ports and the core must see a restart. Prints what it
 saw; writes tests/data/vllm-kv-events.json (every frame in hex) for
@@ -26,8 +26,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from proxy.witnesses.events import KvEvents, KvEventsConfig
-from proxy.witnesses.events_wire import decode_batch
+from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig
+from proxy.witnesses.kv_events.wire import decode_batch
 from tests.real import engines, tiny_models
 
 OUT = Path(__file__).resolve().parents[1] / "data" / "vllm-kv-events.json"

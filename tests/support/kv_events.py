@@ -15,8 +15,9 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from proxy.witnesses.events import KvEvents, KvEventsConfig
-from proxy.witnesses.events_state import RankSnapshot
+from proxy.recorder import RECORDER
+from proxy.witnesses.kv_events.state import RankSnapshot
+from proxy.witnesses.kv_events.subscribers import KvEvents, KvEventsConfig
 from tests.support.ports import fixed_ports
 from tests.support.sidecar import Stack
 from tests.support.sidecar import stack as sidecar_stack
@@ -77,6 +78,13 @@ async def stack(
         s = await stack.enter_async_context(sim(engine(dialect, ports, **options)))
         await until(kv, lambda snaps: snaps[0].connected)
         yield s, kv
+
+
+def sidecar_events(s: Stack) -> KvEvents:
+    """A sidecar's KV events subscribers (there with kv_events_endpoint: the recorder holds them)."""
+    events = s.app[RECORDER].kv_events
+    assert events is not None, "kv_events_endpoint is set: the recorder has the subscribers"
+    return events
 
 
 async def until(

@@ -35,19 +35,6 @@ NAMESPACE = "ns"
 DASHBOARD_VARIABLES = {"$model": ".*", "$__rate_interval": "1m"}
 START_BOUND_S = 60.0
 METRIC_NAME = re.compile(r"\bcachewitness_[a-z_]+")
-# Metrics the wave-3 witnesses will expose (the bypass counter, the KV-events witness, engine
-# events): their alerts and promtool cases are written; no sidecar has them yet. Once one is
-# exported it is checked like the others.
-PENDING_METRICS = frozenset(
-    {
-        "cachewitness_bypass_requests_total",
-        "cachewitness_kv_event_gaps_total",
-        "cachewitness_kv_events_up",
-        "cachewitness_kv_event_publishers_extra_total",
-        "cachewitness_kv_event_publishers_refused_total",
-        "cachewitness_engine_events_total",
-    }
-)
 
 
 def require(*tools: Path) -> None:

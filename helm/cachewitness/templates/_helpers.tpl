@@ -80,19 +80,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/*
-The engine's --kv-events-config JSON: a concrete host in "endpoint" makes the engine connect to
-the sidecar's bound SUB socket; the replay socket is the engine's (it binds). SGLang takes the
-same JSON without the enable flag.
+The engine's --kv-events-config JSON. vLLM with discovery: ipc:// sockets in the pod's
+kv-events emptyDir, which the engine binds (vLLM binds ipc endpoints) and names at
+GET /kv_event_sources; the sidecar connects to them. Only the two containers (same UID) can
+reach a socket file there: nothing is on the pod's network. Otherwise (SGLang, whose
+/server_info can name a tcp host and port only): a concrete host in "endpoint" makes the
+engine connect to the sidecar's bound loopback SUB socket; the replay socket is the engine's
+(it binds). SGLang takes the same JSON without the enable flag.
 */}}
 {{- define "cachewitness.kvEventsConfig" -}}
 {{- $c := dict "publisher" "zmq" "endpoint" (printf "tcp://127.0.0.1:%v" .kv.publishPort) "replay_endpoint" (printf "tcp://127.0.0.1:%v" .kv.replayPort) "topic" .kv.topic }}
+{{- if and .vllm .kv.discovery }}
+{{- $_ := set $c "endpoint" "ipc:///var/run/kv-events/pub" }}
+{{- $_ := set $c "replay_endpoint" "ipc:///var/run/kv-events/replay" }}
+{{- end }}
 {{- if .vllm }}{{- $_ := set $c "enable_kv_cache_events" true }}{{- end }}
 {{- toJson $c }}
 {{- end }}
 
-{{/* Whether the sidecar follows the engine's KV cache events (on for the vllm and sglang presets). */}}
+{{/* Whether the engine's KV events go over ipc sockets it names (vllm preset with discovery). */}}
+{{- define "cachewitness.kvEventsDiscovered" -}}
+{{- if and .Values.engine.kvEvents.enabled .Values.engine.kvEvents.discovery (eq .Values.engine.preset "vllm") }}true{{- end }}
+{{- end }}
+
+{{/* Whether the sidecar is told where to bind for the engine's KV cache events (sglang; vllm without discovery). */}}
 {{- define "cachewitness.kvEventsOn" -}}
-{{- if and .Values.engine.kvEvents.enabled (has .Values.engine.preset (list "vllm" "sglang")) }}true{{- end }}
+{{- if and .Values.engine.kvEvents.enabled (has .Values.engine.preset (list "vllm" "sglang")) (not (include "cachewitness.kvEventsDiscovered" .)) }}true{{- end }}
 {{- end }}
 
 {{/*

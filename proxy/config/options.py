@@ -288,7 +288,7 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "overhead_header",
-        _bool,
+        parse_bool,
         "add X-Cachewitness-Overhead-Us (the sidecar's added microseconds) to each relayed answer",
         "true or false",
     ),

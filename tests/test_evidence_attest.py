@@ -122,6 +122,14 @@ async def test_an_attestation_verifies_with_securesystemslib_and_names_exactly_t
         and pod["traffic_verdict"] == "consistent"
     )
     assert len(statement["predicate"]["non_claims"]) == 3 and pod["checkpoints"]
+    # The time the sidecar added to the case's three requests, as their records say (exact below 64 µs,
+    # within 3 % above).
+    spans = [orjson.loads(line)["overhead"] for line in case_lines if b"cache_observation" in line]
+    for span in ("added_in_us", "added_out_us"):
+        values = sorted(record[span] for record in spans)
+        assert pod["overhead"][span]["requests"] == 3
+        assert values[1] <= pod["overhead"][span]["p50"] <= values[1] * 1.04
+        assert values[2] <= pod["overhead"][span]["p99"] <= values[2] * 1.04
     for checkpoint in pod["checkpoints"]:
         assert checkpoint["note"].split("\n")[1:3] == [str(checkpoint["tree_size"]), checkpoint["root"]]
     # One byte of the payload changed: securesystemslib refuses it.

@@ -47,6 +47,7 @@ FAMILIES = (
     "cachewitness_upstream_up",
     "cachewitness_upstream_metrics_up",
     "cachewitness_sidecar_overhead_seconds",
+    "cachewitness_added_seconds",
     "cachewitness_cache_verifications_total",
     "cachewitness_evidence_dropped_total",
     "cachewitness_evidence_pending_bytes",
@@ -638,6 +639,6 @@ def test_dashboard_covers_the_telemetry_ops_asked_for() -> None:
         "cachewitness_inflight_requests",
         "cachewitness_draining",
         "cachewitness_upstream_errors_total",
-        "cachewitness_sidecar_overhead_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le, direction) (rate(cachewitness_added_seconds_bucket",
     ):
         assert needle in text, needle

@@ -42,6 +42,8 @@ class Changed(TypedDict, total=False):
     outcome: Outcome
     prompt_tokens: int | None
     status: int | None
+    added_in_us: int | None
+    added_out_us: int | None
 
 
 def finished(
@@ -189,9 +191,29 @@ def test_counters_since_reset_sum_tokens_and_unknowns() -> None:
     finished(witness, witness.begin_request(), prompt_tokens=100, cached_tokens=0)
     finished(witness, witness.begin_request(), prompt_tokens=100, cached_tokens=96)
     finished(witness, witness.begin_request(), prompt_tokens=50, cached_tokens=None)
-    assert witness.state()["since_reset"] == {
+    since = witness.state()["since_reset"]
+    assert {k: v for k, v in since.items() if k != "overhead"} == {
         "requests": 3, "prompt_tokens": 250, "cached_tokens": 96, "cached_tokens_unknown": 1, "hit_ratio": 0.48,
     }  # fmt: skip
+
+
+def test_the_case_shows_the_sidecars_added_time_p50_and_p99_and_a_new_reset_starts_them_again() -> None:
+    witness = accepted(Witness())
+    # 100 requests: 1..99 µs in, one at 5000 µs (kept within 3 % above 63 µs); out unmeasured on one: its p99 is the 5000.
+    for added in (*range(1, 100), 5000):
+        finished(
+            witness, witness.begin_request(), added_in_us=added, added_out_us=added if added > 1 else None
+        )
+    overhead = witness.state()["since_reset"]["overhead"]
+    assert overhead["added_in_us"] == {"requests": 100, "p50": 50, "p99": 99}
+    assert overhead["added_out_us"]["requests"] == 99
+    assert overhead["added_out_us"]["p50"] == 51 and 5000 <= overhead["added_out_us"]["p99"] <= 5000 * 1.03
+    accepted(witness, "x2")
+    assert witness.state()["since_reset"]["overhead"]["added_in_us"] == {
+        "requests": 0,
+        "p50": None,
+        "p99": None,
+    }
 
 
 def test_lowest_candidate_wins_after_many_later_requests() -> None:

@@ -24,6 +24,7 @@ _BOOL_OPTIONS = frozenset(
         "inject_usage",
         "observe",
         "request_id_header",
+        "overhead_header",
         "front",
     }
 )

@@ -293,6 +293,12 @@ OPTIONS: tuple[Option, ...] = (
         "add X-Request-Id toward the engine and the client when the client sent none",
         "true or false",
     ),
+    Option(
+        "overhead_header",
+        parse_bool,
+        "add X-Cachewitness-Overhead-Us (the sidecar's added microseconds) to each relayed answer",
+        "true or false",
+    ),
     Option("engine_api_key", str, "older name of upstream_api_key (kept working)", "a non-empty string"),
     Option(
         "upstream_api_key",

@@ -129,6 +129,7 @@ class Settings:
     inject_usage_reprobe_seconds: float = 600.0
     observe: bool = True
     request_id_header: bool = False
+    overhead_header: bool = False
     front: bool = True
     engine_api_key: str | None = field(default=None, repr=False)
     upstream_api_key: str | None = field(default=None, repr=False)

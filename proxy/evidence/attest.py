@@ -21,6 +21,7 @@ import orjson
 
 from proxy import __version__
 from proxy.evidence.keys import SigningKey
+from proxy.observe.overhead import OverheadQuantiles
 
 __all__ = [
     "NON_CLAIMS",
@@ -119,6 +120,7 @@ def _pod_claims(case: CaseRecords, checkpoints: Sequence[Mapping[str, Any]]) -> 
     restarts = [
         r.get("at_ns") for r in _of(case.records, "infer.engine_event") if r.get("kind") == "restarted"
     ]
+    observations = _of(case.records, "infer.cache_observation")
     return {
         "pod": case.pod,
         "reset": {
@@ -144,10 +146,27 @@ def _pod_claims(case: CaseRecords, checkpoints: Sequence[Mapping[str, Any]]) -> 
         "bypass": [r.get("bypass") for r in reconciliations],
         "reconciliation": [r.get("verdict") for r in reconciliations],
         "restarts": restarts + [r.get("at_ns") for r in reconciliations if r.get("restarted")],
-        "requests": len(_of(case.records, "infer.cache_observation")),
+        "requests": len(observations),
+        "overhead": _overhead(observations),
         "records": len(case.records),
         "checkpoints": list(checkpoints),
     }
+
+
+def _overhead(observations: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The time the sidecar itself added to the case's requests, p50/p99 each way (as /cache/state
+    shows it; docs/evidence.md, "The sidecar's added time")."""
+    quantiles = OverheadQuantiles()
+    for observation in observations:
+        spans = _dict(observation.get("overhead"))
+        added_in, added_out = spans.get("added_in_us"), spans.get("added_out_us")
+        quantiles.add(added_in if _count(added_in) else None, added_out if _count(added_out) else None)
+    return quantiles.to_json()
+
+
+def _count(value: object) -> bool:
+    """A whole, non-negative number of microseconds (a record's field, as written)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def predicate(

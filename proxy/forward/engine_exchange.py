@@ -35,6 +35,7 @@ from proxy.observe import (
     prepare_request,
     rules_for,
 )
+from proxy.observe.overhead import elapsed_us
 from proxy.recorder import RECORDER
 from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
 from proxy.upstream.pools import UPSTREAM_LEG
@@ -254,6 +255,11 @@ async def _exchange(
     except UpstreamError as exc:
         return await side.respond(_upstream_failure(exc, exchange))
     exchange.upstream_head_ns = time.time_ns()
+    # The request's last byte written to the engine, counted from the client's last byte read
+    # (or, for a body streamed as it came, from its last piece in hand). A body still being
+    # written when the answer began has no last byte yet: not measured.
+    if upstream.sent_ns:
+        exchange.added_in_us = elapsed_us(upstream.streamed_in_ns or exchange.read_ns, upstream.sent_ns)
     try:
         peeked = b""
         if refusal is not None:

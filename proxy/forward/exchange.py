@@ -63,6 +63,12 @@ class Exchange:
     bad_answer: bool = False  # the engine's response broke HTTP or the leg's limits (UpstreamBadResponse)
     isolation_field: str | None = None  # the member that isolated it (proxy/forward/isolating.py)
     isolation_refused: bool = False  # isolated, and answered by the sidecar: it could not be isolated
+    event_stream: bool = False  # the engine answered text/event-stream
+    # The sidecar's own time (proxy/observe/overhead.py): when the client's request was all read
+    # (perf_counter_ns), and the two spans once measured.
+    read_ns: int = 0
+    added_in_us: int | None = None
+    added_out_us: int | None = None
 
     def __init__(self, request_id: str, started_ns: int) -> None:
         self.request_id = request_id
@@ -83,6 +89,8 @@ class Exchange:
             after_upstream_s=(first - head) / 1e9 if first is not None and head is not None else None,
             served_by=served_by,
             bad_answer=self.bad_answer,
+            added_in_us=self.added_in_us,
+            added_out_us=self.added_out_us,
         )
 
     def observation(self, request: ClientRequest, finished_ns: int) -> Observation:
@@ -125,4 +133,6 @@ class Exchange:
             numbered.own,
             usage.cached_by_tier,
             isolation,
+            self.added_in_us,
+            self.added_out_us,
         )

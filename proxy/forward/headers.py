@@ -7,10 +7,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from proxy.forward.ids import ID_HEADERS, forwardable
 from proxy.isolation import ISOLATION_HEADER
 
-__all__ = ["CASE_HEADER", "HOP_BY_HOP", "add_response_headers", "request_headers"]
+__all__ = ["CASE_HEADER", "HOP_BY_HOP", "OVERHEAD_HEADER", "add_response_headers", "request_headers"]
 
 # A reset's case token (proxy/witnesses/traffic.py): the sidecar's own, a secret, never the engine's.
 CASE_HEADER = "X-Cachewitness-Case"
+# The sidecar's added time, to the client with `overhead_header = true`: the sidecar's own word,
+# never the engine's to read (a client's copy is dropped on the way in).
+OVERHEAD_HEADER = "X-Cachewitness-Overhead-Us"
 
 # RFC 9110 §7.6.1 connection-specific fields, plus the de-facto ones proxies drop.
 HOP_BY_HOP = frozenset(
@@ -29,8 +32,15 @@ HOP_BY_HOP = frozenset(
 # `Expect: 100-continue` is answered by the sidecar itself (aiohttp sends the 100 before the
 # handler reads the body); forwarded with a body already in hand, an upstream that never
 # sends 100 would stall the request.
-# The isolation header is the sidecar's own word (proxy/isolation/), never the engine's.
-_REQUEST_DROP = HOP_BY_HOP | {"host", "expect", CASE_HEADER.lower(), ISOLATION_HEADER.lower()}
+# The isolation header is the sidecar's own word (proxy/isolation/), never the engine's; so is the
+# overhead header (a client's own is not passed on).
+_REQUEST_DROP = HOP_BY_HOP | {
+    "host",
+    "expect",
+    CASE_HEADER.lower(),
+    ISOLATION_HEADER.lower(),
+    OVERHEAD_HEADER.lower(),
+}
 
 
 def _end_to_end(

@@ -20,18 +20,27 @@ from typing import Any
 from multidict import CIMultiDict
 
 from proxy.body_budget import BODY_BUDGET, BodyBudget
-from proxy.config import SETTINGS
+from proxy.config import SETTINGS, Settings
 from proxy.forward.client import ClientSide
 from proxy.forward.exchange import Exchange
-from proxy.forward.headers import add_response_headers
+from proxy.forward.headers import OVERHEAD_HEADER, add_response_headers
 from proxy.logs import log_event
 from proxy.observe import JsonBody, StreamScanner, rules_for
+from proxy.observe.overhead import elapsed_us, now_ns
 from proxy.upstream import UpstreamBadResponse, UpstreamError, UpstreamResponse
 from proxy.upstream.head import framed
 from proxy.upstream.response import HIGH_WATER, Sink
 from proxy.vocabulary import Outcome
 
-__all__ = ["broke_mid_response", "client_headers", "client_sink", "drained", "relay", "start_observing"]
+__all__ = [
+    "answered",
+    "broke_mid_response",
+    "client_headers",
+    "client_sink",
+    "drained",
+    "relay",
+    "start_observing",
+]
 
 log = logging.getLogger("cachewitness.forward")
 
@@ -77,16 +86,40 @@ def broke_mid_response(exchange: Exchange, exc: UpstreamError) -> None:
     )
 
 
-def client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunked: bool) -> Sink:
+def answered(exchange: Exchange, upstream: UpstreamResponse, *, with_body: bool) -> Callable[[], None] | None:
+    """The answer's first bytes are written to the client: its `added_out_us` is measured now.
+
+    A stream whose head went out alone is measured at its first event instead (the engine's time
+    to that event is not the sidecar's): the mark to make then is returned, for `client_sink`.
+    """
+    if with_body or not exchange.event_stream:
+        exchange.added_out_us = elapsed_us(upstream.answer_read_ns, now_ns())
+        return None
+
+    def first_event() -> None:
+        exchange.added_out_us = elapsed_us(upstream.body_read_ns, now_ns())
+
+    return first_event
+
+
+def client_sink(
+    transport: asyncio.Transport,
+    observe: Observe | None,
+    *,
+    chunked: bool,
+    first_event: Callable[[], None] | None = None,
+) -> Sink:
     """Write each body piece to the client as it comes; True when the client is behind.
 
     Behind is the client's unsent bytes past the mark the leg's own buffer stops at, and past
     the transport's own high-water mark too: the transport has then paused
     writing, which is what the relay's `drain()` waits out (below it, drain returns at once).
+    `first_event` (from `answered`) is called once, after the first piece written.
     """
     behind = max(HIGH_WATER, transport.get_write_buffer_limits()[1])
 
     def sink(chunk: bytes) -> bool:
+        nonlocal first_event
         if observe is not None:
             chunk = observe(chunk)
             if not chunk:
@@ -94,6 +127,9 @@ def client_sink(transport: asyncio.Transport, observe: Observe | None, *, chunke
         if transport.is_closing():
             raise ConnectionResetError("the client closed its connection")
         transport.write(framed(chunk, chunked=chunked))
+        if first_event is not None:
+            first_event()
+            first_event = None
         return transport.get_write_buffer_size() > behind
 
     return sink
@@ -119,19 +155,23 @@ def drained(
 
 
 def client_headers(
-    upstream: UpstreamResponse, exchange: Exchange, into: CIMultiDict[str], *, add_request_id: bool
+    upstream: UpstreamResponse, exchange: Exchange, into: CIMultiDict[str], settings: Settings
 ) -> Observe | None:
     """The response's status and headers for the client (`into`), and how its body is read on the way."""
     exchange.status = upstream.status
-    sse = upstream.content_type == "text/event-stream"
+    sse = exchange.event_stream = upstream.content_type == "text/event-stream"
     add_response_headers(
         upstream.headers,
         into,
         request_id=exchange.request_id,
         usage_injected=exchange.usage_injected,
         sse=sse,
-        add_request_id=add_request_id,
+        add_request_id=settings.request_id_header,
     )
+    if settings.overhead_header:
+        # The time added so far: the request's way in, and the answer's until its head is built.
+        added = (exchange.added_in_us or 0) + elapsed_us(upstream.answer_read_ns, now_ns())
+        into[OVERHEAD_HEADER] = str(added)
     return start_observing(upstream, exchange, sse=sse)
 
 
@@ -141,7 +181,7 @@ async def relay(
     """Stream the engine's response to the client as it arrives (`peeked`: its start, already read)."""
     app = side.app
     headers = side.response_headers(upstream.status, upstream.reason)
-    observe = client_headers(upstream, exchange, headers, add_request_id=app[SETTINGS].request_id_header)
+    observe = client_headers(upstream, exchange, headers, app[SETTINGS])
     try:
         exchange.first_byte_ns = time.time_ns()
         # What is in hand now goes with the head, in one write; with nothing in hand the head
@@ -150,7 +190,8 @@ async def relay(
         if first and observe is not None:
             first = observe(first)
         transport, chunked = await side.send_head(first)
-        sink = client_sink(transport, observe, chunked=chunked)
+        first_event = answered(exchange, upstream, with_body=bool(first))
+        sink = client_sink(transport, observe, chunked=chunked, first_event=first_event)
         await upstream.relay(sink, drained(app[BODY_BUDGET], transport, side.drain))
         await side.end(exchange.scanner.finish() if exchange.scanner is not None else b"")
     except ConnectionResetError:

@@ -29,6 +29,7 @@ from proxy.forward.engine_exchange import (
 from proxy.forward.exchange import Exchange
 from proxy.forward.ids import new_request_id, stored_id
 from proxy.forward.refusal import refusal
+from proxy.inbound.connection import read_mark
 from proxy.inbound.limits import CLIENT_STALLED
 from proxy.inbound.request_body import BodyStart, limited_body, read_within_budget
 from proxy.inbound.wire import HeldHeadResponse, send_held_head
@@ -109,6 +110,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     # without building a UUID (issue 19) nor a system call per request (issue 34).
     request_id = stored_id(request.headers.get("X-Request-Id")) or new_request_id()
     exchange = Exchange(request_id, time.time_ns())
+    exchange.read_ns = read_mark(request)  # the head's last byte; the body's, once read
     try:
         refused = refusal(request)
         if refused is not None:
@@ -156,6 +158,7 @@ async def _observe_and_exchange(
         except ClientGone:
             exchange.outcome = Outcome.CLIENT_DISCONNECTED
             raise asyncio.CancelledError from None
+        exchange.read_ns = read_mark(request)
         if complete:
             prepared = prepare(app, exchange, body, request.path)
         else:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from functools import partial
+from time import perf_counter_ns
 from typing import cast
 
 from aiohttp import web
@@ -32,7 +33,7 @@ from proxy.inbound.limits import CLIENT_STALLED, PEER_REFUSAL, REFUSAL, Limit, P
 from proxy.logs import log_event
 from proxy.vocabulary import ServedBy
 
-__all__ = ["CLIENT_STALLED", "ClientConnection", "Guard"]
+__all__ = ["CLIENT_STALLED", "ClientConnection", "Guard", "read_mark"]
 
 log = logging.getLogger("cachewitness.front")
 
@@ -45,6 +46,14 @@ def _chose(choice: Choice) -> None:
     """Who serves a request and why, at debug level (a check, not a log line, when that is off)."""
     if log.isEnabledFor(logging.DEBUG):
         log_event(log, logging.DEBUG, f"request served by {choice.served_by}", **choice._asdict())
+
+
+def read_mark(request: web.BaseRequest) -> int:
+    """When the request's connection last brought bytes in (perf_counter_ns): once its body is
+    read, its last byte. Now, on a connection the guard does not hold (a test's own server)."""
+    transport = request.transport
+    protocol = transport.get_protocol() if transport is not None else None
+    return protocol.read_ns if isinstance(protocol, ClientConnection) else perf_counter_ns()
 
 
 class ClientConnection(Deadlines, asyncio.Protocol):
@@ -63,6 +72,9 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         self._body_since = self._head_since
         self._idle_since = self._head_since
         self.peer = ""  # the client's address (max_connections_per_peer counts by it)
+        # When the client's bytes last came in (perf_counter_ns): a request's last byte once it
+        # is all read, where the sidecar's added time starts (proxy/observe/overhead.py).
+        self.read_ns = 0
         self._request: web.BaseRequest | None = None  # aiohttp's request in progress
         self._lost = False  # connection_lost ran: no deadline is armed any more
         self._due: float | None = None  # when the phase's limit is next checked (None: no limit runs)
@@ -119,6 +131,7 @@ class ClientConnection(Deadlines, asyncio.Protocol):
         """Note the time; the first byte after an idle keep-alive starts the next head's clock."""
         if self._handler is None and self._front is None:
             return  # a refused connection (or one the front closed): its bytes are discarded
+        self.read_ns = perf_counter_ns()
         now = self._loop.time()
         self._last_data = now
         if self._phase is Phase.IDLE:

@@ -32,6 +32,7 @@ from proxy.inbound.choice import MAX_FRONT_BODY
 from proxy.inbound.head import RequestHead
 from proxy.inbound.wire import response_head, sidecar_response
 from proxy.logs import log_event
+from proxy.observe.overhead import now_ns
 from proxy.upstream.head import framed
 from proxy.vocabulary import Outcome, ServedBy
 
@@ -83,6 +84,7 @@ class Front:
         request_id = stored_id(head.headers.get("X-Request-Id")) or new_request_id()
         exchange = Exchange(request_id, time.time_ns())
         exchange.buffered = reading
+        exchange.read_ns = side.read_ns
         try:
             if side.gone:  # the client left before this began (proxy/inbound/connection.py): not sent
                 exchange.outcome = Outcome.CLIENT_DISCONNECTED
@@ -139,7 +141,17 @@ class FrontSide:
 
     # `request` and `app` are plain attributes, not properties: the exchange reads them several
     # times a request, and a property is a Python call each time (bench/calls.py, issue 34).
-    __slots__ = ("_chunked", "_front", "_head", "_writer", "app", "request", "responded", "stalled")
+    __slots__ = (
+        "_chunked",
+        "_front",
+        "_head",
+        "_writer",
+        "app",
+        "read_ns",
+        "request",
+        "responded",
+        "stalled",
+    )
 
     served_by = ServedBy.FRONT
 
@@ -150,6 +162,9 @@ class FrontSide:
         self.app = front.app
         self.stalled = False
         self.responded = False  # the response's head is out, or on its way
+        # Made as the request's last byte is read (proxy/inbound/connection.py): the sidecar's
+        # added time starts here (proxy/observe/overhead.py).
+        self.read_ns = now_ns()
         self._head: tuple[int, str, CIMultiDict[str]] | None = None
         self._chunked = False
 

@@ -16,6 +16,7 @@ from proxy.config import Settings
 from proxy.metrics.hot import Alias, HotCollector, HotCounter, HotFamily, HotHistogram, Kind
 from proxy.metrics.labels import (
     _CLASS_OF,
+    ADDED_BUCKETS,
     CACHED_TOKEN_BUCKETS,
     CODES,
     ENGINE_LABELS,
@@ -109,6 +110,15 @@ class Metrics:
             Kind.HISTOGRAM,
             OVERHEAD_BUCKETS,
         )
+        self.added = HotFamily(
+            PREFIX + "added_seconds",
+            "Time the sidecar added to a request: its last byte read to its last byte written to the "
+            "engine (direction=in); the engine's first answer byte read to the first byte written to "
+            "the client, a stream's first event (direction=out).",
+            ("direction",),
+            Kind.HISTOGRAM,
+            ADDED_BUCKETS,
+        )
         self.upstream_errors = HotFamily(
             PREFIX + "upstream_errors_total",
             "Forwarded requests the engine failed, by kind.",
@@ -147,6 +157,7 @@ class Metrics:
                     self.request_duration,
                     self.ttfb,
                     self.overhead,
+                    self.added,
                     self.upstream_errors,
                     self.prompt_tokens,
                     self.cached_tokens,
@@ -234,6 +245,8 @@ class Metrics:
         }
         self._overhead_request = self.overhead.histogram("request")
         self._overhead_response = self.overhead.histogram("response")
+        self._added_in = self.added.histogram("in")
+        self._added_out = self.added.histogram("out")
         self._upstream_errors = {kind: self.upstream_errors.counter(kind) for kind in UPSTREAM_ERROR_KINDS}
         self._verdicts = {verdict: self.verifications.labels(verdict) for verdict in VERDICTS}
         self._canary = {outcome: self.canary_requests.labels(outcome.value) for outcome in CanaryOutcome}
@@ -288,7 +301,7 @@ class Metrics:
                 self._observed(observation, verdict)
 
     def _forwarded(self, f: Forwarded) -> None:
-        """Count one forwarded exchange: requests, duration, TTFB, overhead, upstream errors."""
+        """Count one forwarded exchange: requests, duration, TTFB, overhead, added time, upstream errors."""
         route = f.path if f.path in self._routes else OTHER
         code = _CLASS_OF.get(f.status, "none") if f.status is not None else "none"
         self._requests[(route, code, f.served_by)].inc()
@@ -300,6 +313,10 @@ class Metrics:
             self._overhead_request.observe(max(0.0, f.before_upstream_s))
         if f.after_upstream_s is not None:
             self._overhead_response.observe(max(0.0, f.after_upstream_s))
+        if f.added_in_us is not None:
+            self._added_in.observe(f.added_in_us / 1e6)
+        if f.added_out_us is not None:
+            self._added_out.observe(f.added_out_us / 1e6)
         kind = _upstream_error_kind(f)
         if kind is not None:
             self._upstream_errors[kind].inc()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.observe.overhead import overhead_member
 from proxy.vocabulary import EventType, IsolationResult, Outcome, ServedBy
 
 __all__ = ["Forwarded", "IsolationMark", "Observation"]
@@ -27,6 +28,9 @@ class Forwarded:
     after_upstream_s: float | None
     served_by: ServedBy  # which HTTP server took the request
     bad_answer: bool = False  # the engine's answer broke HTTP or the leg's limits (502 upstream_bad_answer)
+    # The sidecar's own added time (proxy/observe/overhead.py); None where not measured.
+    added_in_us: int | None = None
+    added_out_us: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +75,9 @@ class Observation:
     # Cached tokens per tier where the engine names them (proxy/observe/tiers.py); None otherwise.
     cached_by_tier: dict[str, int] | None = None
     isolation: IsolationMark | None = None  # None: the request was not isolated
+    # The time the sidecar itself added (proxy/observe/overhead.py); None where not measured.
+    added_in_us: int | None = None
+    added_out_us: int | None = None
 
     def to_record(self) -> dict[str, Any]:
         """The `infer.cache_observation` evidence record (docs/evidence.md)."""
@@ -101,4 +108,5 @@ class Observation:
             "case_token_carried": self.case_token_carried,
             "cached_by_tier": self.cached_by_tier,
             "isolation": self.isolation.to_json() if self.isolation is not None else None,
+            "overhead": overhead_member(self.added_in_us, self.added_out_us),
         }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import select
+from time import perf_counter_ns
 from typing import Protocol
 
 import httptools
@@ -159,12 +160,16 @@ class Connection(asyncio.Protocol):
         self._last_read = self._loop.time()
         left = self._head_left
         if left >= 0:
+            # The read that completes the head is where the sidecar's time on the answer starts.
+            response.answer_read_ns = perf_counter_ns()
             if len(data) > left:
                 self._past_head_budget(response, data, left)
                 return
             self._head_left = left - len(data)
         else:
             self._quiet += len(data)
+            if not response.body_read_ns:  # the first read of body after the head (a stream's first event)
+                response.body_read_ns = perf_counter_ns()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -343,8 +348,12 @@ class Connection(asyncio.Protocol):
             transport.writelines((head, *body))  # the pieces share the client's buffer: no copy
         else:
             transport.write(head)
-            response.writer = self._loop.create_task(write_body(transport, body, chunked, self._drained))
+            response.writer = self._loop.create_task(
+                write_body(transport, body, chunked, self._drained, response)
+            )
             response.writer.add_done_callback(self._body_written)
+        if response.writer is None:
+            response.sent_ns = perf_counter_ns()  # the request's last byte (write_body marks its own)
         try:
             if response.writer is None:
                 await response.head_arrived

@@ -49,10 +49,14 @@ class UpstreamResponse:
         "_sink_behind",
         "_sink_error",
         "_waiter",
+        "answer_read_ns",
+        "body_read_ns",
         "head_arrived",
         "headers",
         "reason",
+        "sent_ns",
         "status",
+        "streamed_in_ns",
         "writer",
     )
 
@@ -73,6 +77,14 @@ class UpstreamResponse:
         self._sink: Sink | None = None
         self._sink_behind = False
         self._sink_error: Exception | None = None
+        # The marks of the sidecar's own time (proxy/observe/overhead.py; perf_counter_ns, 0 until
+        # made): the request's last byte written to the engine; for a body streamed as the client
+        # sends it, when its last piece was in hand; the read that completed the answer's head;
+        # the first read that brought body bytes after it.
+        self.sent_ns = 0
+        self.streamed_in_ns = 0
+        self.answer_read_ns = 0
+        self.body_read_ns = 0
 
     # --- fed by the connection -------------------------------------------------------------
 

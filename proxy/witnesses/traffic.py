@@ -23,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from proxy.observe import Observation
+from proxy.observe.overhead import OverheadQuantiles
 from proxy.vocabulary import EventType, Outcome, Verdict, Verified
 
 __all__ = ["WITNESS", "Witness"]
@@ -173,6 +174,7 @@ class Witness:
         self.cached_tokens_unknown = 0
         self._ratio_prompt = 0
         self._ratio_cached = 0
+        self._overhead = OverheadQuantiles()  # the sidecar's added time over the case
 
     def carries_token(self, header: str | None) -> bool:
         """Whether an `X-Cachewitness-Case` value is the current reset's case token (constant time)."""
@@ -312,6 +314,7 @@ class Witness:
     def _count(self, obs: Observation) -> None:
         """Add one observation to the counters since the reset."""
         self.requests += 1
+        self._overhead.add(obs.added_in_us, obs.added_out_us)
         if obs.prompt_tokens is not None:
             self.prompt_tokens += obs.prompt_tokens
         if obs.cached_tokens is not None:
@@ -380,6 +383,8 @@ class Witness:
                 "cached_tokens_unknown": self.cached_tokens_unknown,
                 # Over the requests that reported both numbers.
                 "hit_ratio": (self._ratio_cached / self._ratio_prompt) if self._ratio_prompt else None,
+                # What the sidecar itself added to these requests (p50/p99, microseconds).
+                "overhead": self._overhead.to_json(),
             },
             "engine": None,
         }

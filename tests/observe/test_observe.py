@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -672,7 +673,14 @@ def test_observation_record_has_schema_header_and_every_field() -> None:
         "infer.cache_observation",
         3,
     )
-    assert set(record) - {"schema_version", "event_type", "at_ns"} == set(Observation.__dataclass_fields__)
+    # The two spans of the sidecar's added time are one member, `overhead` (null when unmeasured).
+    spans = {"added_in_us", "added_out_us"}
+    assert set(record) - {"schema_version", "event_type", "at_ns", "overhead"} == (
+        set(Observation.__dataclass_fields__) - spans
+    )
+    assert record["overhead"] is None
+    measured = replace(obs, added_in_us=12, added_out_us=None).to_record()
+    assert measured["overhead"] == {"added_in_us": 12, "added_out_us": None}
 
 
 # --- JSON answers in bounded memory (issue 16) ----------------------------------------

@@ -9,6 +9,7 @@ leave out. The simulators prefill at a finite rate, so cold requests take longer
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
                 "n": 0,
                 "prompt": 0,
                 "cached": 0,
+                "ttft_ms": [],
+                "added_us": [],
             },
         )
         kind = record["event_type"]
@@ -150,6 +153,9 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
             row["n"] += 1
             row["prompt"] += record["prompt_tokens"]
             row["cached"] += record["cached_tokens"]
+            row["ttft_ms"].append((record["first_byte_ns"] - record["started_ns"]) / 1e6)
+            overhead = record["overhead"]
+            row["added_us"].append(overhead["added_in_us"] + overhead["added_out_us"])
     return {
         case: [
             case,
@@ -162,9 +168,17 @@ def expected_rows(records: list[dict[str, Any]], session: str) -> dict[str, list
             str(r["cached"]),
             f"{100 * r['cached'] / r['prompt']:.1f}%" if r["prompt"] else "n/a",
             r["bypass"],
+            f"{_rank(r['ttft_ms'], 0.5):.1f} ms" if r["ttft_ms"] else "-",
+            f"{_rank(r['added_us'], 0.5)} / {_rank(r['added_us'], 0.99)} µs" if r["added_us"] else "-",
         ]
         for case, r in rows.items()
     }
+
+
+def _rank(values: list[Any], q: float) -> Any:
+    """The nearest-rank quantile: the ceil(q·n)-th smallest value."""
+    ordered = sorted(values)
+    return ordered[math.ceil(q * len(ordered)) - 1]
 
 
 def hostile_evidence(path: Path) -> Path:

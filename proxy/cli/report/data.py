@@ -7,6 +7,7 @@ engine's counters said; the plots are the session's requests and resets on one t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -39,6 +40,8 @@ class CaseRow:
     cached_tokens: str
     hit_ratio: str
     bypass: str
+    first_byte: str  # the case's requests' median time to first byte
+    added: str  # the time the sidecar itself added to them, p50 / p99
 
     def cells(self) -> tuple[str, ...]:
         """The cells in column order (COLUMNS)."""
@@ -53,6 +56,8 @@ class CaseRow:
             self.cached_tokens,
             self.hit_ratio,
             self.bypass,
+            self.first_byte,
+            self.added,
         )
 
 
@@ -67,6 +72,8 @@ COLUMNS = (
     "cached tokens",
     "hit ratio",
     "bypass",
+    "first byte p50",
+    "sidecar added p50 / p99",
 )
 
 
@@ -82,6 +89,8 @@ class RequestPoint:
     heat: Heat
     # An isolated request's result (cold, contradicted, unobservable, refused); None: not isolated.
     isolation: str | None = None
+    # The time the sidecar itself added (the record's overhead, in and out); None when unmeasured.
+    added_us: int | None = None
 
     def css(self, base: str) -> str:
         """Its CSS classes on a plot: `base`, and `isolated` (`isolated contradicted`) when isolated."""
@@ -183,7 +192,32 @@ def _point(record: Mapping[str, Any]) -> RequestPoint | None:
         ttft_ms=ttft,
         heat=_heat(cached),
         isolation=result if isinstance(result, str) else None,
+        added_us=_added_us(record.get("overhead")),
     )
+
+
+def _added_us(overhead: Any) -> int | None:
+    """A record's `overhead` as one number, in + out (docs/evidence.md); None when it has none."""
+    if not isinstance(overhead, dict):
+        return None  # a record from before the sidecar measured itself, or a request that reached no engine
+    spans = [overhead.get("added_in_us"), overhead.get("added_out_us")]
+    measured = [span for span in spans if isinstance(span, int) and not isinstance(span, bool)]
+    return sum(measured) if measured else None
+
+
+def _nearest_rank(values: list[float], q: float) -> float:
+    """The smallest value with at least q of `values` at or below it (`values` sorted, not empty)."""
+    return values[max(0, math.ceil(round(q * len(values), 6)) - 1)]
+
+
+def _timing_cells(points: list[RequestPoint]) -> tuple[str, str]:
+    """A case's median time to first byte, and the sidecar's added time p50 / p99."""
+    ttfts = sorted(p.ttft_ms for p in points if p.ttft_ms is not None)
+    added = sorted(float(p.added_us) for p in points if p.added_us is not None)
+    first = f"{_nearest_rank(ttfts, 0.5):.1f} ms" if ttfts else "-"
+    if not added:
+        return first, "-"
+    return first, f"{_nearest_rank(added, 0.5):.0f} / {_nearest_rank(added, 0.99):.0f} µs"
 
 
 def build_report(records: Iterable[Mapping[str, Any]], session_id: str) -> ReportData:
@@ -207,8 +241,12 @@ def build_report(records: Iterable[Mapping[str, Any]], session_id: str) -> Repor
             point = _point(record)
             if point is not None:
                 points.append(point)
+    by_case: dict[str | None, list[RequestPoint]] = {}
+    for point in points:
+        by_case.setdefault(point.case_id, []).append(point)
     rows = []
     for case in summarize(mine):
+        first_byte, added = _timing_cells(by_case.get(case.case_id, []))
         ratio = f"{case.hit_ratio:.1%}" if case.hit_ratio is not None else "n/a"
         rows.append(
             CaseRow(
@@ -222,6 +260,8 @@ def build_report(records: Iterable[Mapping[str, Any]], session_id: str) -> Repor
                 cached_tokens=str(case.cached_tokens),
                 hit_ratio=ratio,
                 bypass=_bypass(reconciliations.get(case.case_id)),
+                first_byte=first_byte,
+                added=added,
             )
         )
     points.sort(key=lambda p: p.started_ns)

@@ -41,7 +41,9 @@ span.key.cold { background: #2563eb; } span.key.warm { background: #ea580c; }
 span.key.unknown { background: #9ca3af; }
 """
 
-_NUMERIC = frozenset({"requests", "prompt tokens", "cached tokens", "hit ratio"})
+_NUMERIC = frozenset(
+    {"requests", "prompt tokens", "cached tokens", "hit ratio", "first byte p50", "sidecar added p50 / p99"}
+)
 _WORD_COLUMNS = frozenset({"verified", "verdict"})
 
 
@@ -105,7 +107,8 @@ def _ttft_plot(data: ReportData) -> str:
             x=(p.started_ns - origin) / 1e9,
             y=p.ttft_ms,
             css=p.css(p.heat.value),
-            title=f"case {p.case_id or '-'}: {p.ttft_ms:.1f} ms, {p.heat.value}{p.words}",
+            title=f"case {p.case_id or '-'}: {p.ttft_ms:.1f} ms, {p.heat.value}{p.words}"
+            + _added_text(p.added_us),
         )
         for p in data.requests
         if p.ttft_ms is not None
@@ -120,6 +123,11 @@ def _ttft_plot(data: ReportData) -> str:
             marks=_reset_marks(data),
         )
     )
+
+
+def _added_text(added_us: int | None) -> str:
+    """The sidecar's own share of a request's time, beside its time to first byte."""
+    return f"; the sidecar added {added_us} µs" if added_us is not None else ""
 
 
 def _counts(data: ReportData) -> str:
@@ -149,7 +157,9 @@ def render_page(data: ReportData, *, source: str) -> str:
 <h2>Cases</h2>
 {_table(data)}
 <p class="note">verified: what the reset's witnesses proved; verdict: what the case's own requests showed;
-bypass: requests the engine counted that did not pass the sidecar (- where its counters were not read).</p>
+bypass: requests the engine counted that did not pass the sidecar (- where its counters were not read);
+sidecar added: the time the sidecar itself added to each request, its way in and its way out
+(evidence.md, "The sidecar's added time"), beside the requests' median time to first byte.</p>
 <h2>Cached tokens per request</h2>
 {_cached_plot(data)}
 <p class="note">Dashed lines are resets (green verified, red contradicted, amber unverified).</p>
@@ -157,7 +167,8 @@ bypass: requests the engine counted that did not pass the sidecar (- where its c
 {_ttft_plot(data)}
 <p class="note">{keys}. From the request reaching the sidecar to the first byte of the answer it sent back:
 the time to first token for a stream whose engine sends its head with the first token, the whole answer's time
-for a request that does not stream. Cold: 0 cached tokens reported, warm: some, unknown: the engine did not say.</p>
+for a request that does not stream. Cold: 0 cached tokens reported, warm: some, unknown: the engine did not say.
+Each point's title says how much of it the sidecar itself added.</p>
 </body>
 </html>
 """

@@ -20,6 +20,10 @@ from tests.support.metrics import scrape
 from tests.support.sidecar import Stack, stack
 from tests.support.sim import chat, words
 
+# Warm prompts sent until one's blocks are seen, and the wait for each (tests' bound: 20 × 0.5 s).
+_WARM_TRIES = 20
+_WARM_WAIT_S = 0.5
+
 
 @asynccontextmanager
 async def publishing_engine(tmp_path: Path) -> AsyncIterator[tuple[Stack, KvEvents, Ports]]:
@@ -36,9 +40,20 @@ def extra_publishers(count: int) -> Callable[[tuple[RankSnapshot, ...]], bool]:
     return lambda snaps: snaps[0].extra_publishers == count
 
 
-async def _warm(s: Stack) -> None:
-    status, _ = await s.engine.post_json("/v1/chat/completions", chat(words(64, "warm"), 1))
+async def _cache_prompt(s: Stack, tag: str = "warm") -> None:
+    status, _ = await s.engine.post_json("/v1/chat/completions", chat(words(64, tag), 1))
     assert status == 200
+
+
+async def _warm(s: Stack, events: KvEvents) -> None:
+    """Cache a prompt and wait until its blocks are in the index. A SUB's subscription reaches the
+    PUB some time after it connects (ZeroMQ's slow joiner: longer on a loaded machine), and what
+    the engine publishes before that is lost, so a fresh prompt is sent until one is seen."""
+    for attempt in range(_WARM_TRIES):
+        await _cache_prompt(s, f"warm{attempt}")
+        if await events.wait_until(lambda snaps: sum(snaps[0].blocks.values()) > 0, _WARM_WAIT_S):
+            return
+    raise AssertionError(f"no stored block reached the index; last {events.snapshots()}")
 
 
 async def test_a_publisher_from_another_address_is_refused(tmp_path: Path) -> None:
@@ -65,7 +80,7 @@ async def test_a_restart_the_counters_did_not_see_does_not_verify(tmp_path: Path
     # as an engine restart after the reset. The engine's counters never went down.
     async with rogue_stack(tmp_path) as (s, pub):
         assert await pub.subscribed()
-        await _warm(s)
+        await _cache_prompt(s)
         for seq in range(3):
             await pub.send(seq, [["BlockStored", [seq + 1], None, [], 16, None, "GPU"]])
         await until(sidecar_events(s), lambda snaps: snaps[0].last_seq == 2)
@@ -114,8 +129,7 @@ async def test_after_a_second_publisher_leaves_nothing_vouches_until_a_lone_clea
     # Beside the engine, the rogue sends a seq 0 that empties the index (a "restart"), then leaves:
     # the engine still holds its blocks, so the index must not vouch for its emptiness.
     async with publishing_engine(tmp_path) as (s, events, ports):
-        await _warm(s)
-        await until(events, lambda snaps: sum(snaps[0].blocks.values()) > 0)
+        await _warm(s, events)
         async with rogue(ports.endpoint) as pub:
             assert await pub.subscribed()
             await pub.send(0, [])

@@ -229,9 +229,15 @@ async def test_model_id_is_mindnano_ling3_tiny() -> None:
 # -- transport ----------------------------------------------------------------------------
 
 
+# A request that keeps the engine busy while the test acts: 2 s at the slow simulator's 100 tokens/s.
+# At 20 (0.2 s) it ended before the second request arrived on a loaded machine (seen under the
+# mutation audit's suite run beside CI).
+BUSY_TOKENS = 200
+
+
 async def test_second_request_while_busy_is_429() -> None:
     async with sim(slow("mindnano")) as s:
-        task = asyncio.create_task(s.post_json("/v1/chat/completions", body(user_turn("one"), 20)))
+        task = asyncio.create_task(s.post_json("/v1/chat/completions", body(user_turn("one"), BUSY_TOKENS)))
         await s.wait_stats(lambda st: st["running"] == 1)
         status, _ = await s.post_json("/v1/chat/completions", body(user_turn("two")))
         assert status == 429
@@ -240,7 +246,7 @@ async def test_second_request_while_busy_is_429() -> None:
 
 async def test_clear_while_busy_is_429_and_200_when_idle() -> None:
     async with sim(slow("mindnano")) as s:
-        task = asyncio.create_task(s.post_json("/v1/chat/completions", body(user_turn("one"), 20)))
+        task = asyncio.create_task(s.post_json("/v1/chat/completions", body(user_turn("one"), BUSY_TOKENS)))
         await s.wait_stats(lambda st: st["running"] == 1)
         assert (await s.post_json("/v1/cache/clear", {}))[0] == 429
         await task
@@ -251,7 +257,7 @@ async def test_health_reports_active() -> None:
     async with sim(slow("mindnano")) as s:
         async with s.http.get(s.url + "/health") as resp:
             assert await resp.json() == {"status": "ok", "active": False}
-        task = asyncio.create_task(s.post_json("/v1/chat/completions", body(user_turn("one"), 20)))
+        task = asyncio.create_task(s.post_json("/v1/chat/completions", body(user_turn("one"), BUSY_TOKENS)))
         await s.wait_stats(lambda st: st["running"] == 1)
         async with s.http.get(s.url + "/health") as resp:
             assert await resp.json() == {"status": "ok", "active": True}

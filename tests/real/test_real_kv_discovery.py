@@ -89,7 +89,7 @@ async def _following(s: aiohttp.ClientSession, url: str, endpoint: str) -> dict[
     """Until the sidecar's rank 0 subscribes to `endpoint`: its /cache/state kv_events."""
 
     async def probe() -> dict[str, Any] | None:
-        described: dict[str, Any] = (await cache_state(s, url))["kv_events"]
+        described: dict[str, Any] = (await cache_state(s, url)).get("kv_events", {})  # absent: no witness
         ranks = described.get("ranks") or [{}]
         return described if described.get("running") and ranks[0].get("endpoint") == endpoint else None
 

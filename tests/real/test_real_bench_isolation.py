@@ -2,7 +2,8 @@
 
 aiperf with `-H "X-Cachewitness-Isolation: request"`, `vllm bench serve` after `cachewitness reset
 --isolation request` and with the header in its `--header`, and the reference client's reset URL
-with `isolation=request` followed by its tagged requests. Each run: every request of the case is
+with `isolation=request` followed by its tagged requests. Each tool line runs twice in its case (the
+same seed: unsalted, the second run's prompts would be cached). Each case: every request is
 isolated and cold in its observation, and the case's `infer.cache_isolation` record (written at
 `POST /cache/cases/{case_id}/close`) counts them all cold, with the verdict `cold`.
 """
@@ -20,6 +21,7 @@ from tests.real.conftest import Pair, _require
 from tests.real.sidecar_client import REQUEST_TIMEOUT, complete, long_prompt, new_case, tags
 from tests.real.test_real_bench_tools import (
     REQUESTS,
+    ToolRun,
     aiperf_argv,
     aiperf_bin,
     cachewitness_reset_argv,
@@ -55,6 +57,16 @@ def with_concurrency(argv: list[str]) -> list[str]:
     argv = list(argv)
     argv[argv.index("--max-concurrency") + 1] = str(CONCURRENCY)
     return argv
+
+
+async def run_twice(argv: list[str]) -> list[ToolRun]:
+    """The same line twice in one case: the same seed, the same prompts, so that the second run's
+    prompts are in the engine's cache unless each request was salted (its random prompts alone
+    share no block)."""
+    runs = [await run_tool(argv, tool_env()) for _ in range(2)]
+    for run in runs:
+        assert run.code == 0, run.output[-3000:]
+    return runs
 
 
 async def close_case(url: str, case: str) -> dict[str, Any]:
@@ -96,9 +108,8 @@ async def test_aiperf_with_the_isolation_header_runs_every_request_cold(
 ) -> None:
     session, case = new_case()
     argv = isolated_aiperf_argv(vllm.url, tiny_hf, session, case, tmp_path / "artifacts")
-    run = await run_tool(argv, tool_env())
-    assert run.code == 0, run.output[-3000:]
-    await assert_every_request_cold(vllm.url, session, case, REQUESTS)
+    await run_twice(argv)
+    await assert_every_request_cold(vllm.url, session, case, 2 * REQUESTS)
 
 
 # -- vllm bench serve: the case isolated by its reset, or the header in --header ----------------
@@ -111,10 +122,9 @@ async def test_vllm_bench_serve_after_an_isolating_reset_runs_every_request_cold
     reset = await run_tool([*cachewitness_reset_argv(vllm.url, session, case), "--isolation", "request"])
     assert reset.code == 0, reset.output
     argv = with_concurrency(vllm_bench_serve_argv(vllm.url, tiny_hf, session, case))
-    run = await run_tool(argv, tool_env())
-    assert run.code == 0, run.output[-3000:]
-    assert f"Successful requests:                     {REQUESTS}" in run.output
-    record = await assert_every_request_cold(vllm.url, session, case, REQUESTS)
+    for run in await run_twice(argv):
+        assert f"Successful requests:                     {REQUESTS}" in run.output
+    record = await assert_every_request_cold(vllm.url, session, case, 2 * REQUESTS)
     # The reset opened the case: the engine's own counters over it agree (nothing beyond the canary).
     assert record["counters"]["result"] == "cold", record
 
@@ -125,9 +135,8 @@ async def test_vllm_bench_serve_with_the_isolation_header_runs_every_request_col
     session, case = new_case()
     argv = with_concurrency(vllm_bench_serve_argv(vllm.url, tiny_hf, session, case))
     argv.append(f"{HEADER}=request")  # after X-Case-Id=…: the same --header (nargs="*")
-    run = await run_tool(argv, tool_env())
-    assert run.code == 0, run.output[-3000:]
-    await assert_every_request_cold(vllm.url, session, case, REQUESTS)
+    await run_twice(argv)
+    await assert_every_request_cold(vllm.url, session, case, 2 * REQUESTS)
 
 
 # -- the reference client: isolation in its reset URL -------------------------------------------

@@ -32,7 +32,7 @@ from proxy.evidence.rotating import RotatingFile
 from proxy.evidence.writer import EvidenceWriter
 
 # A real observation record's shape (a chat completion through the simulator), ~600 bytes.
-_RECORD = {
+RECORD = {
     "schema_version": 1,
     "event_type": "infer.cache_observation",
     "request_id": "1f954fc7365c794c93446a58760e5fde",
@@ -60,7 +60,7 @@ def _lines(count: int) -> list[tuple[str, bytes, int]]:
     now = time.time_ns()
     out: list[tuple[str, bytes, int]] = []
     for n in range(count):
-        record = {**_RECORD, "at_ns": now + n, "started_ns": now + n - 900_000, "finished_ns": now + n}
+        record = {**RECORD, "at_ns": now + n, "started_ns": now + n - 900_000, "finished_ns": now + n}
         line = encode_record(record)
         assert line is not None
         out.append(("infer.cache_observation", line, 0))

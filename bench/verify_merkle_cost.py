@@ -31,34 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import orjson
+from evidence_chain_cost import RECORD  # one record shape for the evidence benches
 
 from proxy.evidence.inclusion import inclusion_lines, scan_lives
 from proxy.evidence.keys import SigningKey
 from proxy.evidence.proof_check import ProofCheck
 from proxy.evidence.reader import record_matches
 from proxy.evidence.writer import EvidenceWriter
-
-_RECORD = {
-    "schema_version": 1,
-    "event_type": "infer.cache_observation",
-    "request_id": "1f954fc7365c794c93446a58760e5fde",
-    "session_id": "bench-session",
-    "case_id": "case-0001",
-    "method": "POST",
-    "path": "/v1/chat/completions",
-    "status": 200,
-    "stream": True,
-    "model": "sim-model",
-    "prompt_tokens": 812,
-    "completion_tokens": 64,
-    "cached_tokens": 768,
-    "cached_tokens_source": "usage.prompt_tokens_details.cached_tokens",
-    "reset_id": "0f4c2a7e9b1d4e7f8a6c3b2d1e0f9a8b",
-    "ordinal_since_reset": 3,
-    "outcome": "ok",
-    "usage_injected": True,
-    "engine_request_id": "chatcmpl-7f3e2d1c0b9a8f7e6d5c4b3a2f1e0d9c",
-}
 
 
 async def write_log(path: Path, key: SigningKey, records: int, session_records: int) -> None:
@@ -69,7 +48,7 @@ async def write_log(path: Path, key: SigningKey, records: int, session_records: 
     now = time.time_ns()
     for n in range(records):
         session = "proven" if n % every == every // 2 else "bench-session"
-        writer.write({**_RECORD, "at_ns": now + n, "session_id": session, "started_ns": now + n})
+        writer.write({**RECORD, "at_ns": now + n, "session_id": session, "started_ns": now + n})
         if n % 1000 == 999:
             await writer.checkpoint_now()
     await writer.close()

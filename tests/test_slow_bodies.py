@@ -74,6 +74,29 @@ async def test_a_body_that_trickles_is_closed_at_body_timeout_and_counted(tmp_pa
     assert '"limit":"body_timeout"' in (tmp_path / "sidecar.log").read_text()
 
 
+async def test_a_body_gone_silent_is_closed_with_no_header_timeout_to_wake_the_check(tmp_path: Path) -> None:
+    """With header_timeout off, body_idle_timeout alone must close a connection whose body stopped
+    after its head: the front arms the body's own deadline when the body is not all in hand with
+    its head (issue 50 skips it only for a body that is), aiohttp's guard when its head is read."""
+    async with running_sim(fast("vllm")) as engine:
+        process, url = await start_sidecar(
+            engine, tmp_path, "--body-idle-timeout", "1", "--body-timeout", "0", "--header-timeout", "0"
+        )
+        try:
+            # The front's target with a part of its body, then silence; aiohttp's with none of it.
+            front = await open_raw(url, _head(_TARGETS[0]) + b'{"model":')
+            handed_off = await open_raw(url, _head(_TARGETS[2]))
+            closed = await asyncio.wait_for(
+                asyncio.gather(read_until_closed(front), read_until_closed(handed_off)), BOUND_S
+            )
+            await _chat_ok(url)
+            after = await scrape_fresh(url)
+        finally:
+            await stop(process)
+    assert closed == [b"", b""]
+    assert after.value("cachewitness_connection_limit_hits_total", limit="body_idle_timeout") == 2
+
+
 async def _open_from(url: str, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = url.removeprefix("http://").split(":")
     return await asyncio.open_connection(host, int(port), local_addr=(source, 0))

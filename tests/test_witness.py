@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, TypedDict, Unpack
 
 from proxy.observe import Observation
@@ -51,7 +50,7 @@ def finished(
 ) -> dict[str, Any] | None:
     """Observe a request that began with the given (reset_id, ordinal)."""
     reset_id, ordinal = reset_and_ordinal
-    obs = replace(BASE, reset_id=reset_id, ordinal_since_reset=ordinal, request_id=f"r{ordinal}", **fields)
+    obs = BASE._replace(reset_id=reset_id, ordinal_since_reset=ordinal, request_id=f"r{ordinal}", **fields)
     settled = witness.observe(obs)
     return settled.to_record() if settled is not None else None
 

@@ -145,7 +145,9 @@ async def admitted_exchange(
     """
     app, request = side.app, side.request
     isolated = isolate(app, request, exchange, prepared)
-    if isinstance(isolated, web.Response):  # it must be isolated and cannot be: it does not run
+    # `is not prepared` first: nearly every request is not isolated, and web.Response is an ABC
+    # (a MutableMapping), whose isinstance check is a Python call.
+    if isolated is not prepared and isinstance(isolated, web.Response):  # it must be isolated and cannot be
         return await side.respond(rejected(exchange, isolated))
     prepared = isolated
     admission = app[ADMISSION]

@@ -246,7 +246,7 @@ class ClientConnection(Deadlines, asyncio.Protocol):
                 reading = self._reading = front.budget.start_reading()
                 self._head = head
                 framer.take(head.content_length, partial(front.budget.take_now, reading))
-                self._body_arriving()
+                self._body_arriving(whole=framer.buffered >= head.content_length)
                 continue
             # BODY_REFUSED: aiohttp reads it within the budget its own way; HEAD_TOO_LARGE: aiohttp's to refuse
             choice = BUDGET_SHORT if event is BODY_REFUSED else HEAD_TOO_LARGE
@@ -254,13 +254,15 @@ class ClientConnection(Deadlines, asyncio.Protocol):
             self._hand_off(choice)
             return
 
-    def _body_arriving(self) -> None:
+    def _body_arriving(self, *, whole: bool) -> None:
         """A head is taken: the request is in progress (as aiohttp's is once its head is in);
-        body_idle_timeout runs while its body arrives."""
+        body_idle_timeout runs while its body arrives. A body `whole` in the read that brought
+        its head is served before the loop turns again: no deadline of its own (issue 50)."""
         self._guard.request_begun()
         self._phase = Phase.REQUEST
         self._last_data = self._body_since = self._loop.time()
-        self._arm(self._body_due())
+        if not whole:
+            self._arm(self._body_due())
 
     def _serve(self, body: bytearray) -> None:
         """The whole request is in: served, however long the engine takes (no deadline runs)."""

@@ -1,9 +1,14 @@
-"""The record of one observed exchange, as the evidence writer and the witness take it."""
+"""The record of one observed exchange, as the evidence writer and the witness take it.
+
+`Forwarded` and `Observation` are built once per request: NamedTuples, immutable as a frozen
+dataclass is, built in a third of its time (a frozen dataclass sets each field through
+`object.__setattr__`: 2.0 µs for an observation's 26 against 0.6, timeit, issue 50).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.observe.overhead import overhead_member
 from proxy.vocabulary import EventType, IsolationResult, Outcome, ServedBy
@@ -11,8 +16,7 @@ from proxy.vocabulary import EventType, IsolationResult, Outcome, ServedBy
 __all__ = ["Forwarded", "IsolationMark", "Observation"]
 
 
-@dataclass(frozen=True, slots=True)
-class Forwarded:
+class Forwarded(NamedTuple):
     """Transport facts of one forwarded exchange, observed or not (for metrics)."""
 
     method: str
@@ -45,8 +49,7 @@ class IsolationMark:
         return {"mode": "request", "result": self.result, "field": self.field}
 
 
-@dataclass(frozen=True, slots=True)
-class Observation:
+class Observation(NamedTuple):
     """What the sidecar saw of one forwarded inference request (no prompt, text, key or user)."""
 
     request_id: str

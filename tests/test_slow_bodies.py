@@ -93,7 +93,7 @@ async def test_a_body_gone_silent_is_closed_with_no_header_timeout_to_wake_the_c
             after = await scrape_fresh(url)
         finally:
             await stop(process)
-    assert closed == [b"", b""]
+    assert list(closed) == [b"", b""]
     assert after.value("cachewitness_connection_limit_hits_total", limit="body_idle_timeout") == 2
 
 

@@ -46,12 +46,18 @@ FIGURES: dict[str, tuple[str, Metric, int, str]] = {
 }
 
 
+def _by_round(runs: list[Run], figure: str, path: str) -> dict[int, float]:
+    """The figure in each round, by round number (rounds where it could not be taken left out)."""
+    case, metric, _, _ = FIGURES[figure]
+    values = {
+        r["round"]: metric(r) for r in runs if r["case"] == case and r["path"] == path and "failed" not in r
+    }
+    return {number: value for number, value in sorted(values.items()) if value is not None}
+
+
 def _rounds(runs: list[Run], figure: str, path: str) -> list[float]:
     """The figure in each round, round order (rounds where it could not be taken left out)."""
-    case, metric, _, _ = FIGURES[figure]
-    mine = [r for r in runs if r["case"] == case and r["path"] == path and "failed" not in r]
-    values = [metric(run) for run in sorted(mine, key=lambda r: r["round"])]
-    return [v for v in values if v is not None]
+    return list(_by_round(runs, figure, path).values())
 
 
 def summarize(runs: list[Run]) -> dict[str, dict[str, Any]]:
@@ -307,19 +313,8 @@ def _aims_section(summary: dict[str, dict[str, Any]], runs: list[Run]) -> list[s
 
 def _paired_rounds(runs: list[Run], figure: str, path: str, other: str) -> list[float]:
     """`path`'s figure minus `other`'s, round by round (rounds where either could not be taken left out)."""
-    case, metric, _, _ = FIGURES[figure]
-    by_round: dict[tuple[str, int], float] = {}
-    for run in runs:
-        if run["case"] == case and run["path"] in (path, other) and "failed" not in run:
-            value = metric(run)
-            if value is not None:
-                by_round[(run["path"], run["round"])] = value
-    rounds = sorted({number for _, number in by_round})
-    return [
-        by_round[(path, n)] - by_round[(other, n)]
-        for n in rounds
-        if (path, n) in by_round and (other, n) in by_round
-    ]
+    mine, theirs = _by_round(runs, figure, path), _by_round(runs, figure, other)
+    return [value - theirs[number] for number, value in mine.items() if number in theirs]
 
 
 def _offered_section(runs: list[Run]) -> list[str]:

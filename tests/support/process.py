@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import resource
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from yarl import URL
 
 from tests.support.client import CLIENT_TIMEOUT
 from tests.support.metrics import Scrape
-from tests.support.sidecar import free_port
+from tests.support.ports import fixed_ports
 
 
 async def wait_status(session: aiohttp.ClientSession, url: str, status: int, bound_s: float = 10) -> None:
@@ -28,36 +27,9 @@ async def wait_status(session: aiohttp.ClientSession, url: str, status: int, bou
         await asyncio.sleep(0.05)
 
 
-# What the sidecar says when another process took the port free_port() found between the two
-# calls (under xdist another test's connection may): that start is tried again on a fresh port.
+# What the sidecar says when another process took the port fixed_ports() found before the child
+# bound it (another test asking for the same one): that start is tried again on a fresh port.
 _PORT_TAKEN = "address already in use"
-_LISTEN = "0A"  # /proc/net/tcp's state of a listening socket
-
-
-def holds_listener(pid: int, port: int) -> bool | None:
-    """Whether process `pid` holds the socket listening on `port` (None: /proc cannot say).
-
-    A ready answer on the port proves only that someone listens there: a server another test
-    started on the same free port answers while this child is still importing, and the test
-    then talks to the wrong server and signals a child with no handler yet (CI saw it: -15).
-    """
-    try:
-        rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return None
-    inodes = set()
-    for row in rows:
-        fields = row.split()
-        if len(fields) > 9 and fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-            inodes.add(f"socket:[{fields[9]}]")
-    held = set()
-    for fd in fds:
-        try:
-            held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            continue  # closed meanwhile
-    return bool(inodes & held)
 
 
 async def start_sidecar(
@@ -78,7 +50,10 @@ async def _start_sidecar(
     upstream: str, tmp_path: Path, extra: tuple[str, ...], nofile: int | None
 ) -> tuple[asyncio.subprocess.Process, str] | None:
     """One start (None: its listen port was taken before it could bind it)."""
-    port = free_port()
+    # Below the ephemeral range (tests/support/ports.py): a port from it can be given to another
+    # test's server while the child starts, which then answers its readiness probe (CI saw one,
+    # the child signalled before it had a handler: -15).
+    port = fixed_ports()
 
     def limit_fds() -> None:
         if nofile is not None:
@@ -111,11 +86,6 @@ async def _start_sidecar(
             while True:
                 try:
                     await wait_status(session, url + "/-/ready", 200, bound_s=30)
-                    if holds_listener(process.pid, port) is False:
-                        # Another process's server answered on this port: start again on another.
-                        process.kill()
-                        await process.wait()
-                        return None
                     break
                 except aiohttp.ClientConnectionError:
                     if process.returncode is not None:

@@ -15,6 +15,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from proxy.forward.exchange import ClientRequest
+from proxy.forward.services import Services
 from proxy.vocabulary import ServedBy
 
 __all__ = ["BodyTooLarge", "ClientGone", "ClientSide"]
@@ -37,7 +38,7 @@ class ClientSide(Protocol[R_co]):
     def request(self) -> ClientRequest: ...
 
     @property
-    def app(self) -> web.Application: ...
+    def services(self) -> Services: ...
 
     @property
     def served_by(self) -> ServedBy: ...

@@ -15,9 +15,7 @@ from typing import TypeVar
 
 from aiohttp import web
 
-from proxy.admission import ADMISSION
 from proxy.config import SETTINGS
-from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.forward.client import BodyTooLarge, ClientGone, ClientSide
 from proxy.forward.exchange import ClientRequest, Exchange
@@ -26,6 +24,7 @@ from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, InjectionProbe
 from proxy.forward.isolating import isolate
 from proxy.forward.relay import relay
+from proxy.forward.services import INJECTION_REFUSALS, Services, setup_services
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -36,9 +35,7 @@ from proxy.observe import (
     rules_for,
 )
 from proxy.observe.overhead import elapsed_us
-from proxy.recorder import RECORDER
 from proxy.upstream import Body, UpstreamBadResponse, UpstreamError, UpstreamResponse, UpstreamUnreachable
-from proxy.upstream.pools import UPSTREAM_LEG
 from proxy.vocabulary import Outcome, ServedBy
 
 __all__ = [
@@ -59,13 +56,11 @@ R = TypeVar("R")
 _ERROR_PEEK = 64 * 1024
 # An observed body past this goes upstream in pieces of the client's buffer, not one copy.
 _CHUNK = 64 * 1024
-# Engines that refused the injection, remembered for a while so each costs one retried request.
-INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
 
 
 def setup_forward(app: web.Application) -> None:
-    """What forwarding keeps across requests: the engines that refused the injection, and the probe
-    that alone decides it."""
+    """What forwarding keeps across requests: the engines that refused the injection, the probe
+    that alone decides it, and the record of the app's objects each exchange reads."""
     refusals = InjectionRefusals(app[SETTINGS].inject_usage_reprobe_seconds)
     app[INJECTION_REFUSALS] = refusals
     probe = app[INJECTION_PROBE] = InjectionProbe(refusals)
@@ -76,6 +71,7 @@ def setup_forward(app: web.Application) -> None:
         await probe.stop()
 
     app.cleanup_ctx.append(lifetime)
+    setup_services(app)
 
 
 def too_large(limit: int) -> web.Response:
@@ -95,16 +91,18 @@ def rejected(exchange: Exchange, response: web.Response) -> web.Response:
     return response
 
 
-def is_inference(app: web.Application, request: ClientRequest) -> bool:
+def is_inference(services: Services, request: ClientRequest) -> bool:
     """Whether the request is one the evidence records (an observed inference route)."""
-    return app[SETTINGS].observe and is_observed(request.method, request.path)
+    return services.settings.observe and is_observed(request.method, request.path)
 
 
-def prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:
+def prepare(services: Services, exchange: Exchange, body: bytearray, path: str) -> PreparedRequest:
     """Read an observed body: stream, model, and the include_usage injection when it applies."""
-    settings, info = app[SETTINGS], app[ENGINE].info
+    settings, info = services.settings, services.engine.info
     # Whether to inject is the engine's stream rule (llama.cpp: never), unless it refused.
-    inject = settings.inject_usage and rules_for(info).inject and not app[INJECTION_REFUSALS].refused(info)
+    inject = (
+        settings.inject_usage and rules_for(info).inject and not services.injection_refusals.refused(info)
+    )
     prepared = prepare_request(body, inject_usage=inject, path=path)
     exchange.observed = True
     exchange.stream = prepared.stream
@@ -115,7 +113,7 @@ def prepare(app: web.Application, exchange: Exchange, body: bytearray, path: str
 
 
 def record_finished(
-    app: web.Application, request: ClientRequest, exchange: Exchange, *, stalled: bool, served_by: ServedBy
+    services: Services, request: ClientRequest, exchange: Exchange, *, stalled: bool, served_by: ServedBy
 ) -> None:
     """Count the request (by the server that took it) and, when it was observed and admitted,
     record its observation.
@@ -127,12 +125,12 @@ def record_finished(
     finished_ns = time.time_ns()
     if stalled:
         exchange.outcome = Outcome.CLIENT_STALLED
-    forwarded, recorder = exchange.forwarded(request, finished_ns, served_by), app[RECORDER]
+    forwarded, recorder = exchange.forwarded(request, finished_ns, served_by), services.recorder
     if exchange.numbered is not None:  # observed and admitted
         recorder.finished(forwarded, exchange.observation(request, finished_ns))
     else:
         recorder.finished(forwarded, None)
-        if exchange.outcome == Outcome.REJECTED and is_inference(app, request):
+        if exchange.outcome == Outcome.REJECTED and is_inference(services, request):
             recorder.rejected(exchange.observation(request, finished_ns))
 
 
@@ -143,14 +141,14 @@ async def admitted_exchange(
 
     `prepared` is an observed body in hand; None: `body` is what goes upstream as it is.
     """
-    app, request = side.app, side.request
-    isolated = isolate(app, request, exchange, prepared)
+    services, request = side.services, side.request
+    isolated = isolate(services, request, exchange, prepared)
     # `is not prepared` first: nearly every request is not isolated, and web.Response is an ABC
     # (a MutableMapping), whose isinstance check is a Python call.
     if isolated is not prepared and isinstance(isolated, web.Response):  # it must be isolated and cannot be
         return await side.respond(rejected(exchange, isolated))
     prepared = isolated
-    admission = app[ADMISSION]
+    admission = services.admission
     if not await admission.admit():
         return await side.respond(
             rejected(
@@ -166,7 +164,7 @@ async def admitted_exchange(
     try:
         if exchange.observed:
             # Numbered after admission: a request held during a drain belongs to the new reset.
-            headers, recorder = request.headers, app[RECORDER]
+            headers, recorder = request.headers, services.recorder
             session_id = case_id = None
             if recorder.follows_cases:  # the KV events index records each case's start
                 session_id = stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS)
@@ -174,9 +172,9 @@ async def admitted_exchange(
             exchange.numbered = recorder.begin_request(
                 headers.get(CASE_HEADER), session_id=session_id, case_id=case_id
             )
-        elif is_inference(app, request):
+        elif is_inference(services, request):
             # Streamed past the observation budget: no record, yet it reaches the engine.
-            app[RECORDER].unobserved_request(request.headers.get(CASE_HEADER))
+            services.recorder.unobserved_request(request.headers.get(CASE_HEADER))
         return await _exchange(side, exchange, prepared, body, limit)
     finally:
         admission.leave()
@@ -230,12 +228,12 @@ async def _exchange(
     An engine that refuses the injected include_usage gets the client's own body instead,
     once: `refusal` then says why the injected one could not stand.
     """
-    app, request = side.app, side.request
+    services, request = side.services, side.request
     headers = request_headers(
         request.headers,
         request_id=exchange.request_id,
         usage_injected=exchange.usage_injected,
-        add_request_id=app[SETTINGS].request_id_header,
+        add_request_id=services.settings.request_id_header,
     )
     data: Body = body
     if prepared is not None:
@@ -245,7 +243,7 @@ async def _exchange(
         headers["Content-Length"] = str(size)
     exchange.upstream_sent_ns = time.time_ns()
     try:
-        upstream = await app[UPSTREAM_LEG].send(request.method, request.raw_path, headers, data)
+        upstream = await services.leg.send(request.method, request.raw_path, headers, data)
     except BodyTooLarge:
         return await side.respond(rejected(exchange, too_large(limit)))
     except ClientGone:
@@ -302,7 +300,8 @@ def _judge_refusal(side: ClientSide[R], exchange: Exchange, status: int, refusal
         request_id=exchange.request_id,
         status=status,
     )
-    side.app[INJECTION_PROBE].suspect(side.app, exchange.engine_info, side.request.path, exchange.model)
+    services = side.services
+    services.injection_probe.suspect(services.app, exchange.engine_info, side.request.path, exchange.model)
 
 
 async def _injection_refusal(upstream: UpstreamResponse) -> tuple[str | None, bytes]:

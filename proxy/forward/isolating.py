@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.config import SETTINGS
-from proxy.engine_state import ENGINE
 from proxy.errors import error_response
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.ids import SESSION_ID_CHARS, stored_id
+from proxy.forward.services import Services
 from proxy.isolation import (
     ISOLATION_HEADER,
     BadIsolationHeader,
@@ -22,7 +21,6 @@ from proxy.isolation import (
     rule_for,
 )
 from proxy.observe import PreparedRequest, is_observed
-from proxy.recorder import RECORDER
 from proxy.vocabulary import EngineKind, IsolationResult
 
 __all__ = ["isolate"]
@@ -36,10 +34,10 @@ _UNSUPPORTED_HINT = (
 
 
 def isolate(
-    app: web.Application, request: ClientRequest, exchange: Exchange, prepared: PreparedRequest | None
+    services: Services, request: ClientRequest, exchange: Exchange, prepared: PreparedRequest | None
 ) -> PreparedRequest | web.Response | None:
     """The request to send (isolated if it must be), or the sidecar's own answer when it cannot be isolated."""
-    isolation, headers = app[RECORDER].isolation, request.headers
+    isolation, headers = services.recorder.isolation, request.headers
     if request.method != "POST" or (not isolation.active and ISOLATION_HEADER not in headers):
         return prepared  # the common case: nothing asks for isolation
     ids = (
@@ -49,23 +47,23 @@ def isolate(
     try:
         asked = header_asks(headers)
     except BadIsolationHeader as bad:
-        return _refused(app, ids, exchange, 400, str(bad), "invalid_isolation")
+        return _refused(services, ids, exchange, 400, str(bad), "invalid_isolation")
     if not is_observed(request.method, request.path):
         if not asked:
             return prepared  # config and case isolation cover the inference routes only
         return _unsupported(
-            app, ids, exchange, f"{request.path} is not an inference route the sidecar observes"
+            services, ids, exchange, f"{request.path} is not an inference route the sidecar observes"
         )
     if not isolation.wanted(asked, *ids):
         return prepared
-    settings = app[SETTINGS]
+    settings = services.settings
     if not settings.observe:
         return _unsupported(
-            app, ids, exchange, "the sidecar runs with observe = false: nothing could prove it cold"
+            services, ids, exchange, "the sidecar runs with observe = false: nothing could prove it cold"
         )
     if prepared is None:
         return _refused(
-            app,
+            services,
             ids,
             exchange,
             413,
@@ -73,14 +71,14 @@ def isolate(
             "to be rewritten; this one is streamed unobserved",
             "isolation_body_too_large",
         )
-    info = app[ENGINE].info
+    info = services.engine.info
     rule = rule_for(info, request.path)
     if rule is None:
-        return _unsupported(app, ids, exchange, _why_unsupported(info.kind, info.version, request.path))
+        return _unsupported(services, ids, exchange, _why_unsupported(info.kind, info.version, request.path))
     try:
         isolated = isolated_request(prepared, rule)
     except Unrewritable as bad:
-        return _refused(app, ids, exchange, 400, str(bad), "isolation_invalid_body")
+        return _refused(services, ids, exchange, 400, str(bad), "isolation_invalid_body")
     exchange.isolation_field = rule.field
     return isolated
 
@@ -92,10 +90,10 @@ def _why_unsupported(kind: str, version: str | None, path: str) -> str:
     return f"{kind} {version or '(version unknown)'} has no per-request cache isolation on {path}"
 
 
-def _unsupported(app: web.Application, ids: Ids, exchange: Exchange, why: str) -> web.Response:
+def _unsupported(services: Services, ids: Ids, exchange: Exchange, why: str) -> web.Response:
     """501 isolation_unsupported, with what to do instead."""
     return _refused(
-        app,
+        services,
         ids,
         exchange,
         501,
@@ -106,7 +104,7 @@ def _unsupported(app: web.Application, ids: Ids, exchange: Exchange, why: str) -
 
 
 def _refused(
-    app: web.Application,
+    services: Services,
     ids: Ids,
     exchange: Exchange,
     status: int,
@@ -116,7 +114,7 @@ def _refused(
     hint: str | None = None,
 ) -> web.Response:
     """The sidecar's answer to an isolated request that must not run, counted in its case's tally."""
-    app[RECORDER].isolation.counted(*ids, IsolationResult.REFUSED)
+    services.recorder.isolation.counted(*ids, IsolationResult.REFUSED)
     exchange.isolation_refused = True
     type_ = "server_error" if status == 501 else "invalid_request_error"
     return error_response(status, message, type_=type_, code=code, hint=hint)

@@ -19,8 +19,8 @@ from typing import Any
 
 from multidict import CIMultiDict
 
-from proxy.body_budget import BODY_BUDGET, BodyBudget
-from proxy.config import SETTINGS, Settings
+from proxy.body_budget import BodyBudget
+from proxy.config import Settings
 from proxy.forward.client import ClientSide
 from proxy.forward.exchange import Exchange
 from proxy.forward.headers import OVERHEAD_HEADER, add_response_headers
@@ -179,9 +179,9 @@ async def relay(
     side: ClientSide[Any], upstream: UpstreamResponse, exchange: Exchange, peeked: bytes = b""
 ) -> None:
     """Stream the engine's response to the client as it arrives (`peeked`: its start, already read)."""
-    app = side.app
+    services = side.services
     headers = side.response_headers(upstream.status, upstream.reason)
-    observe = client_headers(upstream, exchange, headers, app[SETTINGS])
+    observe = client_headers(upstream, exchange, headers, services.settings)
     try:
         exchange.first_byte_ns = time.time_ns()
         # What is in hand now goes with the head, in one write; with nothing in hand the head
@@ -192,7 +192,7 @@ async def relay(
         transport, chunked = await side.send_head(first)
         first_event = answered(exchange, upstream, with_body=bool(first))
         sink = client_sink(transport, observe, chunked=chunked, first_event=first_event)
-        await upstream.relay(sink, drained(app[BODY_BUDGET], transport, side.drain))
+        await upstream.relay(sink, drained(services.budget, transport, side.drain))
         await side.end(exchange.scanner.finish() if exchange.scanner is not None else b"")
     except ConnectionResetError:
         # The client left (the server's write, or the sink's): closing upstream (the caller)

@@ -15,8 +15,7 @@ from aiohttp import hdrs, web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from proxy.body_budget import BODY_BUDGET, BodyBudget
-from proxy.config import SETTINGS
+from proxy.body_budget import BodyBudget
 from proxy.forward.client import BodyTooLarge, ClientGone
 from proxy.forward.engine_exchange import (
     admitted_exchange,
@@ -29,6 +28,7 @@ from proxy.forward.engine_exchange import (
 from proxy.forward.exchange import Exchange
 from proxy.forward.ids import new_request_id, stored_id
 from proxy.forward.refusal import refusal
+from proxy.forward.services import SERVICES, Services
 from proxy.inbound.connection import read_mark
 from proxy.inbound.limits import CLIENT_STALLED
 from proxy.inbound.request_body import BodyStart, limited_body, read_within_budget
@@ -46,22 +46,19 @@ log = logging.getLogger("cachewitness.forward")
 class AiohttpSide:
     """An exchange's client side on aiohttp: the handler returns the response, aiohttp sends it."""
 
-    __slots__ = ("_request", "_response", "_writer")
+    __slots__ = ("_request", "_response", "_writer", "services")
 
     served_by = ServedBy.AIOHTTP
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, services: Services) -> None:
         self._request = request
+        self.services = services
         self._response: HeldHeadResponse | None = None
         self._writer: AbstractStreamWriter | None = None
 
     @property
     def request(self) -> web.Request:
         return self._request
-
-    @property
-    def app(self) -> web.Application:
-        return self._request.app
 
     async def respond(self, response: web.Response) -> web.StreamResponse:
         return response
@@ -111,6 +108,7 @@ async def forward(request: web.Request) -> web.StreamResponse:
     request_id = stored_id(request.headers.get("X-Request-Id")) or new_request_id()
     exchange = Exchange(request_id, time.time_ns())
     exchange.read_ns = read_mark(request)  # the head's last byte; the body's, once read
+    services = request.app[SERVICES]
     try:
         refused = refusal(request)
         if refused is not None:
@@ -122,35 +120,34 @@ async def forward(request: web.Request) -> web.StreamResponse:
                 header=refused.header,
             )
             return rejected(exchange, refused.response())
-        return await _exchange_within_limit(request, exchange)
+        return await _exchange_within_limit(request, exchange, services)
     finally:
         stalled = request.get(CLIENT_STALLED, False)
-        record_finished(request.app, request, exchange, stalled=stalled, served_by=ServedBy.AIOHTTP)
+        record_finished(services, request, exchange, stalled=stalled, served_by=ServedBy.AIOHTTP)
 
 
-async def _exchange_within_limit(request: web.Request, exchange: Exchange) -> web.StreamResponse:
+async def _exchange_within_limit(
+    request: web.Request, exchange: Exchange, services: Services
+) -> web.StreamResponse:
     """Refuse a body past max_body_bytes; the budget taken while reading it is given back at the end."""
-    app = request.app
-    limit = app[SETTINGS].max_body_bytes
+    limit = services.settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         return rejected(exchange, too_large(limit))
-    budget = app[BODY_BUDGET]
     try:
-        return await _observe_and_exchange(request, exchange, budget)
+        return await _observe_and_exchange(request, exchange, services)
     finally:
         if exchange.buffered is not None:
-            budget.give_back(exchange.buffered)
+            services.budget.give_back(exchange.buffered)
 
 
 async def _observe_and_exchange(
-    request: web.Request, exchange: Exchange, budget: BodyBudget
+    request: web.Request, exchange: Exchange, services: Services
 ) -> web.StreamResponse:
     """Read an inference request's body within the budget, then admit and exchange."""
-    app = request.app
-    limit = app[SETTINGS].max_body_bytes
+    limit, budget = services.settings.max_body_bytes, services.budget
     prepared: PreparedRequest | None = None
     start: BodyStart | None = None
-    if is_inference(app, request):
+    if is_inference(services, request):
         try:
             body, complete = await read_within_budget(request, limit, budget, exchange)
         except BodyTooLarge:
@@ -160,22 +157,22 @@ async def _observe_and_exchange(
             raise asyncio.CancelledError from None
         exchange.read_ns = read_mark(request)
         if complete:
-            prepared = prepare(app, exchange, body, request.path)
+            prepared = prepare(services, exchange, body, request.path)
         else:
             start = BodyStart(body)
             budget.passed_unobserved(exchange.request_id, request.content_length)
         del body  # the start of a body that did not fit is freed once sent (BodyStart)
     streamed: Body = None
     if prepared is None and request.body_exists:
-        streamed = limited_body(request, limit, start, _give_back(request, exchange))
-    return await admitted_exchange(AiohttpSide(request), exchange, prepared, streamed, limit)
+        streamed = limited_body(request, limit, start, _give_back(budget, exchange))
+    return await admitted_exchange(AiohttpSide(request, services), exchange, prepared, streamed, limit)
 
 
-def _give_back(request: web.Request, exchange: Exchange) -> Callable[[], None]:
+def _give_back(budget: BodyBudget, exchange: Exchange) -> Callable[[], None]:
     """Give back the budget a body that did not fit took, once the engine has its start (the rest streams)."""
 
     def give_back() -> None:
         if exchange.buffered is not None:
-            request.app[BODY_BUDGET].give_back(exchange.buffered)
+            budget.give_back(exchange.buffered)
 
     return give_back

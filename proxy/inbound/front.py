@@ -28,6 +28,7 @@ from proxy.errors import error_response
 from proxy.forward.engine_exchange import admitted_exchange, is_inference, prepare, record_finished
 from proxy.forward.exchange import Exchange
 from proxy.forward.ids import new_request_id, stored_id
+from proxy.forward.services import Services
 from proxy.inbound.choice import MAX_FRONT_BODY
 from proxy.inbound.head import RequestHead
 from proxy.inbound.wire import response_head, sidecar_response
@@ -53,6 +54,8 @@ class Front:
     def __init__(self, app: web.Application, own: tuple[str, ...], shutdown: Shutdown) -> None:
         """`own`: the starts of the paths the sidecar's own routes answer (proxy/inbound/setup.py)."""
         self.app = app
+        # Gathered at startup (proxy/forward/services.py), before the first connection.
+        self.services: Services | None = None
         self.budget = app[BODY_BUDGET]
         self.fits = self.budget.fits  # whether a body fits max_buffered_bytes now (`FrontRules`)
         self._settings = app[SETTINGS]
@@ -80,7 +83,7 @@ class Front:
 
     async def serve(self, side: FrontSide, body: bytearray, reading: Reading) -> None:
         """One request, its body in hand and held in the budget: exchanged with the engine, recorded."""
-        app, head = self.app, side.request
+        services, head = side.services, side.request
         request_id = stored_id(head.headers.get("X-Request-Id")) or new_request_id()
         exchange = Exchange(request_id, time.time_ns())
         exchange.buffered = reading
@@ -89,7 +92,7 @@ class Front:
             if side.gone:  # the client left before this began (proxy/inbound/connection.py): not sent
                 exchange.outcome = Outcome.CLIENT_DISCONNECTED
                 return
-            prepared = prepare(app, exchange, body, head.path) if is_inference(app, head) else None
+            prepared = prepare(services, exchange, body, head.path) if is_inference(services, head) else None
             await admitted_exchange(
                 side,
                 exchange,
@@ -104,7 +107,7 @@ class Front:
             side.fail(exchange)
         finally:
             self.budget.give_back(reading)
-            record_finished(app, head, exchange, stalled=side.stalled, served_by=ServedBy.FRONT)
+            record_finished(services, head, exchange, stalled=side.stalled, served_by=ServedBy.FRONT)
 
 
 class ClientWriter:
@@ -139,17 +142,17 @@ class ClientWriter:
 class FrontSide:
     """An exchange's client side on the front: responses go straight to the client's transport."""
 
-    # `request` and `app` are plain attributes, not properties: the exchange reads them several
+    # `request` and `services` are plain attributes, not properties: the exchange reads them several
     # times a request, and a property is a Python call each time (bench/calls.py, issue 34).
     __slots__ = (
         "_chunked",
         "_front",
         "_head",
         "_writer",
-        "app",
         "read_ns",
         "request",
         "responded",
+        "services",
         "stalled",
     )
 
@@ -159,7 +162,8 @@ class FrontSide:
         self._front = front
         self._writer = writer
         self.request = head
-        self.app = front.app
+        assert front.services is not None, "the app has started"
+        self.services = front.services
         self.stalled = False
         self.responded = False  # the response's head is out, or on its way
         # Made as the request's last byte is read (proxy/inbound/connection.py): the sidecar's

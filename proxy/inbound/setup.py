@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from proxy.config import SETTINGS
+from proxy.forward.services import SERVICES
 from proxy.inbound.front import Front
 from proxy.inbound.guard import CONNECTIONS
 
@@ -26,4 +27,9 @@ def setup_front(app: web.Application) -> None:
     connection; with false, aiohttp serves every request."""
     guard = app[CONNECTIONS]
     if app[SETTINGS].front:
-        guard.front = Front(app, own_prefixes(app), guard)
+        front = guard.front = Front(app, own_prefixes(app), guard)
+
+        async def started(app: web.Application) -> None:
+            front.services = app[SERVICES]  # gathered by an earlier startup step
+
+        app.on_startup.append(started)

@@ -69,7 +69,8 @@ class BodyBudget:
         self._readers.pop(reading, None)
         if not complete and reading.held:
             self._returning.add(reading)
-        self._wake()
+        if self._freed is not None:  # a reader waits (rarely: a call saved per request otherwise)
+            self._wake()
 
     def give_back(self, reading: Reading) -> None:
         """Give back what `reading` holds (its body went to the engine, or the exchange is over)."""
@@ -126,7 +127,8 @@ class BodyBudget:
         """Give back bytes counted by `hold`."""
         if size:
             self.held -= size
-            self._wake()
+            if self._freed is not None:
+                self._wake()
 
     def _youngest_after(self, reading: Reading) -> Reading | None:
         for other in reversed(self._readers):

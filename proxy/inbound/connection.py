@@ -304,7 +304,7 @@ class ClientConnection(Deadlines, asyncio.Protocol):
             head is None
             or not head.keep_alive
             or not front.keeps_alive
-            or front.closing
+            or front.shutdown.closing
             or transport.is_closing()
         ):
             self._front = None

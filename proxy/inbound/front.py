@@ -66,12 +66,9 @@ class Front:
         self.max_body = min(self._settings.max_body_bytes, MAX_FRONT_BODY)
         # keepalive_timeout = 0: a connection closes after each response (as aiohttp's do).
         self.keeps_alive = self._settings.keepalive_timeout > 0
-        self._shutdown = shutdown
-
-    @property
-    def closing(self) -> bool:
-        """Shutdown began: each connection closes after its response."""
-        return self._shutdown.closing
+        # `shutdown.closing`: shutdown began, each connection closes after its response. Read
+        # through, not through a property: that is a Python call, twice a request.
+        self.shutdown = shutdown
 
     def holds_admin_token(self, headers: CIMultiDictProxy[str]) -> bool:
         token = self._token
@@ -232,4 +229,4 @@ class FrontSide:
         transport.close()
 
     def _keep_alive(self) -> bool:
-        return self.request.keep_alive and not self._front.closing
+        return self.request.keep_alive and not self._front.shutdown.closing

@@ -87,10 +87,12 @@ def parse_head(raw: bytes) -> RequestHead | None:
     length: int | None = None
     lengths, hosts, declined, utf8 = 0, 0, None, True
     within = len(collector.headers) <= MAX_HEADERS and len(collector.url) <= MAX_FIELD
+    # No field of a head this short can pass the limit: two len() a header saved.
+    fields_fit = len(raw) <= MAX_FIELD
     pairs: list[tuple[str, str]] = []
     for name, value in collector.headers:
         lowered = name.lower()
-        if len(value) > MAX_FIELD or len(name) > MAX_FIELD:
+        if not fields_fit and (len(value) > MAX_FIELD or len(name) > MAX_FIELD):
             within = False
         if lowered == b"host":
             hosts += 1

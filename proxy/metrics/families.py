@@ -317,9 +317,10 @@ class Metrics:
             self._added_in.observe(f.added_in_us / 1e6)
         if f.added_out_us is not None:
             self._added_out.observe(f.added_out_us / 1e6)
-        kind = _upstream_error_kind(f)
-        if kind is not None:
-            self._upstream_errors[kind].inc()
+        if f.outcome != Outcome.OK:
+            kind = _upstream_error_kind(f)
+            if kind is not None:
+                self._upstream_errors[kind].inc()
 
     def _observed(self, observation: Observation, verdict: str | None) -> None:
         """Count one inference request's tokens by model, and a verdict when it settled one."""

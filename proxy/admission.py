@@ -104,7 +104,8 @@ class Admission:
     def _enter(self) -> None:
         """Count one request in flight."""
         self._inflight += 1
-        self._idle.clear()
+        if self._inflight == 1:  # set only at 0: cleared once, not per request (a call)
+            self._idle.clear()
 
     def leave(self) -> None:
         """A request admitted by `admit()` has finished."""

@@ -131,7 +131,8 @@ class ConnectionGuard:
     def request_begun(self) -> None:
         """A request's handler (or the front's exchange) starts: shutdown waits for it."""
         self.requests_in_progress += 1
-        self._idle.clear()
+        if self.requests_in_progress == 1:  # set only at 0: cleared once, not per request (a call)
+            self._idle.clear()
 
     def request_done(self) -> None:
         """It is over."""

@@ -75,16 +75,19 @@ def start_sidecar(
     cwd: Path | None = None,
     python: str = sys.executable,
     entry: Sequence[str] | None = None,
+    wrapper: Sequence[str] = (),
 ) -> Service:
     """A cachewitness sidecar in front of `upstream`, pinned to `core`, its evidence and log in `work`
     (`cwd`: the checkout whose `proxy/` runs, for `python -m`; None: this one; `python`: the
     interpreter, whose environment must hold the project's dependencies; `entry`: what runs
-    `cachewitness` with the arguments after it, bench/stage_timer.py for one; None: `-m proxy`)."""
+    `cachewitness` with the arguments after it, bench/stage_timer.py for one; None: `-m proxy`;
+    `wrapper`: what runs the interpreter, valgrind for bench/instructions.py)."""
     port = free_port()
     return start_service(
         name,
         [
             *Cores.prefix(core),
+            *wrapper,
             python,
             *(("-m", "proxy") if entry is None else entry),
             *("serve", "--upstream", upstream, "--listen", f"127.0.0.1:{port}"),

@@ -10,7 +10,6 @@ the figures themselves are bench/paced.py's.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
 import re
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ import aiohttp
 import orjson
 import pytest
 
+from tests.support.bench_modules import bench_module
 from tests.support.metrics import scrape
 from tests.support.sidecar import serve_sidecar
 
@@ -226,12 +226,8 @@ async def test_the_overhead_header_is_the_clients_only_when_asked_and_never_the_
 
 
 def _bench_self_measure() -> Any:
-    """bench/self_measure.py, as bench/paced.py imports it (bench/ is scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location("self_measure", ROOT / "bench" / "self_measure.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """bench/self_measure.py, as bench/paced.py imports it."""
+    return bench_module("self_measure")
 
 
 def test_the_paced_bench_reads_quantiles_from_the_buckets_as_prometheus_does() -> None:

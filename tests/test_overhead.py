@@ -24,7 +24,6 @@ from tests.support.bench_modules import bench_module
 from tests.support.metrics import scrape
 from tests.support.sidecar import serve_sidecar
 
-ROOT = Path(__file__).resolve().parent.parent
 DELAY = 0.4  # seconds the engine (or the client) takes where a test says
 BOUND_US = int(DELAY / 2 * 1e6)  # the sidecar's own time stays well below it
 

@@ -24,7 +24,7 @@ from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, InjectionProbe
 from proxy.forward.isolating import isolate
 from proxy.forward.relay import relay
-from proxy.forward.services import INJECTION_REFUSALS, Services, setup_services
+from proxy.forward.services import INJECTION_REFUSALS, SERVICES, Services, gather_services
 from proxy.logs import log_event
 from proxy.observe import (
     InjectionRefusals,
@@ -65,13 +65,14 @@ def setup_forward(app: web.Application) -> None:
     app[INJECTION_REFUSALS] = refusals
     probe = app[INJECTION_PROBE] = InjectionProbe(refusals)
 
-    async def lifetime(_app: web.Application) -> AsyncIterator[None]:
-        """A probe in flight is cancelled before the pool it uses closes."""
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        """The exchange's record of the app's objects, gathered once the leg is open; a probe in
+        flight is cancelled before the pool it uses closes."""
+        app[SERVICES] = gather_services(app)
         yield
         await probe.stop()
 
     app.cleanup_ctx.append(lifetime)
-    setup_services(app)
 
 
 def too_large(limit: int) -> web.Response:

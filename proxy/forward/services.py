@@ -22,7 +22,7 @@ from proxy.recorder import RECORDER, Recorder
 from proxy.upstream.leg import UpstreamLeg
 from proxy.upstream.pools import UPSTREAM_LEG
 
-__all__ = ["INJECTION_REFUSALS", "SERVICES", "Services", "setup_services"]
+__all__ = ["INJECTION_REFUSALS", "SERVICES", "Services", "gather_services"]
 
 # Engines that refused the injection, remembered for a while so each costs one retried request.
 INJECTION_REFUSALS = web.AppKey("injection_refusals", InjectionRefusals)
@@ -46,21 +46,17 @@ class Services:
 SERVICES = web.AppKey("forward_services", Services)
 
 
-def setup_services(app: web.Application) -> None:
-    """Gather the record at startup: after the cleanup contexts' starts (aiohttp runs them first),
-    so the upstream leg is open; before the first connection is let in."""
-
-    async def gather(app: web.Application) -> None:
-        app[SERVICES] = Services(
-            app=app,
-            settings=app[SETTINGS],
-            engine=app[ENGINE],
-            recorder=app[RECORDER],
-            admission=app[ADMISSION],
-            leg=app[UPSTREAM_LEG],
-            budget=app[BODY_BUDGET],
-            injection_refusals=app[INJECTION_REFUSALS],
-            injection_probe=app[INJECTION_PROBE],
-        )
-
-    app.on_startup.append(gather)
+def gather_services(app: web.Application) -> Services:
+    """The record, once the app has started: the upstream leg opens in its own lifetime's start,
+    which runs before forwarding's (proxy/forward/engine_exchange.py, `setup_forward`)."""
+    return Services(
+        app=app,
+        settings=app[SETTINGS],
+        engine=app[ENGINE],
+        recorder=app[RECORDER],
+        admission=app[ADMISSION],
+        leg=app[UPSTREAM_LEG],
+        budget=app[BODY_BUDGET],
+        injection_refusals=app[INJECTION_REFUSALS],
+        injection_probe=app[INJECTION_PROBE],
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 from aiohttp import web
 
 from proxy.config import SETTINGS
@@ -29,7 +31,8 @@ def setup_front(app: web.Application) -> None:
     if app[SETTINGS].front:
         front = guard.front = Front(app, own_prefixes(app), guard)
 
-        async def started(app: web.Application) -> None:
-            front.services = app[SERVICES]  # gathered by an earlier startup step
+        async def lifetime(app: web.Application) -> AsyncIterator[None]:
+            front.services = app[SERVICES]  # gathered by forwarding's lifetime, which starts before
+            yield
 
-        app.on_startup.append(started)
+        app.cleanup_ctx.append(lifetime)

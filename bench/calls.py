@@ -1,6 +1,6 @@
 """Which code runs per request: the sidecar's Python function calls per request at a paced load.
 
-    .venv/bin/python bench/calls.py [--rate 400] [--seconds 5] [--top 25] [--stream]
+    .venv/bin/python bench/calls.py [--rate 400] [--seconds 5] [--top 25] [--stream] [--keep DIR]
 
 Starts the vLLM simulator (100 tokens/s) and the sidecar twice, with its defaults and bare
 (`--no-observe --no-inject-usage`), each under cProfile switched on only for the measured
@@ -13,7 +13,8 @@ A count, not a time: it does not move with the machine's load, as the CPU figure
 load do (about ±4 % between A/B rounds here). At a paced load a request's CPU is mostly
 cache misses of code and data that ran cold since the last request (bench/README.md, issue
 34): the code a request runs is what that cost scales with, and this is its measure.
-cProfile's times are not shown: it makes every call several times dearer.
+cProfile's times are not shown: it makes every call several times dearer. `--keep DIR` leaves the
+two profiles there (`calls-defaults.prof`, `calls-bare.prof`) for pstats' callers and callees.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def serve_profiled(out: Path, argv: list[str]) -> int:
 
 def measure(ns: argparse.Namespace, cores: Cores, work: Path, sim_url: str, extra: list[str]) -> pstats.Stats:
     """One sidecar under cProfile, the load run over it: the window's statistics."""
-    port, out = free_port(), work / f"calls-{len(extra)}.prof"
+    port, out = free_port(), work / f"calls-{'bare' if extra else 'defaults'}.prof"
     sidecar = start_service(
         "sidecar",
         [
@@ -150,11 +151,13 @@ def main() -> int:
     parser.add_argument(
         "--stream", action="store_true", help="streamed requests (48 connections, back to back)"
     )
+    parser.add_argument("--keep", type=Path, help="a folder to leave the two profiles in")
     ns = parser.parse_args()
     cores = Cores.choose(pin=True)
     results: dict[str, pstats.Stats] = {}
     with tempfile.TemporaryDirectory(prefix="cw-calls-") as tmp:
-        work = Path(tmp)
+        work = ns.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         sim = start_simulator(cores.rest, work, decode_rate=100)
         try:
             for variant, extra in (("defaults", []), ("bare", BARE)):

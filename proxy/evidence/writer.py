@@ -196,7 +196,8 @@ class EvidenceWriter:
         self._gap = 0
         self._since_checkpoint += 1
         self._queued_bytes += size
-        self._arrived.set()
+        if len(self._queue) == 1:  # the first since a flush; the task clears it only with the queue empty
+            self._arrived.set()
         now = time.monotonic()
         if self._oldest_at is None:
             self._oldest_at = now

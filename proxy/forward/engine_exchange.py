@@ -20,7 +20,6 @@ from proxy.errors import error_response
 from proxy.forward.client import BodyTooLarge, ClientGone, ClientSide
 from proxy.forward.exchange import ClientRequest, Exchange
 from proxy.forward.headers import CASE_HEADER, request_headers
-from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.injection_probe import INJECTION_PROBE, REFUSED_STATUSES, InjectionProbe
 from proxy.forward.isolating import isolate
 from proxy.forward.relay import relay
@@ -165,13 +164,12 @@ async def admitted_exchange(
     try:
         if exchange.observed:
             # Numbered after admission: a request held during a drain belongs to the new reset.
-            headers, recorder = request.headers, services.recorder
+            recorder = services.recorder
             session_id = case_id = None
             if recorder.follows_cases:  # the KV events index records each case's start
-                session_id = stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS)
-                case_id = stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS)
+                session_id, case_id = exchange.stored_ids(request.headers)
             exchange.numbered = recorder.begin_request(
-                headers.get(CASE_HEADER), session_id=session_id, case_id=case_id
+                request.headers.get(CASE_HEADER), session_id=session_id, case_id=case_id
             )
         elif is_inference(services, request):
             # Streamed past the observation budget: no record, yet it reaches the engine.

@@ -10,7 +10,6 @@ from aiohttp import web
 
 from proxy.errors import error_response
 from proxy.forward.exchange import ClientRequest, Exchange
-from proxy.forward.ids import SESSION_ID_CHARS, stored_id
 from proxy.forward.services import Services
 from proxy.isolation import (
     ISOLATION_HEADER,
@@ -40,10 +39,7 @@ def isolate(
     isolation, headers = services.recorder.isolation, request.headers
     if request.method != "POST" or (not isolation.active and ISOLATION_HEADER not in headers):
         return prepared  # the common case: nothing asks for isolation
-    ids = (
-        stored_id(headers.get("X-Session-Id"), SESSION_ID_CHARS),
-        stored_id(headers.get("X-Case-Id"), SESSION_ID_CHARS),
-    )
+    ids = exchange.stored_ids(headers)
     try:
         asked = header_asks(headers)
     except BadIsolationHeader as bad:

@@ -219,6 +219,8 @@ class InjectionRefusals:
 
     def refused(self, info: EngineIdentity | None) -> bool:
         """Whether this engine refused the injection less than `reprobe_s` ago."""
+        if not self._refused:  # nearly always: asked once per observed request
+            return False
         key = _key(info)
         at = self._refused.get(key)
         if at is None:

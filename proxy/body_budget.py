@@ -75,11 +75,8 @@ class BodyBudget:
     def give_back(self, reading: Reading) -> None:
         """Give back what `reading` holds (its body went to the engine, or the exchange is over)."""
         self._returning.discard(reading)
-        if reading.held:  # `release`, written out: once per request
-            self.held -= reading.held
-            reading.held = 0
-            if self._freed is not None:
-                self._wake()
+        self.release(reading.held)
+        reading.held = 0
 
     async def take(self, reading: Reading, size: int) -> bool:
         """Take `size` bytes that arrived for `reading`; False when it must give up instead.

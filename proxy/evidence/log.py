@@ -118,8 +118,7 @@ class EvidenceLog:
     ) -> None:
         """Enqueue one record in its file, built at the flush (EvidenceWriter.write_later); `keep`:
         in the resets file whatever its type (an observation an open case needs, proxy/recorder.py)."""
-        # `_file_of`, written out: once per request
-        writer = self.resets if keep or event_type in RESET_EVENTS else self.observations
+        writer = self.resets if keep else self._file_of(event_type)
         writer.write_later(event_type, build)
 
     def _file_of(self, event_type: object) -> EvidenceWriter:

@@ -113,7 +113,7 @@ class Exchange:
         elif self.json_body is not None:
             usage, engine_id = self.json_body.read()
         numbered = self.numbered or UNNUMBERED
-        session_id, case_id = self.ids if self.ids is not None else self.stored_ids(request.headers)
+        session_id, case_id = self.stored_ids(request.headers)
         isolation = None
         if self.isolation_refused or (self.isolation_field is not None and self.outcome == Outcome.REJECTED):
             # The sidecar answered it (a drain's 503 too): it never ran.
